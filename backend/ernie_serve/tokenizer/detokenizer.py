@@ -1,0 +1,81 @@
+"""Streaming detokenization that never loses a SentencePiece space or splits a UTF-8 character.
+
+Decoding each chunk of ids alone drops the leading space SentencePiece keeps on a piece's `▁` (for
+models that strip it at the start of a decode) and turns a character spread over several byte-fallback
+pieces into U+FFFD. So, as vLLM does, every step decodes a short window: a few already-emitted ids
+(`prefix`) followed by the unemitted ones, and emits only the text past the window's already-emitted
+part. Text ending in U+FFFD is held back until the character completes (or `flush()`).
+
+Only the window is kept, so each step costs O(window + new ids), and the state can be rebuilt from a
+tail of ids: construct with `prompt_ids=<the last few emitted ids>`.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+_REPLACEMENT = "\ufffd"
+# Already-emitted ids kept in front of new ones; enough for a leading space and any multi-byte char.
+CONTEXT_IDS = 5
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Per-request detokenizer: `step(new_ids)` returns just the new text."""
+
+    def __init__(self, tokenizer: _Decoder, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = False) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = [int(i) for i in list(prompt_ids)[-CONTEXT_IDS:]]
+        self._read = len(self._ids)  # ids before this index have been emitted
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (not including held-back text)."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The ids this state depends on: emitted context followed by `num_pending` unemitted ones."""
+        return list(self._ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Ids received but not yet emitted as text (an incomplete character)."""
+        return len(self._ids) - self._read
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def _advance(self, force: bool) -> str:
+        emitted = self._decode(self._ids[:self._read])
+        full = self._decode(self._ids)
+        if not force and full.endswith(_REPLACEMENT):
+            return ""
+        # The window decodes the same emitted ids first, so `emitted` is a prefix of `full`.
+        delta = full[len(emitted):]
+        self._read = len(self._ids)
+        del self._ids[:max(0, self._read - CONTEXT_IDS)]
+        self._read = len(self._ids)
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+    def step(self, new_ids: Sequence[int]) -> str:
+        """Append `new_ids`; return the text they complete (possibly "" while a character is held)."""
+        if not new_ids:
+            return ""
+        self._ids.extend(int(i) for i in new_ids)
+        return self._advance(force=False)
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (an incomplete character becomes U+FFFD)."""
+        if self.num_pending == 0:
+            return ""
+        return self._advance(force=True)
