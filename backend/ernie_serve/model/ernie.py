@@ -1,0 +1,81 @@
+"""ERNIE-4.5 causal LM (dense and MoE) over a paged KV cache.
+
+`forward` takes the step's tokens flattened across sequences plus an AttentionMetadata that says
+which token belongs where; `compute_logits` runs the head only for the rows that get sampled.
+"""
+from __future__ import annotations
+
+import paddle
+from paddle import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ErnieModelConfig
+from .kv_cache import PagedKVCache
+from .layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from .moe import MoE
+
+
+class Attention(nn.Layer):
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size)  # [Q | K | V] on the out dim
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, cache):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = paddle.split(qkv, [q_size, kv_size, kv_size], axis=-1)
+        q = q.reshape([t, self.num_heads, self.head_dim])
+        k = k.reshape([t, self.num_kv_heads, self.head_dim])
+        v = v.reshape([t, self.num_kv_heads, self.head_dim])
+        q, k = rope(positions, meta.max_position, q, k)
+        out = paged_attention(q, k, v, self.layer_idx, meta, cache, self.scale)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Layer):
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rope, meta, cache):
+        h = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ErnieForCausalLM(nn.Layer):
+    def __init__(self, cfg: ErnieModelConfig, num_output_ids: int | None = None):
+        """`num_output_ids`: the tokenizer's length; logits of ids beyond it are masked to -inf."""
+        super().__init__()
+        self.config = cfg
+        self.num_output_ids = num_output_ids if num_output_ids is not None else cfg.vocab_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.LayerList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.compression_ratio)
+
+    def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor, meta: AttentionMetadata,
+                cache: PagedKVCache | None) -> paddle.Tensor:
+        """Final-normed hidden states [T, H] of the step's tokens (MTP drafts from these too)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, meta, cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        if self.lm_head is None:
+            logits = paddle.matmul(hidden.astype("float32"), self.embed_tokens.weight.astype("float32"),
+                                   transpose_y=True)
+        else:
+            logits = self.lm_head(hidden).astype("float32")
+        if self.num_output_ids < logits.shape[-1]:
+            logits[:, self.num_output_ids:] = float("-inf")
+        return logits

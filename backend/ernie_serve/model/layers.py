@@ -1,0 +1,94 @@
+"""Building blocks of ERNIE-4.5: RMSNorm, interleaved RoPE, linear layers, the SwiGLU MLP.
+
+Linear layers keep Paddle's [in, out] layout so `x @ W` needs no transpose. Every linear is a
+`Linear` object with one `forward(x)`: quantized variants (ernie_serve.quantization) and
+tensor-parallel shards replace the object, not the call sites.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+
+class RMSNorm(nn.Layer):
+    """w * x / sqrt(mean(x^2) + eps), in fp32 whatever the activation dtype."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        x32 = x.astype("float32")
+        var = (x32 * x32).mean(axis=-1, keepdim=True)
+        return (x32 * paddle.rsqrt(var + self.eps) * self.weight).astype(x.dtype)
+
+
+class Linear(nn.Layer):
+    """Bias-free dense projection stored as [in, out]."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = self.create_parameter([in_features, out_features])
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(x, self.weight)
+
+
+class RotaryEmbedding:
+    """Interleaved (GPT-J style) rotary embedding over the full head_dim.
+
+    ERNIE rotates pairs (2i, 2i+1), not the two halves of the head (neox style), and the checkpoint
+    weights are not permuted for either, so using rotate_half here would silently break the model.
+    """
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, compression_ratio: float = 1.0):
+        self.head_dim = head_dim
+        self.theta = theta
+        self.compression_ratio = compression_ratio
+        self._cos = self._sin = None
+        self._ensure(max(256, min(max_positions, 8192)))
+
+    def _ensure(self, n: int) -> None:
+        if self._cos is not None and self._cos.shape[0] >= n:
+            return
+        inv_freq = 1.0 / (self.theta ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
+        pos = np.arange(n, dtype=np.float32) / self.compression_ratio
+        freqs = np.outer(pos, inv_freq).astype(np.float32)  # [n, head_dim/2]
+        self._cos = paddle.to_tensor(np.cos(freqs))
+        self._sin = paddle.to_tensor(np.sin(freqs))
+
+    def __call__(self, positions: paddle.Tensor, max_position: int, *xs: paddle.Tensor) -> list[paddle.Tensor]:
+        """Rotate each x of shape [T, heads, head_dim] at its token's position."""
+        self._ensure(max_position + 1)
+        cos = paddle.index_select(self._cos, positions).unsqueeze(1)  # [T, 1, hd/2]
+        sin = paddle.index_select(self._sin, positions).unsqueeze(1)
+        out = []
+        for x in xs:
+            t, h, d = x.shape
+            pairs = x.astype("float32").reshape([t, h, d // 2, 2])
+            even, odd = pairs[..., 0], pairs[..., 1]
+            rot = paddle.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+            out.append(rot.reshape([t, h, d]).astype(x.dtype))
+        return out
+
+
+class MLP(nn.Layer):
+    """down(silu(gate(x)) * up(x)) with gate and up fused in one [H, 2I] projection (gate first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.up_gate_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj(silu_and_mul(self.up_gate_proj(x)))
+
+
+def silu_and_mul(gate_up: paddle.Tensor) -> paddle.Tensor:
+    gate, up = paddle.chunk(gate_up, 2, axis=-1)
+    return F.silu(gate) * up

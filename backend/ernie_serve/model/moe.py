@@ -1,0 +1,85 @@
+"""ERNIE-4.5 mixture of experts: fp32 router with bias-corrected top-k, grouped expert compute.
+
+The correction bias only chooses experts; the weights are the unbiased softmax probabilities of
+the chosen experts renormalized to sum to one. Shared experts are an ungated dense MLP added on top.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from .config import ErnieModelConfig
+from .layers import MLP, silu_and_mul
+
+
+class TopKRouter(nn.Layer):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_min: float):
+        super().__init__()
+        self.top_k, self.norm_min = top_k, norm_min
+        self.weight = self.create_parameter([hidden_size, num_experts], dtype="float32")  # [H, E]
+        self.e_score_correction_bias = self.create_parameter(
+            [1, num_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
+
+    def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        probs = F.softmax(paddle.matmul(x.astype("float32"), self.weight), axis=-1)
+        _, ids = paddle.topk(probs + self.e_score_correction_bias, self.top_k, axis=-1)
+        weights = paddle.take_along_axis(probs, ids, axis=-1)
+        weights = weights / paddle.clip(weights.sum(axis=-1, keepdim=True), min=self.norm_min)
+        return ids, weights
+
+
+class FusedExperts(nn.Layer):
+    """All routed experts, stacked: up_gate [E, H, 2I] (gate half first), down [E, I, H].
+
+    Tokens are sorted by expert once, then each active expert runs one matmul over its tokens;
+    results are weighted and scattered back with index_add. There is no per-token loop.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.up_gate_proj = self.create_parameter([num_experts, hidden_size, 2 * intermediate_size])
+        self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size])
+
+    def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.matmul(silu_and_mul(paddle.matmul(x, self.up_gate_proj[e])), self.down_proj[e])
+
+    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
+        return grouped_expert_forward(self, x, topk_ids, topk_weights)
+
+
+def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor):
+    """Shared by every expert implementation: `experts.expert_forward(e, x_e)` is all that differs."""
+    t, k = topk_ids.shape
+    flat_ids = topk_ids.reshape([-1]).numpy()
+    order = np.argsort(flat_ids, kind="stable")
+    counts = np.bincount(flat_ids, minlength=experts.num_experts)
+    token_of = paddle.to_tensor(order // k)
+    xs = paddle.index_select(x, token_of)
+    w = paddle.index_select(topk_weights.reshape([-1]), paddle.to_tensor(order)).astype(x.dtype)
+    outs, start = [], 0
+    for e in np.nonzero(counts)[0]:
+        n = int(counts[e])
+        outs.append(experts.expert_forward(int(e), xs[start : start + n]))
+        start += n
+    ys = paddle.concat(outs, axis=0) * w.unsqueeze(-1)
+    return paddle.index_add(paddle.zeros_like(x), token_of, 0, ys)
+
+
+class MoE(nn.Layer):
+    def __init__(self, cfg: ErnieModelConfig):
+        super().__init__()
+        self.gate = TopKRouter(cfg.hidden_size, cfg.moe_num_experts, cfg.moe_k, cfg.moe_norm_min)
+        self.experts = FusedExperts(cfg.moe_num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = None
+        if cfg.moe_num_shared_experts > 0:
+            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.moe_num_shared_experts)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        ids, weights = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
