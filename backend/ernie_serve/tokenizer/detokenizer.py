@@ -4,7 +4,8 @@ Decoding each chunk of ids alone drops the leading space SentencePiece keeps on 
 models that strip it at the start of a decode) and turns a character spread over several byte-fallback
 pieces into U+FFFD. So, as vLLM does, every step decodes a short window: a few already-emitted ids
 (`prefix`) followed by the unemitted ones, and emits only the text past the window's already-emitted
-part. Text ending in U+FFFD is held back until the character completes (or `flush()`).
+part. The ids of a character still incomplete at the end (its text would end in U+FFFD) are held back
+until it completes (or `flush()`).
 
 Only the window is kept, so each step costs O(window + new ids), and the state can be rebuilt from a
 tail of ids: construct with `prompt_ids=<the last few emitted ids>`.
@@ -16,6 +17,7 @@ from typing import Protocol, Sequence
 _REPLACEMENT = "\ufffd"
 # Already-emitted ids kept in front of new ones; enough for a leading space and any multi-byte char.
 CONTEXT_IDS = 5
+_MAX_INCOMPLETE_IDS = 3
 
 
 class _Decoder(Protocol):
@@ -55,14 +57,23 @@ class IncrementalDetokenizer:
 
     def _advance(self, force: bool) -> str:
         emitted = self._decode(self._ids[:self._read])
+        end = len(self._ids)
         full = self._decode(self._ids)
-        if not force and full.endswith(_REPLACEMENT):
-            return ""
+        if not force:
+            # Emit up to the last complete character: an incomplete UTF-8 tail spans at most 3 ids.
+            for _ in range(_MAX_INCOMPLETE_IDS):
+                if not full.endswith(_REPLACEMENT) or end - 1 <= self._read:
+                    break
+                end -= 1
+                full = self._decode(self._ids[:end])
+            if full.endswith(_REPLACEMENT):
+                return ""
         # The window decodes the same emitted ids first, so `emitted` is a prefix of `full`.
         delta = full[len(emitted):]
-        self._read = len(self._ids)
-        del self._ids[:max(0, self._read - CONTEXT_IDS)]
-        self._read = len(self._ids)
+        self._read = end
+        drop = max(0, self._read - CONTEXT_IDS)
+        del self._ids[:drop]
+        self._read -= drop
         if delta:
             self._parts.append(delta)
         return delta
