@@ -112,6 +112,13 @@ def test_missing_template_is_a_clear_error(tokenizer_dir: Path, tmp_path: Path) 
         _with_template(tokenizer_dir, tmp_path, None).apply_chat_template(HI)
 
 
+def test_template_from_a_separate_jinja_file(tokenizer_dir: Path, tmp_path: Path,
+                                             real_thinking_template: str) -> None:
+    _with_template(tokenizer_dir, tmp_path, None)
+    (tmp_path / "chat_template.jinja").write_text(real_thinking_template, encoding="utf-8")
+    assert ErnieTokenizer.from_pretrained(tmp_path).apply_chat_template(HI) == HI_RENDERED
+
+
 def test_named_templates_list_form(tokenizer_dir: Path, tmp_path: Path) -> None:
     named = _with_template(tokenizer_dir, tmp_path, [{"name": "default", "template": "D{{ messages[0].content }}"},
                                                      {"name": "tool_use", "template": "T{{ tools | length }}"}])

@@ -89,8 +89,14 @@ class ErnieTokenizer:
         model_file = path / "tokenizer.model"
         if not model_file.is_file():
             raise FileNotFoundError(f"no tokenizer.model in {path}; point to a model directory that has one")
-        return cls(model_file, _read_json(path / "tokenizer_config.json"),
-                   _read_json(path / "special_tokens_map.json"), _read_json(path / "added_tokens.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        if "chat_template" not in config:  # newer HF repos keep the template in a file of its own
+            if (path / "chat_template.jinja").is_file():
+                config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            elif (path / "chat_template.json").is_file():
+                config["chat_template"] = _read_json(path / "chat_template.json")["chat_template"]
+        return cls(model_file, config, _read_json(path / "special_tokens_map.json"),
+                   _read_json(path / "added_tokens.json"))
 
     # ---- vocabulary -------------------------------------------------------------------------------
 
