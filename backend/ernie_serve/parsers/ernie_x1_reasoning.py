@@ -1,0 +1,127 @@
+"""ernie-x1 reasoning: `reasoning</think>` then the answer inside `<response>...</response>`.
+
+Rules from reference/parsers.md. Text after `</think>` that is outside `<response>` (the tool-call
+region, trailing text) is not content. The prompt's last marker token says where generation starts.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .base import ReasoningParser, TokenizerLike, held_len, marker_ids
+from .registry import register_reasoning_parser
+
+THINK_START, THINK_END = "<think>", "</think>"
+RESPONSE_START, RESPONSE_END = "<response>", "</response>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+STATUS_OF_MARKER = {
+    THINK_START: "think_start", THINK_END: "think_end",
+    RESPONSE_START: "response_start", RESPONSE_END: "response_end",
+    TOOL_CALL_START: "tool_call_start", TOOL_CALL_END: "tool_call_end",
+}
+
+
+@register_reasoning_parser("ernie-x1")
+class ErnieX1ReasoningParser(ReasoningParser):
+    name = "ernie-x1"
+
+    def __init__(self, tokenizer: TokenizerLike):
+        super().__init__(tokenizer)
+        ids = marker_ids(tokenizer, list(STATUS_OF_MARKER), self.name)
+        self._status_of_id = {ids[m]: s for m, s in STATUS_OF_MARKER.items()}
+        self.think_end_token_id = ids[THINK_END]
+
+    def get_model_status(self, prompt_token_ids: Sequence[int]) -> str:
+        for tid in reversed(prompt_token_ids):
+            status = self._status_of_id.get(tid)
+            if status is not None:
+                return status
+        return "think_start"
+
+    def split(self, model_output: str, model_status: str) -> tuple[str, str]:
+        if model_status == "think_start":
+            i = model_output.find(THINK_END)
+            if i < 0:
+                return model_output, ""
+            return model_output[:i], model_output[i + len(THINK_END):].lstrip("\n")
+        if model_status == "response_start":
+            return "", model_output
+        return "", model_output.lstrip("\n")
+
+    def content_from_rest(self, rest: str, model_status: str) -> str:
+        if model_status != "response_start":
+            j = rest.find(RESPONSE_START)
+            if j < 0:
+                return ""
+            rest = rest[j + len(RESPONSE_START):]
+        k = rest.find(RESPONSE_END)
+        return rest if k < 0 else rest[:k]
+
+    def new_splitter(self, model_status: str) -> "_X1Splitter":
+        return _X1Splitter(model_status)
+
+    def new_content_filter(self, model_status: str) -> "_ResponseFilter":
+        return _ResponseFilter(inside=model_status == "response_start")
+
+
+class _X1Splitter:
+    """reason -> (after `</think>`) strip leading newlines -> rest."""
+
+    def __init__(self, status: str):
+        self.mode = {"think_start": "reason", "response_start": "rest"}.get(status, "strip")
+        self.buf = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.mode == "reason"
+
+    def push(self, text: str) -> tuple[str, str]:
+        reasoning = ""
+        if self.mode == "reason":
+            buf = self.buf + text
+            i = buf.find(THINK_END)
+            if i < 0:
+                keep = held_len(buf, THINK_END)
+                self.buf = buf[len(buf) - keep:]
+                return buf[:len(buf) - keep], ""
+            reasoning, text, self.buf, self.mode = buf[:i], buf[i + len(THINK_END):], "", "strip"
+        if self.mode == "strip":
+            text = text.lstrip("\n")
+            if not text:
+                return reasoning, ""
+            self.mode = "rest"
+        return reasoning, text
+
+    def flush(self) -> tuple[str, str]:
+        held, self.buf = self.buf, ""
+        return (held, "") if self.mode == "reason" else ("", "")
+
+
+class _ResponseFilter:
+    """before `<response>` (dropped) -> inside (content) -> after `</response>` (dropped)."""
+
+    def __init__(self, inside: bool):
+        self.state = "inside" if inside else "before"
+        self.buf = ""
+
+    def push(self, text: str) -> str:
+        if self.state == "after":
+            return ""
+        buf = self.buf + text
+        if self.state == "before":
+            j = buf.find(RESPONSE_START)
+            if j < 0:
+                keep = held_len(buf, RESPONSE_START)
+                self.buf = buf[len(buf) - keep:]
+                return ""
+            buf, self.state = buf[j + len(RESPONSE_START):], "inside"
+        k = buf.find(RESPONSE_END)
+        if k >= 0:
+            self.state, self.buf = "after", ""
+            return buf[:k]
+        keep = held_len(buf, RESPONSE_END)
+        self.buf = buf[len(buf) - keep:]
+        return buf[:len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self.buf = self.buf, ""
+        return held if self.state == "inside" else ""
