@@ -1,0 +1,298 @@
+"""CPU reference layers for quantized weights, in Paddle.
+
+Weights stay resident in their quantized form; forward dequantizes one column tile at a time (so a
+[K, N] fp32 copy of a big matrix never exists) and runs an fp32 matmul, the only matmul Paddle CPU has.
+The same interface is what the GPU path (ernie_kernels) implements, and FloatMoEExperts is the fp32
+twin of QuantMoEExperts, so the model has one code path and quantization is a drop-in.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from ernie_serve.quantization import formats as fmt
+
+METHODS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
+_TILE_BYTES = 16 << 20  # fp32 bytes of one dequantized weight tile
+
+
+def _check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; expected one of {', '.join(METHODS)}")
+    return method
+
+
+def _nbytes(t: paddle.Tensor) -> int:
+    return int(np.prod(t.shape)) * t.element_size()
+
+
+def _unpack_int4_cols(packed: paddle.Tensor) -> paddle.Tensor:
+    """int8 [K//2, n] (formats.pack_int4 layout) -> float32 [K, n], with float ops only (exact)."""
+    u = packed.astype("float32")
+    u = paddle.where(u < 0, u + 256.0, u)
+    hi = paddle.floor(u / 16.0)
+    lo = u - hi * 16.0
+    lo = paddle.where(lo >= 8, lo - 16.0, lo)
+    hi = paddle.where(hi >= 8, hi - 16.0, hi)
+    k2, n = packed.shape
+    return paddle.stack([lo, hi], axis=1).reshape([k2 * 2, n])
+
+
+def _wint2_cols(codes: paddle.Tensor, code_scale: paddle.Tensor, code_zp: paddle.Tensor) -> paddle.Tensor:
+    """uint8 CCQ codes [K//4, n] -> float32 fields [K, n] in [-32, 31] (formats.wint2_fields)."""
+    v = paddle.floor(codes.astype("float32") * code_scale + code_zp + 0.5)  # exact integers < 2^24
+    fields = []
+    for shift in (9, 6, 3, 0):
+        f = paddle.floor(v / float(1 << shift))
+        fields.append(f - paddle.floor(f / 64.0) * 64.0 - 32.0)
+    kq, n = codes.shape
+    return paddle.stack(fields, axis=1).reshape([kq * 4, n])
+
+
+def _repeat_rows(s: paddle.Tensor, times: int, rows: int) -> paddle.Tensor:
+    return paddle.repeat_interleave(s, times, axis=0)[:rows]
+
+
+def _quantize_act_fp8(x: paddle.Tensor) -> paddle.Tensor:
+    """Dynamic per-token per-128-group e4m3 fake quantization (formats.quantize_act_fp8) in Paddle."""
+    t, k = x.shape
+    g = fmt.FP8_BLOCK
+    kp = -(-k // g) * g
+    xp = F.pad(x, [0, kp - k]) if kp != k else x
+    xg = xp.reshape([t, kp // g, g])
+    amax = xg.abs().max(axis=-1, keepdim=True)
+    scale = paddle.where(amax > 0, amax / fmt.FP8_E4M3_MAX, paddle.ones_like(amax))
+    q = paddle.clip(xg / scale, -fmt.FP8_E4M3_MAX, fmt.FP8_E4M3_MAX).astype("float8_e4m3fn")
+    return (q.astype("float32") * scale).reshape([t, kp])[:, :k]
+
+
+def _quantize_act_int8(x: paddle.Tensor, scale: float) -> paddle.Tensor:
+    """Static int8 activation fake quantization: integers in [-127, 127] (times scale applied later)."""
+    return paddle.clip(paddle.round(x / scale), -127.0, 127.0)  # paddle.round: half away from zero
+
+
+class QuantLinear:
+    """y = x @ W for a weight W [K, N] held quantized; forward(x [T, K]) -> [T, N] float32."""
+
+    def __init__(self, method: str, in_features: int, out_features: int, tensors: dict[str, paddle.Tensor]):
+        self.method = _check_method(method)
+        self.in_features, self.out_features = in_features, out_features
+        self.tensors = tensors
+        self.tile_n = max(128, (_TILE_BYTES // (4 * max(in_features, 1))) // 128 * 128)
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_float(cls, w_KN: np.ndarray, method: str, *, activation_scale: float | None = None,
+                   calib_x: np.ndarray | None = None) -> "QuantLinear":
+        """Quantize an fp32 weight [K, N]. w4a8 needs activation_scale or calibration inputs calib_x."""
+        method = _check_method(method)
+        w = np.asarray(w_KN, np.float32)
+        if method in ("wint8", "wint4"):
+            q, s = fmt.quantize_weight_only(w, 8 if method == "wint8" else 4)
+            t = {"quant_weight": q, "weight_scale": s}
+        elif method == "block_wise_fp8":
+            q, s = fmt.quantize_block_fp8(w)
+            t = {"quant_weight": q, "weight_scale_inv": s}
+        elif method == "wint2":
+            t = fmt.quantize_wint2(w)
+        else:
+            if activation_scale is None:
+                if calib_x is None:
+                    raise ValueError("w4a8 needs activation_scale= or calib_x= (calibration activations)")
+                activation_scale = fmt.calibrate_activation_scale(calib_x)
+            t = fmt.quantize_w4a8(w, activation_scale)
+        return cls.from_checkpoint(t, method)
+
+    @classmethod
+    def from_checkpoint(cls, tensors: dict[str, np.ndarray], method: str, *,
+                        transposed: bool = False) -> "QuantLinear":
+        """Wrap pre-quantized tensors named as in FastDeploy checkpoints (suffixes after `<layer>.`).
+
+        quant_weight plus: weight_scale (wint8/wint4/w4a8), weight_scale_inv or weight_scale
+        (block_wise_fp8), weight_scale (packed 4-bit local scales) + super_scales + code_scale +
+        code_zp (wint2), activation_scale (w4a8). Layouts are those of formats.py ([K, N]);
+        transposed=True accepts a block_wise_fp8 weight in torch layout [N, K] with scale [N/128, K/128].
+        """
+        method = _check_method(method)
+        t = dict(tensors)
+        qw = np.asarray(t.pop("quant_weight"))
+        if method == "block_wise_fp8":
+            s = np.asarray(t.pop("weight_scale_inv", None) if "weight_scale_inv" in t else t.pop("weight_scale"))
+            if transposed:
+                qw, s = qw.T, s.T
+            qw = np.ascontiguousarray(qw).view(np.uint8)
+            k, n = qw.shape
+            out = {"quant_weight": paddle.to_tensor(qw).view(paddle.float8_e4m3fn),
+                   "weight_scale_inv": paddle.to_tensor(np.asarray(s, np.float32))}
+            return cls(method, k, n, out)
+        rows = {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}[method]
+        k, n = qw.shape[0] * rows, qw.shape[1]
+        out = {"quant_weight": paddle.to_tensor(np.ascontiguousarray(qw))}
+        for name, arr in t.items():
+            arr = np.asarray(arr)
+            out[name] = paddle.to_tensor(arr if arr.dtype == np.uint8 else arr.astype(np.float32))
+        needed = {"wint8": ["weight_scale"], "wint4": ["weight_scale"], "w4a8": ["weight_scale", "activation_scale"],
+                  "wint2": ["weight_scale", "super_scales", "code_scale", "code_zp"]}[method]
+        missing = [m for m in needed if m not in out]
+        if missing:
+            raise ValueError(f"{method} checkpoint tensors missing {missing}; got {sorted(tensors)}")
+        return cls(method, k, n, out)
+
+    # ------------------------------------------------------------ use
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the quantized weight and its scales."""
+        return sum(_nbytes(v) for v in self.tensors.values())
+
+    def dequantize(self, n0: int = 0, n1: int | None = None) -> paddle.Tensor:
+        """float32 W[:, n0:n1] (n0 a multiple of 128 for block_wise_fp8)."""
+        n1 = self.out_features if n1 is None else n1
+        t, k, m = self.tensors, self.in_features, self.method
+        q = t["quant_weight"][:, n0:n1]
+        if m == "wint8":
+            return q.astype("float32") * t["weight_scale"][n0:n1]
+        if m in ("wint4", "w4a8"):
+            return _unpack_int4_cols(q) * t["weight_scale"][n0:n1]
+        if m == "block_wise_fp8":
+            b = fmt.FP8_BLOCK
+            s = t["weight_scale_inv"][:, n0 // b: -(-n1 // b)]
+            s = paddle.repeat_interleave(_repeat_rows(s, b, k), b, axis=1)[:, : n1 - n0]
+            return q.astype("float32") * s
+        fields = _wint2_cols(q, t["code_scale"][n0:n1], t["code_zp"][n0:n1])
+        ls = t["weight_scale"][:, n0:n1].astype("float32")
+        hi = paddle.floor(ls / 16.0)
+        nib = paddle.stack([hi, ls - hi * 16.0], axis=1).reshape([ls.shape[0] * 2, n1 - n0])
+        gs = nib[: k // fmt.WINT2_GROUP] * t["super_scales"][n0:n1]
+        return fields * _repeat_rows(gs, fmt.WINT2_GROUP, k)
+
+    def _quantize_input(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.method == "block_wise_fp8":
+            return _quantize_act_fp8(x)
+        if self.method == "w4a8":
+            return _quantize_act_int8(x, float(self.tensors["activation_scale"]))
+        return x
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear expects x [T, {self.in_features}], got {list(x.shape)}")
+        xq = self._quantize_input(x.astype("float32"))
+        outs = [paddle.matmul(xq, self.dequantize(n0, min(n0 + self.tile_n, self.out_features)))
+                for n0 in range(0, self.out_features, self.tile_n)]
+        y = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
+        if self.method == "w4a8":  # integer-valued operands: the fp32 matmul equals the int32 one
+            y = y * float(self.tensors["activation_scale"])
+        return y
+
+    __call__ = forward
+
+
+def _grouped_experts(x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
+                     num_experts: int, expert: Callable[[int, paddle.Tensor], paddle.Tensor]) -> paddle.Tensor:
+    """sum_j w[t, j] * expert(ids[t, j], x[t]) with tokens sorted by expert: one call per active expert."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape([-1]).astype("int64")
+    order = paddle.argsort(flat, stable=True)
+    counts = np.bincount(flat.numpy(), minlength=num_experts)
+    if counts.shape[0] > num_experts:
+        raise ValueError(f"topk_ids hold an expert id >= num_experts={num_experts}")
+    token_of = order // k
+    ys, start = [], 0
+    for e in np.nonzero(counts)[0]:
+        rows = token_of[start:start + int(counts[e])]
+        ys.append(expert(int(e), paddle.gather(x, rows)))
+        start += int(counts[e])
+    y_sorted = paddle.concat(ys, axis=0)
+    y_slots = paddle.gather(y_sorted, paddle.argsort(order)).reshape([t, k, -1])
+    return (y_slots * topk_weights.astype("float32").unsqueeze(-1)).sum(axis=1)
+
+
+def _swiglu(h: paddle.Tensor) -> paddle.Tensor:
+    i = h.shape[-1] // 2
+    return F.silu(h[:, :i]) * h[:, i:]  # first half of up_gate is gate
+
+
+class FloatMoEExperts:
+    """fp32 routed experts: up_gate [E, H, 2I] ([gate | up] on the last dim), down [E, I, H]."""
+
+    def __init__(self, up_gate: np.ndarray, down: np.ndarray):
+        self.up_gate = paddle.to_tensor(np.asarray(up_gate, np.float32))
+        self.down = paddle.to_tensor(np.asarray(down, np.float32))
+        self.num_experts = self.up_gate.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.up_gate) + _nbytes(self.down)
+
+    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
+        """x [T, H], topk_ids [T, k] int64, topk_weights [T, k] -> [T, H] float32."""
+        def expert(e: int, xe: paddle.Tensor) -> paddle.Tensor:
+            return paddle.matmul(_swiglu(paddle.matmul(xe, self.up_gate[e])), self.down[e])
+        return _grouped_experts(x.astype("float32"), topk_ids, topk_weights, self.num_experts, expert)
+
+    __call__ = forward
+
+
+class QuantMoEExperts:
+    """Quantized routed experts with FloatMoEExperts' interface; one QuantLinear per expert matrix."""
+
+    def __init__(self, up_gate: list[QuantLinear], down: list[QuantLinear]):
+        if len(up_gate) != len(down):
+            raise ValueError(f"{len(up_gate)} up_gate experts but {len(down)} down experts")
+        self.up_gate, self.down = up_gate, down
+        self.num_experts = len(up_gate)
+        self.method = up_gate[0].method
+
+    @classmethod
+    def from_float(cls, up_gate: np.ndarray, down: np.ndarray, method: str, *,
+                   calib_x: np.ndarray | None = None) -> "QuantMoEExperts":
+        """Quantize stacked fp32 experts. w4a8 calibrates its static activation scales on calib_x [T, H]
+        (every calibration token through every expert: a simple stand-in for routed calibration)."""
+        ug, dn = np.asarray(up_gate, np.float32), np.asarray(down, np.float32)
+        if method != "w4a8":
+            return cls([QuantLinear.from_float(w, method) for w in ug], [QuantLinear.from_float(w, method) for w in dn])
+        if calib_x is None:
+            raise ValueError("w4a8 experts need calib_x= (calibration activations [T, H])")
+        xs = np.asarray(calib_x, np.float32)
+        ups, downs = [], []
+        for e in range(ug.shape[0]):
+            ups.append(QuantLinear.from_float(ug[e], method, calib_x=xs))
+            h = _swiglu(paddle.to_tensor(xs @ ug[e])).numpy()
+            downs.append(QuantLinear.from_float(dn[e], method, calib_x=h))
+        return cls(ups, downs)
+
+    @classmethod
+    def from_checkpoint(cls, up_gate: dict[str, np.ndarray], down: dict[str, np.ndarray], method: str, *,
+                        transposed: bool = False) -> "QuantMoEExperts":
+        """Stacked pre-quantized tensors (leading axis E), named as QuantLinear.from_checkpoint's."""
+        def split(ts: dict[str, np.ndarray]) -> list[QuantLinear]:
+            e = np.asarray(ts["quant_weight"]).shape[0]
+            return [QuantLinear.from_checkpoint({k: np.asarray(v)[i] for k, v in ts.items()}, method,
+                                                transposed=transposed) for i in range(e)]
+        return cls(split(up_gate), split(down))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.up_gate) + sum(m.nbytes for m in self.down)
+
+    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
+        """x [T, H], topk_ids [T, k] int64, topk_weights [T, k] -> [T, H] float32."""
+        def expert(e: int, xe: paddle.Tensor) -> paddle.Tensor:
+            return self.down[e](_swiglu(self.up_gate[e](xe)))
+        return _grouped_experts(x.astype("float32"), topk_ids, topk_weights, self.num_experts, expert)
+
+    __call__ = forward
+
+
+def model_memory_bytes(layers: Iterable[object]) -> int:
+    """Resident weight bytes of layers (anything with .nbytes: our layers, numpy arrays) and Paddle tensors."""
+    total = 0
+    for layer in layers:
+        if isinstance(layer, paddle.Tensor):
+            total += _nbytes(layer)
+        else:
+            total += int(layer.nbytes)
+    return total
