@@ -2,9 +2,12 @@
 
 Rules from reference/parsers.md. Text after `</think>` that is outside `<response>` (the tool-call
 region, trailing text) is not content. The prompt's last marker token says where generation starts.
+A stray marker never shows up as text: parsers.md makes a delta that is exactly a marker yield
+nothing, so both paths delete the six markers from reasoning and content.
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from .base import ReasoningParser, TokenizerLike, held_len, marker_ids
@@ -18,6 +21,29 @@ STATUS_OF_MARKER = {
     RESPONSE_START: "response_start", RESPONSE_END: "response_end",
     TOOL_CALL_START: "tool_call_start", TOOL_CALL_END: "tool_call_end",
 }
+MARKERS = tuple(STATUS_OF_MARKER)
+# No marker is a prefix of another and each has "<" only first, so matches never overlap.
+_MARKER_RE = re.compile("|".join(map(re.escape, MARKERS)))
+
+
+def strip_markers(text: str) -> str:
+    return _MARKER_RE.sub("", text)
+
+
+def _scan(buf: str, stop: str) -> tuple[str, str | None, str]:
+    """Text of buf before `stop` with markers deleted, and what follows `stop` (None: not found).
+
+    Not found: the third item is the held tail, a suffix that may still grow into a marker.
+    """
+    out, pos = [], 0
+    for m in _MARKER_RE.finditer(buf):
+        out.append(buf[pos:m.start()])
+        pos = m.end()
+        if m.group() == stop:
+            return "".join(out), buf[pos:], ""
+    keep = held_len(buf[pos:], *MARKERS)
+    out.append(buf[pos:len(buf) - keep])
+    return "".join(out), None, buf[len(buf) - keep:]
 
 
 @register_reasoning_parser("ernie-x1")
@@ -41,8 +67,8 @@ class ErnieX1ReasoningParser(ReasoningParser):
         if model_status == "think_start":
             i = model_output.find(THINK_END)
             if i < 0:
-                return model_output, ""
-            return model_output[:i], model_output[i + len(THINK_END):].lstrip("\n")
+                return strip_markers(model_output), ""
+            return strip_markers(model_output[:i]), model_output[i + len(THINK_END):].lstrip("\n")
         if model_status == "response_start":
             return "", model_output
         return "", model_output.lstrip("\n")
@@ -54,7 +80,7 @@ class ErnieX1ReasoningParser(ReasoningParser):
                 return ""
             rest = rest[j + len(RESPONSE_START):]
         k = rest.find(RESPONSE_END)
-        return rest if k < 0 else rest[:k]
+        return strip_markers(rest if k < 0 else rest[:k])
 
     def new_splitter(self, model_status: str) -> "_X1Splitter":
         return _X1Splitter(model_status)
@@ -77,13 +103,10 @@ class _X1Splitter:
     def push(self, text: str) -> tuple[str, str]:
         reasoning = ""
         if self.mode == "reason":
-            buf = self.buf + text
-            i = buf.find(THINK_END)
-            if i < 0:
-                keep = held_len(buf, THINK_END)
-                self.buf = buf[len(buf) - keep:]
-                return buf[:len(buf) - keep], ""
-            reasoning, text, self.buf, self.mode = buf[:i], buf[i + len(THINK_END):], "", "strip"
+            reasoning, after, self.buf = _scan(self.buf + text, THINK_END)
+            if after is None:
+                return reasoning, ""
+            text, self.mode = after, "strip"
         if self.mode == "strip":
             text = text.lstrip("\n")
             if not text:
@@ -92,7 +115,7 @@ class _X1Splitter:
         return reasoning, text
 
     def flush(self) -> tuple[str, str]:
-        held, self.buf = self.buf, ""
+        held, self.buf = self.buf, ""  # a marker prefix that never completed is plain text
         return (held, "") if self.mode == "reason" else ("", "")
 
 
@@ -114,13 +137,10 @@ class _ResponseFilter:
                 self.buf = buf[len(buf) - keep:]
                 return ""
             buf, self.state = buf[j + len(RESPONSE_START):], "inside"
-        k = buf.find(RESPONSE_END)
-        if k >= 0:
-            self.state, self.buf = "after", ""
-            return buf[:k]
-        keep = held_len(buf, RESPONSE_END)
-        self.buf = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep]
+        content, after, self.buf = _scan(buf, RESPONSE_END)
+        if after is not None:
+            self.state = "after"
+        return content
 
     def flush(self) -> str:
         held, self.buf = self.buf, ""

@@ -1,0 +1,107 @@
+"""THE GUARANTEE: streaming (any cut into deltas, token- or character-level) == non-streaming.
+
+Concatenated reasoning_content, content and per-call argument fragments equal parse_complete's
+strings, names are equal, and each call has one stable id. The single allowed difference: a tool
+call whose header was already streamed and whose block then turns out malformed (non-streaming
+falls back to "no tool calls"); well-formed outputs never hit it.
+"""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ernie_serve.parsers import ChatOutputParser, parse_complete
+from parser_helpers import FakeTokenizer, Streamed, char_deltas, token_deltas
+from strategies import soup, tool_output
+
+TOK = FakeTokenizer()
+V = TOK.vocab
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+# (reasoning parser, tool parser, prompt ids): every status each parser distinguishes
+SETUPS = [
+    ("ernie-x1", "ernie-x1", []), ("ernie-x1", "ernie-x1", [V["</think>"]]),
+    ("ernie-x1", "ernie-x1", [V["<response>"]]), ("ernie-x1", None, [V["<think>"]]),
+    ("ernie-x1", None, [V["</response>"]]),
+    ("qwen3", "qwen3", []), ("qwen3", "qwen3", [V["<think>"]]), ("qwen3", None, [V["</think>"]]),
+    ("ernie-45-vl", None, []), ("ernie-45-vl-thinking", "ernie-x1", []), (None, "qwen3", []),
+    (None, None, []),
+]
+settings.register_profile("parsers", max_examples=150, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+PROFILE = settings.get_profile("parsers")
+
+
+def stream(setup, text, cuts, by_chars, tools=TOOLS):
+    rp, tp, prompt = setup
+    p = ChatOutputParser(TOK, rp, tp, prompt, tools=tools)
+    s = Streamed()
+    for delta, ids in (char_deltas if by_chars else token_deltas)(TOK, text, cuts):
+        s.add(p.feed(delta, ids))
+    s.add(p.flush())
+    return s, p.finish()
+
+
+def assert_equal(s, final, expected, allow_sent_then_malformed=False):
+    # finish() is exactly what was streamed
+    assert (final.reasoning_content or "") == s.reasoning
+    assert final.content == s.content
+    assert [(c.id, c.function.name, c.function.arguments) for c in final.tool_calls] == \
+        [(s.ids[i], s.names[i], s.args.get(i, "")) for i in sorted(s.ids)]
+    assert sorted(s.ids) == list(range(len(s.ids)))
+    if allow_sent_then_malformed and s.ids and not expected.tools_called:
+        return
+    assert s.reasoning == (expected.reasoning_content or "")
+    assert s.content == expected.content
+    assert [s.names[i] for i in sorted(s.ids)] == [c.function.name for c in expected.tool_calls]
+    assert [s.args.get(i, "") for i in sorted(s.ids)] == [c.function.arguments for c in expected.tool_calls]
+    assert final.tools_called == expected.tools_called
+
+
+@PROFILE
+@given(setup=st.sampled_from(SETUPS), text=tool_output(), cuts=st.lists(st.integers(0, 10**6), max_size=40),
+       by_chars=st.booleans())
+def test_well_formed_tool_outputs_stream_exactly(setup, text, cuts, by_chars):
+    expected = parse_complete(TOK, setup[0], setup[1], setup[2], text, TOOLS)
+    s, final = stream(setup, text, cuts, by_chars)
+    if setup[0] is None and setup[1] is not None and "<tool_call>" in text:
+        assert expected.tools_called, text  # the strategy only writes valid blocks
+    assert_equal(s, final, expected)
+
+
+@PROFILE
+@given(setup=st.sampled_from(SETUPS), text=soup, cuts=st.lists(st.integers(0, 10**6), max_size=40),
+       by_chars=st.booleans())
+def test_any_text_streams_like_non_streaming(setup, text, cuts, by_chars):
+    expected = parse_complete(TOK, setup[0], setup[1], setup[2], text, TOOLS)
+    s, final = stream(setup, text, cuts, by_chars)
+    assert_equal(s, final, expected, allow_sent_then_malformed=True)
+
+
+@PROFILE
+@given(setup=st.sampled_from(SETUPS), text=soup | tool_output(), cuts=st.lists(st.integers(0, 10**6), max_size=20))
+def test_without_tools_the_tool_parser_is_off(setup, text, cuts):
+    expected = parse_complete(TOK, setup[0], setup[1], setup[2], text, None)
+    assert not expected.tools_called
+    s, final = stream(setup, text, cuts, True, tools=None)
+    assert not s.ids
+    assert_equal(s, final, expected)
+
+
+@PROFILE
+@given(text=soup | tool_output(), cuts=st.lists(st.integers(0, 10**6), max_size=20),
+       status=st.sampled_from(["think_start", "think_end", "response_start"]))
+def test_standalone_reasoning_streaming_is_a_prefix_of_non_streaming(text, cuts, status):
+    """The per-parser API has no flush, so only a possible marker prefix at the very end may be missing."""
+    from ernie_serve.parsers import get_reasoning_parser
+    rp = get_reasoning_parser("ernie-x1")(TOK)
+    reasoning, content = rp.extract_reasoning_content(text, status)
+    prev_text, prev_ids, got_r, got_c = "", [], "", ""
+    for delta, ids in char_deltas(TOK, text, cuts):
+        msg = rp.extract_reasoning_content_streaming(prev_text, prev_text + delta, delta, prev_ids,
+                                                     prev_ids + ids, ids, status)
+        prev_text, prev_ids = prev_text + delta, prev_ids + ids
+        if msg is not None:
+            got_r += msg.reasoning_content or ""
+            got_c += msg.content or ""
+    assert reasoning.startswith(got_r) and len(reasoning) - len(got_r) < len("</response>")
+    assert content.startswith(got_c) and len(content) - len(got_c) < len("</response>")
