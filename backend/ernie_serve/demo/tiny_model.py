@@ -1,0 +1,133 @@
+"""The embedded demo checkpoints: built locally, deterministically, with no download.
+
+`tiny` is the default model of every entry point (tests, `scripts/serve.sh`, the Triton repo);
+`bench` is the benchmark-size model (8 layers, hidden 1024, 16 experts top-4). Weights are random.
+The tiny model's head is untied: with a tied head and random layers the residual stream stays close
+to the input embedding, so greedy decoding would just repeat the last token.
+"""
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..model.checkpoint_writer import pt_to_paddle, write_checkpoint
+from ..model.config import ErnieModelConfig
+from ..paths import tiny_model_dir
+from .tokenizer_builder import build_tokenizer
+
+log = logging.getLogger(__name__)
+BUILD_VERSION = 1  # bump when the recipe changes, so stale local builds are rebuilt
+
+_BASE = {
+    "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_act": "silu",
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 4096, "use_bias": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": True,
+    "moe_layer_interval": 1, "moe_norm_min": 1e-12, "dtype": "float32",
+}
+CONFIGS = {
+    "tiny": dict(_BASE, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_num_experts=8, moe_k=2,
+                 moe_intermediate_size=96, moe_num_shared_experts=1, moe_layer_start_index=1,
+                 moe_layer_end_index=3, tie_word_embeddings=False),
+    "bench": dict(_BASE, vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=128, moe_num_experts=16, moe_k=4,
+                  moe_intermediate_size=704, moe_num_shared_experts=1, moe_layer_start_index=0,
+                  moe_layer_end_index=7, max_position_embeddings=8192),
+}
+
+
+def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """"-PT" tensors for `config`, drawn from a fixed seed (same bytes on every machine)."""
+    cfg = ErnieModelConfig.from_dict(config)
+    rng = np.random.default_rng(seed)
+    h, hd = cfg.hidden_size, cfg.head_dim
+
+    def lin(out: int, inp: int) -> np.ndarray:
+        return (rng.standard_normal((out, inp), dtype=np.float32) / np.sqrt(inp)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), dtype=np.float32),
+         "model.norm.weight": norm(h)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = 4.0 * lin(cfg.vocab_size, h)  # peaked, varied next-token choices
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm(h)
+        t[p + "post_attention_layernorm.weight"] = norm(h)
+        t[p + "self_attn.q_proj.weight"] = lin(cfg.q_size, h)
+        t[p + "self_attn.k_proj.weight"] = lin(cfg.kv_size, h)
+        t[p + "self_attn.v_proj.weight"] = lin(cfg.kv_size, h)
+        t[p + "self_attn.o_proj.weight"] = lin(h, cfg.q_size)
+        if cfg.is_moe_layer(i):
+            inter = cfg.moe_intermediate_size
+            t[p + "mlp.gate.weight"] = lin(cfg.moe_num_experts, h)
+            t[p + "mlp.moe_statics.e_score_correction_bias"] = (
+                0.01 * rng.standard_normal((1, cfg.moe_num_experts), dtype=np.float32))
+            for e in range(cfg.moe_num_experts):
+                q = f"{p}mlp.experts.{e}."
+                t[q + "gate_proj.weight"], t[q + "up_proj.weight"] = lin(inter, h), lin(inter, h)
+                t[q + "down_proj.weight"] = lin(h, inter)
+            if cfg.moe_num_shared_experts:
+                s = inter * cfg.moe_num_shared_experts
+                q = p + "mlp.shared_experts."
+                t[q + "gate_proj.weight"], t[q + "up_proj.weight"] = lin(s, h), lin(s, h)
+                t[q + "down_proj.weight"] = lin(h, s)
+        else:
+            q = p + "mlp."
+            t[q + "gate_proj.weight"] = lin(cfg.intermediate_size, h)
+            t[q + "up_proj.weight"] = lin(cfg.intermediate_size, h)
+            t[q + "down_proj.weight"] = lin(h, cfg.intermediate_size)
+    return t
+
+
+def build_checkpoint(out_dir: Path, name: str = "tiny", layout: str = "pt", seed: int = 0,
+                     weights: dict[str, np.ndarray] | None = None) -> Path:
+    """Write config, weights (layout "pt" or "paddle") and the demo tokenizer into out_dir."""
+    config = copy.deepcopy(CONFIGS[name])
+    tensors = weights if weights is not None else random_weights(config, seed)
+    if layout == "paddle":
+        tensors = pt_to_paddle(tensors, ErnieModelConfig.from_dict(config))
+    elif layout != "pt":
+        raise ValueError(f"layout must be 'pt' or 'paddle', got {layout!r}")
+    out_dir = Path(out_dir)
+    build_tokenizer(out_dir, vocab_size=config["vocab_size"] if name == "tiny" else 4096)
+    from ..tokenizer import ErnieTokenizer
+
+    tok = ErnieTokenizer.from_pretrained(out_dir)
+    eos = [i for i in (tok.eos_token_id, tok.token_to_id("<|im_end|>")) if i is not None]
+    write_checkpoint(out_dir, config, tensors, max_shard_bytes=64 << 20 if name == "tiny" else 512 << 20,
+                     generation_config={"eos_token_id": eos, "bos_token_id": tok.bos_token_id,
+                                        "pad_token_id": tok.pad_token_id})
+    (out_dir / "BUILD").write_text(json.dumps({"name": name, "layout": layout, "seed": seed,
+                                               "version": BUILD_VERSION}))
+    return out_dir
+
+
+def ensure_tiny_model(path: Path | None = None) -> Path:
+    """Build the embedded model once (under a file lock, so parallel starters don't race)."""
+    path = Path(path or tiny_model_dir())
+    stamp = path / "BUILD"
+    want = {"name": "tiny", "layout": "pt", "seed": 0, "version": BUILD_VERSION}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.exists() and json.loads(stamp.read_text()) == want:
+            return path
+        log.info("building the embedded tiny ERNIE-4.5 MoE model in %s", path)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tiny-"))
+        build_checkpoint(tmp, "tiny")
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    return path

@@ -1,0 +1,59 @@
+"""Per-request text state: incremental detokenization and stop strings.
+
+Stop strings are matched on text, so the engine must detokenize to stop on time. Text that could
+still become the start of a stop string is held back from the stream until it is decided, so a
+client never receives half of a stop string (and with include_stop_str_in_output, receives it whole).
+"""
+from __future__ import annotations
+
+from ..tokenizer import IncrementalDetokenizer
+from .request import Request
+
+
+class TextState:
+    def __init__(self, tokenizer, req: Request):
+        p = req.sampling_params
+        self.stops = p.stop
+        self.include_stop = p.include_stop_str_in_output
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=req.prompt_token_ids[-8:],
+                                            skip_special_tokens=p.skip_special_tokens)
+        self.text = ""  # decided text, as returned to the user
+        self._pending = ""  # decoded but possibly the start of a stop string
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def append(self, token_ids: list[int], final: bool, check_stops: bool = True) -> tuple[str, str | None]:
+        """Feed new tokens; returns (new decided text, matched stop string or None)."""
+        self._pending += self.detok.step(token_ids)
+        if final:
+            self._pending += self.detok.flush()
+        if self.stops and check_stops:
+            hit = self._find_stop()
+            if hit is not None:
+                stop, at = hit
+                end = at + (len(stop) if self.include_stop else 0)
+                delta = self._pending[:end]
+                self.text += delta
+                self._pending = ""
+                return delta, stop
+        cut = len(self._pending) if final or not self.stops else self._safe_cut()
+        delta, self._pending = self._pending[:cut], self._pending[cut:]
+        self.text += delta
+        return delta, None
+
+    def _find_stop(self) -> tuple[str, int] | None:
+        # Search the held tail plus new text; the earliest stop wins.
+        best = None
+        for s in self.stops:
+            at = self._pending.find(s)
+            if at >= 0 and (best is None or at < best[1]):
+                best = (s, at)
+        return best
+
+    def _safe_cut(self) -> int:
+        """Emit everything except a suffix that is a prefix of some stop string."""
+        text = self._pending
+        for k in range(min(self._hold, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return len(text) - k
+        return len(text)

@@ -1,0 +1,85 @@
+"""A request as the engine tracks it: tokens, how many of them have KV computed, its blocks.
+
+As in vLLM v1 there is no separate prefill/decode state: `num_computed_tokens` says how far the KV
+cache covers `all_token_ids`, and each step computes some more of them (a prefill chunk, one
+decode token, or a token plus speculative drafts).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    WAITING_FOR_FORK = "waiting_for_fork"  # n > 1 siblings wait for the first one's prompt KV
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int  # already clamped to max_model_len - prompt length
+    parent_id: str | None = None  # set for the n > 1 siblings: the id the caller knows
+    index: int = 0  # position among the parent's n outputs
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of this request's full blocks
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    forks: list["Request"] = field(default_factory=list)
+    generator: np.random.Generator | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens_total: int = 0  # all tokens this request ever ran through the model (counts recompute)
+
+    @property
+    def external_id(self) -> str:
+        return self.parent_id if self.parent_id is not None else self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,54 @@
+"""What generation returns: RequestOutput / CompletionOutput / Logprob, shaped like vLLM's."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls" (chat)
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    # Streaming: what this step added (the engine front sends these; offline users read the totals).
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+    # Filled by the chat parsers (LLM.chat, the Triton detokenizer, the OpenAI shim).
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    num_reasoning_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
