@@ -1,0 +1,163 @@
+"""ernie-x1 and qwen3/hermes tool parsers: parsers.md's example and the FastDeploy bugs to avoid."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ernie_serve.parsers import ChatOutputParser, get_tool_parser, parse_complete
+from parser_helpers import FakeTokenizer, Streamed, char_deltas, token_deltas
+
+EXAMPLE = ('\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"location": "San Francisco, CA", '
+           '"unit": "fahrenheit"}}\n</tool_call>\n')
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+
+
+@pytest.fixture(params=["ernie-x1", "qwen3"])
+def tp(request, tok):
+    return get_tool_parser(request.param)(tok)
+
+
+def stream_tool_parser(tp, tok, text, by_chars=False, cuts=None):
+    """Drive extract_tool_calls_streaming; per-token deltas unless cuts are given."""
+    tok_list = tok.tokenize(text)
+    cuts = list(range(len(text) if by_chars else len(tok_list))) if cuts is None else cuts
+    s = Streamed()
+    prev_text, prev_ids = "", []
+    for delta, ids in (char_deltas if by_chars else token_deltas)(tok, text, cuts):
+        cur_text, cur_ids = prev_text + delta, prev_ids + ids
+        s.add(tp.extract_tool_calls_streaming(prev_text, cur_text, delta, prev_ids, cur_ids, ids, None))
+        prev_text, prev_ids = cur_text, cur_ids
+    return s
+
+
+def test_parsers_md_example(tp):
+    info = tp.extract_tool_calls(EXAMPLE, None)
+    assert info.tools_called and len(info.tool_calls) == 1
+    call = info.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-") and len(call.id) == 14 + 32
+    assert call.function.name == "get_weather"
+    assert call.function.arguments == '{"location": "San Francisco, CA", "unit": "fahrenheit"}'
+    assert info.to_dict()["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_example_through_the_output_parser(tok):
+    out = parse_complete(tok, "ernie-x1", "ernie-x1", [], EXAMPLE, TOOLS)
+    assert out.reasoning_content == "\n" and out.content == "" and out.tools_called
+    assert json.loads(out.tool_calls[0].function.arguments) == {"location": "San Francisco, CA", "unit": "fahrenheit"}
+
+
+@pytest.mark.parametrize("by_chars", [False, True])
+def test_streaming_example_delta_shapes(tp, tok, by_chars):
+    s = stream_tool_parser(tp, tok, EXAMPLE.split("</think>")[1], by_chars)
+    first = next(m for m in s.messages if m.tool_calls).tool_calls[0].to_dict()
+    assert set(first) == {"index", "id", "type", "function"} and first["function"] == {"name": "get_weather"}
+    assert s.args[0] == '{"location": "San Francisco, CA", "unit": "fahrenheit"}'
+    assert s.content == "\n\n\n"  # whitespace outside the block is content, never dropped
+
+
+def test_name_is_sent_only_when_complete(tp, tok):
+    text = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    prev = ""
+    for i in range(1, len(text) + 1):
+        msg = tp.extract_tool_calls_streaming(prev, text[:i], text[i - 1], [], [], [], None)
+        prev = text[:i]
+        if msg and msg.tool_calls and msg.tool_calls[0].function.name is not None:
+            assert text[:i].endswith('"get_weather"')
+            break
+    else:
+        pytest.fail("no header")
+
+
+@pytest.mark.parametrize("args", [
+    {}, {"n": 5}, {"n": -1.5e-3}, {"ok": True, "no": False, "x": None}, {"deep": {"a": [1, {"b": {}}], "c": "}"}},
+    {"城市": "北京", "text": "引号\"和\\反斜杠"}, {"list": [1, 2, 3], "last": 10},
+])
+def test_argument_endings(tp, tok, args):
+    """FastDeploy bugs: `{}}}` endings, brace counting that fails after numbers/booleans."""
+    expected = json.dumps(args, ensure_ascii=False)
+    for body in (json.dumps({"name": "f", "arguments": args}), json.dumps({"name": "f", "arguments": args},
+                                                                           separators=(",", ":"))):
+        text = f"<tool_call>\n{body}\n</tool_call>"
+        assert tp.extract_tool_calls(text).tool_calls[0].function.arguments == expected
+        for by_chars in (False, True):
+            assert stream_tool_parser(tp, tok, text, by_chars).args == {0: expected}
+
+
+def test_missing_arguments_are_empty_object(tp, tok):
+    text = '<tool_call>{"name": "ping"}</tool_call>'
+    assert tp.extract_tool_calls(text).tool_calls[0].function.arguments == "{}"
+    assert stream_tool_parser(tp, tok, text).args == {0: "{}"}
+
+
+def test_arguments_before_name_wait_for_the_name(tp, tok):
+    text = '<tool_call>{"arguments": {"q": 1}, "name": "search"}</tool_call>'
+    s = stream_tool_parser(tp, tok, text, by_chars=True)
+    assert s.names == {0: "search"} and s.args == {0: '{"q": 1}'}
+
+
+def test_two_parallel_calls_and_text_after(tp, tok):
+    text = ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "b", "arguments": {"y": [true]}}\n</tool_call>\nDone.')
+    info = tp.extract_tool_calls(text)
+    assert [c.function.name for c in info.tool_calls] == ["a", "b"]
+    assert len({c.id for c in info.tool_calls}) == 2
+    assert info.content == "\n\nDone."
+    s = stream_tool_parser(tp, tok, text)
+    assert s.names == {0: "a", 1: "b"} and s.args == {0: '{"x": 1}', 1: '{"y": [true]}'}
+    assert s.content == "\n\nDone." and len(set(s.ids.values())) == 2
+
+
+def test_content_before_calls_streams_as_content(tp, tok):
+    s = stream_tool_parser(tp, tok, 'Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert s.content == "Let me check.\n" and s.names == {0: "f"}
+
+
+def test_no_block_is_plain_content(tp):
+    info = tp.extract_tool_calls("just text, no tools")
+    assert not info.tools_called and info.tool_calls == [] and info.content == "just text, no tools"
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>not json</tool_call>",
+    '<tool_call>{"name": "f", "arguments": {"a": tru}}</tool_call>',
+    '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "a string"}</tool_call>',
+    '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {}} junk</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {"a": 1}',
+    "<tool_call>",
+])
+def test_malformed_json_falls_back_to_content(tp, tok, text):
+    info = tp.extract_tool_calls("before " + text + " after")
+    assert not info.tools_called and info.tool_calls == [] and info.content == "before " + text + " after"
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>not json</tool_call> after",
+    '<tool_call>{"arguments": {}}</tool_call>',
+    '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+])
+def test_malformed_before_the_name_streams_as_content_too(tok, text):
+    out = ChatOutputParser(tok, None, "ernie-x1", [], TOOLS)
+    s = Streamed()
+    for delta, ids in token_deltas(tok, text, list(range(100))):
+        s.add(out.feed(delta, ids))
+    s.add(out.flush())
+    assert s.content == text and not s.ids and not out.finish().tools_called
+
+
+def test_unclosed_last_block_with_complete_json_counts(tp):
+    info = tp.extract_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1}}\n')
+    assert info.tools_called and info.tool_calls[0].function.arguments == '{"a": 1}'
+
+
+def test_end_tag_inside_a_json_string(tp, tok):
+    text = '<tool_call>{"name": "f", "arguments": {"s": "</tool_call>"}}</tool_call>'
+    assert tp.extract_tool_calls(text).tool_calls[0].function.arguments == '{"s": "</tool_call>"}'
+    assert stream_tool_parser(tp, tok, text, by_chars=True).args == {0: '{"s": "</tool_call>"}'}
+
+
+def test_missing_markers_in_vocab():
+    with pytest.raises(ValueError, match="</tool_call>"):
+        get_tool_parser("qwen3")(FakeTokenizer(["<tool_call>"]))
