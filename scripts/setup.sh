@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repo root with everything the project needs, and build the embedded tiny
+# model. Idempotent: a second run with an unchanged pyproject.toml only checks and exits.
+#   scripts/setup.sh            # runtime + tritonserver (nvidia-pytriton) + kernels + tests
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-python3}"
+venv="$root/.venv"
+extras="server,kernels,test"
+stamp="$venv/.ernie-setup"
+want="$( (cat pyproject.toml; echo "$extras"; "$py" --version) | sha256sum | cut -d' ' -f1)"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv"
+  "$py" -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing the project and its dependencies ($extras) into .venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >/dev/null
+  "$venv/bin/pip" install -q --disable-pip-version-check -e ".[${extras}]"
+  echo "$want" > "$stamp"
+else
+  echo "[setup] .venv is up to date"
+fi
+echo "[setup] building the embedded tiny model (skipped when already built)"
+"$venv/bin/python" -c "from ernie_serve.demo.tiny_model import ensure_tiny_model; print('[setup] tiny model:', ensure_tiny_model())"
