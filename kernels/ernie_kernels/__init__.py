@@ -1,0 +1,25 @@
+"""triton-lang kernels for ERNIE-4.5 serving, each with a NumPy reference in `reference`.
+
+Launchers are imported lazily so `import ernie_kernels` (and the engine) works without triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAUNCHERS = {
+    "rms_norm": "rmsnorm",
+    "weight_only_linear": "weight_only_gemm",
+    "moe_align_block_size": "moe_align",
+    "fused_moe": "fused_moe",
+    "paged_decode_attention": "paged_attention",
+}
+
+__all__ = list(_LAUNCHERS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAUNCHERS:
+        return getattr(importlib.import_module(f"ernie_kernels.{_LAUNCHERS[name]}"), name)
+    raise AttributeError(f"module 'ernie_kernels' has no attribute {name!r}")

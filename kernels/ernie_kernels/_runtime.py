@@ -1,0 +1,80 @@
+"""Import triton once, the right way for the tensors we will hand it, plus framework-neutral helpers.
+
+Launchers take torch or Paddle tensors and allocate outputs in the caller's framework. With real torch
+installed, triton 3.2 (GPU or TRITON_INTERPRET=1) accepts Paddle tensors as they are (data_ptr, cpu,
+copy_ are enough; measured). Without torch (a Paddle-only GPU box) triton itself needs a `torch`, and
+paddle.enable_compat(scope={"triton"}) gives it Paddle's torch proxy. Enabling compat when real torch
+is also used breaks torch tensors in the interpreter (measured: ModuleNotFoundError paddle._subclasses),
+so it is only done when torch is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any, Sequence
+
+
+def _torch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _load_triton():
+    if "triton" not in sys.modules and not _torch_installed():
+        import paddle
+
+        paddle.enable_compat(scope={"triton"}, silent=True)
+    import triton
+    import triton.language as tl
+
+    return triton, tl
+
+
+triton, tl = _load_triton()
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_paddle(t: Any) -> bool:
+    return type(t).__module__.startswith("paddle")
+
+
+def dtype_name(t: Any) -> str:
+    """'float32', 'bfloat16', 'int8', 'float8_e4m3fn', ... for torch and Paddle tensors alike."""
+    return str(t.dtype).split(".")[-1]
+
+
+def new_tensor(like: Any, shape: Sequence[int], dtype: str, fill: float | None = None) -> Any:
+    """An uninitialized (or filled) tensor of the same framework and device as `like`."""
+    shape = [int(s) for s in shape]
+    if is_paddle(like):
+        import paddle
+
+        t = paddle.empty(shape, dtype=dtype) if fill is None else paddle.full(shape, fill, dtype=dtype)
+        return t if str(t.place) == str(like.place) else t.to(like.place)
+    import torch
+
+    dt = getattr(torch, dtype)
+    if fill is None:
+        return torch.empty(shape, dtype=dt, device=like.device)
+    return torch.full(shape, fill, dtype=dt, device=like.device)
+
+
+def contiguous(t: Any) -> Any:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def dot_dtype(act_dtype: str):
+    """Operand dtype for tl.dot: the activation's half type on GPU. The 3.2 interpreter gets bf16
+    arithmetic wrong (casts into bf16 and bf16 dots, measured), so it dots in fp32 there."""
+    if INTERPRET or act_dtype == "float32":
+        return tl.float32
+    return tl.float16 if act_dtype == "float16" else tl.bfloat16

@@ -1,0 +1,187 @@
+"""Fused MoE: sorted-slot grouped GEMMs with in-loop weight dequantization.
+
+out[t] = sum_j w[t,j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t,j].
+Two launches of one kernel over moe_align's expert-grouped slots: GEMM1 computes the gate and up
+columns of a tile side by side and writes only silu(gate)*up (the [slots, 2I] intermediate never hits
+memory); GEMM2 multiplies by the routed weight; a small kernel sums the k slots of each token.
+Weights are [E, K, N] (Paddle layout), quantized per formats.py: wint8 / wint4 (per-channel scale after
+the K loop), w4a8 (int8 x int4 -> int32 dot with a static per-expert activation scale, quantized as the
+tile is loaded), block_wise_fp8 (activations quantized per token per 128 group as the tile is loaded,
+fp8 dot, block scales applied per K step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ernie_kernels._dequant import QUANT_CODES, load_weight_tile, round_half_away
+from ernie_kernels._runtime import INTERPRET, contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, tl, triton
+from ernie_kernels.moe_align import moe_align_block_size
+
+A_NONE, A_FP8_GROUP, A_INT8_STATIC = 0, 1, 2
+
+
+@triton.jit
+def _tile_dot(a, w, a_scale, QUANT: tl.constexpr, A_QUANT: tl.constexpr, DOT: tl.constexpr,
+              FP8_DOT: tl.constexpr):
+    """One K step: a [BM, BK] (quantized when A_QUANT), w as load_weight_tile returns it."""
+    if A_QUANT == 2:
+        return tl.dot(a, w.to(tl.int8), out_dtype=tl.int32)
+    elif A_QUANT == 1:
+        if FP8_DOT:
+            return tl.dot(a, w)
+        else:  # e4m3 values and their products are exact in fp32/bf16, so this equals the fp8 dot
+            return tl.dot(a.to(tl.float32), w.to(tl.float32))
+    else:
+        return tl.dot(a.to(DOT), w.to(tl.float32).to(DOT))
+
+
+@triton.jit
+def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                      N, K, num_slots, a_row_div, up_offset,
+                      stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+                      stride_bse, stride_bsk, stride_bsn,
+                      QUANT: tl.constexpr, A_QUANT: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTED: tl.constexpr,
+                      DOT: tl.constexpr, FP8_DOT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots < num_slots
+    rows = slots // a_row_div
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    b_base = b_ptr + expert * stride_be
+    if A_QUANT == 2:
+        acc_dtype = tl.int32
+        a_scale = tl.load(as_ptr + expert).to(tl.float32)
+    else:
+        acc_dtype = tl.float32
+        a_scale = 1.0
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_dtype)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_dtype)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+        if A_QUANT == 1:  # BLOCK_K == 128: this tile is exactly one quantization group per row
+            amax = tl.max(tl.abs(a), axis=1)
+            row_scale = tl.where(amax > 0, amax / 448.0, 1.0)
+            a = tl.clamp(a / row_scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+        elif A_QUANT == 2:
+            a = tl.clamp(round_half_away(a / a_scale), -127.0, 127.0).to(tl.int8)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w = load_weight_tile(b_base, offs_k, offs_n, w_mask, stride_bk, stride_bn, QUANT)
+        part = _tile_dot(a, w, a_scale, QUANT, A_QUANT, DOT, FP8_DOT)
+        if SWIGLU:
+            w_up = load_weight_tile(b_base, offs_k, offs_n + up_offset, w_mask, stride_bk, stride_bn, QUANT)
+            part_up = _tile_dot(a, w_up, a_scale, QUANT, A_QUANT, DOT, FP8_DOT)
+        if QUANT == 3:
+            bs = bs_ptr + expert * stride_bse + (k0 // 128) * stride_bsk
+            s = tl.load(bs + (offs_n // 128) * stride_bsn, mask=n_mask, other=0.0)
+            acc += part * row_scale[:, None] * s[None, :]
+            if SWIGLU:
+                s_up = tl.load(bs + ((offs_n + up_offset) // 128) * stride_bsn, mask=n_mask, other=0.0)
+                acc_up += part_up * row_scale[:, None] * s_up[None, :]
+        else:
+            acc += part
+            if SWIGLU:
+                acc_up += part_up
+    out = acc.to(tl.float32)
+    out_up = acc_up.to(tl.float32)
+    if QUANT == 1 or QUANT == 2:
+        s = tl.load(bs_ptr + expert * stride_bse + offs_n * stride_bsn, mask=n_mask, other=0.0)
+        out = out * (s * a_scale)[None, :]
+        if SWIGLU:
+            s_up = tl.load(bs_ptr + expert * stride_bse + (offs_n + up_offset) * stride_bsn, mask=n_mask, other=0.0)
+            out_up = out_up * (s_up * a_scale)[None, :]
+    if SWIGLU:
+        out = out / (1.0 + tl.exp(-out)) * out_up
+    if MUL_ROUTED:
+        out = out * tl.load(topk_w_ptr + slots, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + slots[:, None] * stride_cm + offs_n[None, :] * stride_cn, out.to(c_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(c_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(TOPK):
+        acc += tl.load(c_ptr + (t * TOPK + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_strides(scale: Any, quant: int) -> tuple[int, int, int]:
+    if scale is None:
+        return 0, 0, 0
+    if quant == QUANT_CODES["block_wise_fp8"]:
+        return scale.stride(0), scale.stride(1), scale.stride(2)
+    return scale.stride(0), 0, scale.stride(1)
+
+
+def _gemm(a, w, w_scale, a_scale, out, topk_w, sorted_ids, expert_ids, num_post, n, k, num_slots, a_row_div,
+          method, swiglu, act_dtype, block_m):
+    quant = QUANT_CODES[method]
+    a_quant = {"block_wise_fp8": A_FP8_GROUP, "w4a8": A_INT8_STATIC}.get(method, A_NONE)
+    block_n = 64
+    block_k = 128 if quant == QUANT_CODES["block_wise_fp8"] else 64
+    grid = (expert_ids.shape[0] * triton.cdiv(n, block_n),)
+    bse, bsk, bsn = _scale_strides(w_scale, quant)
+    dummy = w if w_scale is None else w_scale
+    _fused_moe_kernel[grid](
+        a, w, out, dummy, a_scale if a_scale is not None else dummy, topk_w, sorted_ids, expert_ids, num_post,
+        n, k, num_slots, a_row_div, n if swiglu else 0,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        bse, bsk, bsn,
+        QUANT=quant, A_QUANT=a_quant, SWIGLU=swiglu, MUL_ROUTED=not swiglu, DOT=dot_dtype(act_dtype),
+        FP8_DOT=not INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+
+
+def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any, method: str | None = None,
+              up_gate_scale: Any = None, down_scale: Any = None, up_gate_act_scale: Any = None,
+              down_act_scale: Any = None, block_m: int | None = None) -> Any:
+    """Routed experts for x [T, H] -> [T, H] in x's dtype; torch or Paddle tensors.
+
+    up_gate [E, H, 2I] ([gate | up] on the last dim), down [E, I, H]: float (method None) or quantized
+    per formats.py for method in wint8 / wint4 / w4a8 / block_wise_fp8 (int4 packed [E, K//2, N],
+    fp8 as float8_e4m3fn). *_scale: [E, N] per-channel, or [E, ceil(K/128), ceil(N/128)] for fp8.
+    *_act_scale: [E] static activation scales (w4a8). topk_ids [T, k], topk_weights [T, k].
+    """
+    if method not in QUANT_CODES:
+        raise ValueError(f"fused_moe method must be one of {[m for m in QUANT_CODES if m]} or None, got {method!r}")
+    if method is not None and (up_gate_scale is None or down_scale is None):
+        raise ValueError(f"fused_moe method {method!r} needs up_gate_scale and down_scale")
+    if method == "w4a8" and (up_gate_act_scale is None or down_act_scale is None):
+        raise ValueError("fused_moe w4a8 needs up_gate_act_scale and down_act_scale")
+    t, h = x.shape
+    topk = topk_ids.shape[1]
+    e = up_gate.shape[0]
+    inter = up_gate.shape[2] // 2
+    act = dtype_name(x)
+    x = contiguous(x)
+    if t == 0:
+        return new_tensor(x, [0, h], act)
+    block_m = block_m or min(64, max(16, next_pow2(t * topk // e)))
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, e, block_m)
+    num_slots = t * topk
+    topk_w = contiguous(topk_weights).reshape([-1])
+    mid = new_tensor(x, [num_slots, inter], act)
+    _gemm(x, up_gate, up_gate_scale, up_gate_act_scale, mid, topk_w, sorted_ids, expert_ids, num_post,
+          inter, h, num_slots, topk, method, True, act, block_m)
+    slot_out = new_tensor(x, [num_slots, h], act)
+    _gemm(mid, down, down_scale, down_act_scale, slot_out, topk_w, sorted_ids, expert_ids, num_post,
+          h, inter, num_slots, 1, method, False, act, block_m)
+    out = new_tensor(x, [t, h], act)
+    bh = min(1024, next_pow2(h))
+    _sum_slots_kernel[(t, triton.cdiv(h, bh))](slot_out, out, h, TOPK=topk, BLOCK_H=bh)
+    return out

@@ -1,0 +1,120 @@
+"""NumPy references the kernels are tested against (framework free, so they also run on a torch-only
+GPU box). Quantized inputs use the layouts and the dequantization of ernie_serve.quantization.formats,
+restated here so this package does not import the engine."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float = 1e-5, residual: np.ndarray | None = None):
+    h = x.astype(np.float32) + (0 if residual is None else residual.astype(np.float32))
+    y = w.astype(np.float32) * (h / np.sqrt((h * h).mean(-1, keepdims=True) + eps))
+    return y if residual is None else (y, h)
+
+
+def unpack_int4(p: np.ndarray) -> np.ndarray:
+    u = p.view(np.uint8).astype(np.int16)
+    out = np.empty(p.shape[:-2] + (p.shape[-2] * 2, p.shape[-1]), np.float32)
+    out[..., 0::2, :] = ((u & 15) ^ 8) - 8
+    out[..., 1::2, :] = (((u >> 4) & 15) ^ 8) - 8
+    return out
+
+
+def dequant(w: np.ndarray, scale: np.ndarray | None, method: str | None) -> np.ndarray:
+    """Dequantized float32 weights [..., K, N] for the kernels' method names."""
+    if method is None:
+        return w.astype(np.float32)
+    if method == "wint8":
+        return w.astype(np.float32) * scale[..., None, :]
+    if method in ("wint4", "w4a8"):
+        return unpack_int4(w) * scale[..., None, :]
+    if method == "block_wise_fp8":
+        k, n = w.shape[-2:]
+        full = np.repeat(np.repeat(scale, 128, -2), 128, -1)[..., :k, :n]
+        return w.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * full
+    raise ValueError(method)
+
+
+def weight_only_linear(x: np.ndarray, qweight: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
+    return x.astype(np.float32) @ dequant(qweight, scale, "wint8" if bits == 8 else "wint4")
+
+
+def _round_half_away(x):
+    return np.sign(x) * np.floor(np.abs(x) + 0.5)
+
+
+def fake_quant_act(x: np.ndarray, method: str | None, act_scale: float | None = None) -> np.ndarray:
+    """What the kernel's A-tile quantization does to activations (identity for weight-only methods)."""
+    x = x.astype(np.float32)
+    if method == "block_wise_fp8":
+        t, k = x.shape
+        g = x.reshape(t, -1, 128)
+        amax = np.abs(g).max(-1, keepdims=True)
+        s = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+        q = np.clip(g / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        return (q * s).reshape(t, k)
+    if method == "w4a8":
+        return np.clip(_round_half_away(x / np.float32(act_scale)), -127, 127) * np.float32(act_scale)
+    return x
+
+
+def fused_moe(x, up_gate, down, topk_ids, topk_weights, method=None, up_gate_scale=None, down_scale=None,
+              up_gate_act_scale=None, down_act_scale=None) -> np.ndarray:
+    """Per (token, slot) loop over dequantized experts, activations fake-quantized like the kernel."""
+    t, h = x.shape
+    inter = up_gate.shape[-1] // 2
+    ug = dequant(up_gate, up_gate_scale, method)
+    dn = dequant(down, down_scale, method)
+    out = np.zeros((t, h), np.float32)
+    for i in range(t):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[i, j])
+            a1 = None if up_gate_act_scale is None else up_gate_act_scale[e]
+            hh = fake_quant_act(x[i:i + 1], method, a1) @ ug[e]
+            g, u = hh[:, :inter], hh[:, inter:]
+            mid = g / (1 + np.exp(-g)) * u
+            a2 = None if down_act_scale is None else down_act_scale[e]
+            out[i] += topk_weights[i, j] * (fake_quant_act(mid, method, a2) @ dn[e])[0]
+    return out
+
+
+def moe_align_block_size(topk_ids: np.ndarray, num_experts: int, block_m: int):
+    """(sorted slot ids with sentinel padding, expert id per block, number of padded slots)."""
+    flat = topk_ids.reshape(-1)
+    sorted_ids, expert_ids = [], []
+    for e in range(num_experts):
+        slots = np.nonzero(flat == e)[0].tolist()
+        pad = -len(slots) % block_m
+        sorted_ids += slots + [flat.size] * pad
+        expert_ids += [e] * ((len(slots) + pad) // block_m)
+    return np.array(sorted_ids, np.int32), np.array(expert_ids, np.int32), len(sorted_ids)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=None, k_scale=None, v_scale=None):
+    """Gather each sequence's tokens from its pages, dequantize, plain softmax attention in fp32."""
+    b, hq, d = q.shape
+    nb, page, kvh, _ = k_cache.shape
+    scale = sm_scale or d ** -0.5
+
+    def deq(c, s):
+        c = c.astype(np.float32)
+        if s is None:
+            return c
+        s = np.asarray(s, np.float32)
+        return c * (s.reshape(1, 1, kvh, d) if s.ndim == 1 else s[:, None, :, None]) / 127.0
+
+    kf, vf = deq(k_cache, k_scale), deq(v_cache, v_scale)
+    out = np.zeros((b, hq, d), np.float32)
+    for i in range(b):
+        n = int(seq_lens[i])
+        pages = block_tables[i, : -(-n // page)]
+        ks = kf[pages].reshape(-1, kvh, d)[:n]
+        vs = vf[pages].reshape(-1, kvh, d)[:n]
+        for h in range(hq):
+            kv = h // (hq // kvh)
+            s = (q[i, h].astype(np.float32) @ ks[:, kv].T) * scale
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ vs[:, kv]
+    return out
