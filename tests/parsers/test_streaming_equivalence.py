@@ -7,6 +7,8 @@ falls back to "no tool calls"); well-formed outputs never hit it.
 """
 from __future__ import annotations
 
+import os
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +28,8 @@ SETUPS = [
     ("ernie-45-vl", None, []), ("ernie-45-vl-thinking", "ernie-x1", []), (None, "qwen3", []),
     (None, None, []),
 ]
-settings.register_profile("parsers", max_examples=150, deadline=None,
+# PARSER_EXAMPLES=2000 for a deeper run
+settings.register_profile("parsers", max_examples=int(os.environ.get("PARSER_EXAMPLES", "150")), deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 PROFILE = settings.get_profile("parsers")
 
