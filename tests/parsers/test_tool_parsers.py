@@ -161,3 +161,25 @@ def test_end_tag_inside_a_json_string(tp, tok):
 def test_missing_markers_in_vocab():
     with pytest.raises(ValueError, match="</tool_call>"):
         get_tool_parser("qwen3")(FakeTokenizer(["<tool_call>"]))
+
+
+def test_one_tool_parser_can_follow_interleaved_requests(tp):
+    a = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+    b = 'text then <tool_call>{"name": "b"}</tool_call>'
+    got = {"a": [], "b": []}
+    for i in range(1, max(len(a), len(b)) + 1):
+        for key, text in (("a", a), ("b", b)):
+            if i <= len(text):
+                msg = tp.extract_tool_calls_streaming(text[:i - 1], text[:i], text[i - 1], [], [], [], None)
+                if msg:
+                    got[key].append(msg)
+    args = {k: "".join(d.function.arguments or "" for m in v for d in m.tool_calls) for k, v in got.items()}
+    assert args == {"a": '{"x": 1}', "b": "{}"}
+    assert "".join(m.content or "" for m in got["b"]) == "text then "
+
+
+def test_delta_message_to_dict_omits_none():
+    from ernie_serve.parsers import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+    msg = DeltaMessage(tool_calls=[DeltaToolCall(0, function=DeltaFunctionCall(arguments='{"a'))])
+    assert msg.to_dict() == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a'}}]}
+    assert DeltaMessage(content="\n").to_dict() == {"content": "\n"}

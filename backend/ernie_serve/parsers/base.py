@@ -84,6 +84,9 @@ class ReasoningParser(ABC):
     split(output) -> (reasoning, rest), then content_from_rest(rest) -> content.
     """
     name = "reasoning"
+    # True: the chat template renders enable_thinking into the prompt and the status is read from
+    # the prompt ids alone; False: an explicit enable_thinking flag overrides the prompt.
+    status_from_prompt_only = False
 
     def __init__(self, tokenizer: TokenizerLike):
         self.tokenizer = tokenizer

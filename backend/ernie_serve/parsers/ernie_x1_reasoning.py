@@ -49,6 +49,7 @@ def _scan(buf: str, stop: str) -> tuple[str, str | None, str]:
 @register_reasoning_parser("ernie-x1")
 class ErnieX1ReasoningParser(ReasoningParser):
     name = "ernie-x1"
+    status_from_prompt_only = True  # parsers.md: enable_thinking is model_status == think_start
 
     def __init__(self, tokenizer: TokenizerLike):
         super().__init__(tokenizer)

@@ -40,9 +40,7 @@ def _make_parsers(tokenizer: TokenizerLike, reasoning_parser: str | None, tool_p
     tp = get_tool_parser(tool_parser)(tokenizer) if (tool_parser and tools) else None
     status = None
     if rp is not None:
-        # ernie-x1's template writes enable_thinking into the prompt, and parsers.md derives the
-        # status from the prompt alone; the <think>-tag parsers honour an explicit flag.
-        if enable_thinking is None or rp.name == "ernie-x1":
+        if enable_thinking is None or rp.status_from_prompt_only:
             status = rp.get_model_status(prompt_token_ids)
         else:
             status = "think_start" if enable_thinking else "think_end"
