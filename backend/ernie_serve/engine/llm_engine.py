@@ -18,6 +18,7 @@ from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .kv_cache_manager import KVCacheManager
+from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner, ModelRunnerOutput
 from .output_processor import TextState
 from .request import Request, RequestStatus
@@ -25,6 +26,10 @@ from .scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class EngineCapacityError(RuntimeError):
+    """The KV pool cannot take what was asked right now (e.g. a transferred sequence)."""
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
@@ -63,6 +68,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, num_host_blocks, config.sampling_class)
         self.requests: dict[str, list[Request]] = {}  # external id -> its n sequences
         self.texts: dict[str, TextState] = {}
+        self.held_kv: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export
         self._seed_counter = itertools.count()
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -89,7 +95,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, hold_kv: bool = False) -> None:
         """Validate and queue; raises ValueError (naming the field) for anything that cannot run."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -114,7 +120,7 @@ class LLMEngine:
             rng = np.random.default_rng([seed, i] if seed is not None else [self.config.seed, next(self._seed_counter), 1])
             req = Request(rid, list(ids), sampling_params, self.eos_token_ids, max_tokens,
                           parent_id=request_id if sampling_params.n > 1 else None, index=i, generator=rng,
-                          bad_words_ids=[w for w in bad_words if w])
+                          bad_words_ids=[w for w in bad_words if w], hold_kv=hold_kv)
             self.texts[rid] = TextState(self.tokenizer, req)
             group.append(req)
         leader = group[0]
@@ -134,6 +140,42 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._make_output(request_id, group, {r.request_id: ([], "") for r in group}, finalize=True)
+
+    # ---------------------------------------------------------------- prefill/decode disaggregation
+    def export_kv(self, request_id: str) -> KVTransfer:
+        """The computed KV of a finished hold_kv request; its blocks are released afterwards."""
+        request = self.held_kv.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"request {request_id!r} holds no KV (add it with hold_kv=True and let it finish)")
+        n = self.kv.num_blocks_for(request.num_computed_tokens)
+        data = self.runner.cache.read_blocks(request.block_ids[:n])
+        transfer = KVTransfer(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+                              request.num_computed_tokens, self.config.block_size, data)
+        self.kv.free(request)
+        return transfer
+
+    def add_prefilled_request(self, transfer: KVTransfer, sampling_params: SamplingParams) -> None:
+        """Continue a request whose prompt KV was computed elsewhere (decode role)."""
+        if transfer.block_size != self.config.block_size:
+            raise ValueError(f"KV transfer block_size {transfer.block_size} != this engine's {self.config.block_size}")
+        if sampling_params.n != 1:
+            raise ValueError("n must be 1 for a prefilled request")
+        self.add_request(transfer.request_id, transfer.prompt_token_ids, sampling_params)
+        req = self.requests[transfer.request_id][0]
+        self.scheduler.waiting.remove(req)
+        n = transfer.data.shape[2]
+        if self.kv.num_free_blocks < n:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            del self.requests[transfer.request_id]
+            raise EngineCapacityError(f"no room for {n} transferred KV blocks ({self.kv.num_free_blocks} free)")
+        req.block_ids = self.kv.pool.allocate(n)
+        self.runner.cache.write_blocks(req.block_ids, transfer.data)
+        req.num_computed_tokens = transfer.num_computed_tokens
+        req.num_cached_tokens = 0
+        self._append_tokens(req, transfer.output_token_ids, [None] * len(transfer.output_token_ids), time.monotonic())
+        if not req.is_finished:
+            req.status = RequestStatus.RUNNING
+            self.scheduler.running.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -224,6 +266,8 @@ class LLMEngine:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if req.is_finished:
             self.scheduler.finish(req, req.status)
+            if req.hold_kv:
+                self.held_kv[req.request_id] = req
         return added, text
 
     def _make_output(self, ext_id: str, group: list[Request], deltas: dict, finalize: bool = False) -> RequestOutput:

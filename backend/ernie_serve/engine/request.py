@@ -54,6 +54,7 @@ class Request:
     first_token_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    hold_kv: bool = False  # keep blocks after finishing until export_kv (prefill role)
     num_computed_tokens_total: int = 0  # all tokens this request ever ran through the model (counts recompute)
 
     @property

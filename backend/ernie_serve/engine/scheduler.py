@@ -135,4 +135,5 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if not (req.hold_kv and status is not RequestStatus.FINISHED_ABORTED):
+            self.kv.free(req)

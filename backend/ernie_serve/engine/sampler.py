@@ -1,0 +1,340 @@
+"""Turns one step's logits into tokens: penalties, masks, greedy / temperature / top-k / top-p / min-p.
+
+The pipeline, per row (vectorized over the batch):
+  penalties (repetition, frequency, presence) -> bad words and min_tokens masks -> greedy rows take
+  the argmax -> temperature -> top_k -> top_p (on the top-k renormalized distribution) -> min_p
+  (relative to the most probable token) -> one inverse-CDF draw from the row's own generator.
+
+Membership is defined by probability values only, so ties are treated alike by both methods:
+  top-k:  fewer than k tokens are strictly more probable;
+  top-p:  the mass of the strictly more probable tokens is < top_p * (mass of the top-k set);
+  min-p:  prob >= min_p * max prob.
+Each is an "upper set" (if a token is in it, so is every more probable token), and so is their
+intersection; that is what lets the rejection method find it without sorting.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from ..sampling_params import GREEDY_EPSILON, SamplingParams
+
+if TYPE_CHECKING:
+    import paddle
+
+# FD_SAMPLING_CLASS values; FastDeploy's GPU-only variants of the exact sampler map to it here
+SAMPLING_METHODS = {"base": "base", "base_non_truncated": "base", "air": "base", "rejection": "rejection"}
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence to sample this step; built by the model runner."""
+    params: list[SamplingParams]
+    generators: list[np.random.Generator]  # one per row, owned by the request (may be None for greedy rows)
+    prompt_token_ids: list[Sequence[int]]  # prompt + output count as "seen" for repetition_penalty
+    output_token_ids: list[Sequence[int]]  # presence/frequency penalties count these only
+    eos_token_ids: list[int]  # per row; an entry may also be a list of ids (models with several eos)
+    bad_words_ids: list[list[list[int]]]  # per row: token sequences that must not be produced
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: np.ndarray  # [R] int64
+    # per row when params.logprobs is not None: {token_id: (logprob, rank)} for the sampled token and the
+    # top-`logprobs` tokens, from the raw log-softmax; rank = 1 + number of tokens strictly more likely
+    logprobs: list[dict[int, tuple[float, int]] | None]
+
+
+class Sampler:
+    def __init__(self, method: str = "base"):
+        if method not in SAMPLING_METHODS:
+            raise ValueError(f"unknown sampling method {method!r} (FD_SAMPLING_CLASS); "
+                             f"known: {', '.join(SAMPLING_METHODS)}")
+        self.method = SAMPLING_METHODS[method]
+
+    def __call__(self, logits: "np.ndarray | paddle.Tensor", batch: SamplingBatch) -> SamplerOutput:
+        raw = _as_float32_matrix(logits)
+        _check_batch(raw, batch)
+        work = raw.copy()
+        apply_penalties(work, batch)
+        apply_token_masks(work, batch)
+        dead = ~np.isfinite(work.max(axis=1)) if work.size else np.zeros(0, bool)
+        if dead.any():
+            raise ValueError(f"rows {np.flatnonzero(dead).tolist()} have no token left with a finite logit "
+                             "after penalties, bad_words and min_tokens masks")
+
+        params = batch.params
+        greedy = np.array([p.temperature < GREEDY_EPSILON for p in params], dtype=bool)
+        token_ids = np.empty(len(params), dtype=np.int64)
+        token_ids[greedy] = np.argmax(work[greedy], axis=1)
+        rows = np.flatnonzero(~greedy)
+        if rows.size:
+            probs = _softmax(work[rows], np.array([params[r].temperature for r in rows], dtype=np.float32))
+            gens = [batch.generators[r] for r in rows]
+            missing = [int(r) for r, g in zip(rows, gens) if g is None]
+            if missing:
+                raise ValueError(f"rows {missing} sample (temperature > 0) but have no generator")
+            top_k = np.array([params[r].top_k for r in rows], dtype=np.int64)
+            top_p = np.array([params[r].top_p for r in rows], dtype=np.float64)
+            min_p = np.array([params[r].min_p for r in rows], dtype=np.float64)
+            top_k[(top_k <= 0) | (top_k >= probs.shape[1])] = 0  # 0 = off
+            top_p[top_p >= 1.0] = 1.0
+            draw = _sample_sorted if self.method == "base" else _sample_rejection
+            token_ids[rows] = draw(probs, top_k, top_p, min_p, gens)
+        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, token_ids, params))
+
+
+def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> None:
+    """In place, vLLM semantics: repetition over prompt + output (positive logits divided, negative
+    multiplied), then frequency (-f * count) and presence (-p if count > 0) over output tokens."""
+    R, V = logits.shape
+    rep_rows, rep_toks, out_rows, out_toks = [], [], [], []
+    for r, p in enumerate(batch.params):
+        if p.repetition_penalty != 1.0:
+            seen = np.unique(np.concatenate([np.asarray(batch.prompt_token_ids[r], dtype=np.int64).ravel(),
+                                             np.asarray(batch.output_token_ids[r], dtype=np.int64).ravel()]))
+            rep_rows.append(np.full(seen.size, r, dtype=np.int64))
+            rep_toks.append(seen)
+        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            out = np.asarray(batch.output_token_ids[r], dtype=np.int64).ravel()
+            out_rows.append(np.full(out.size, r, dtype=np.int64))
+            out_toks.append(out)
+    if rep_rows:
+        rows, toks = np.concatenate(rep_rows), _checked_ids(np.concatenate(rep_toks), V, "prompt/output")
+        penalty = np.array([p.repetition_penalty for p in batch.params], dtype=np.float32)[rows]
+        vals = logits[rows, toks]
+        logits[rows, toks] = np.where(vals > 0, vals / penalty, vals * penalty)
+    if out_rows:
+        keys = np.concatenate(out_rows) * V + _checked_ids(np.concatenate(out_toks), V, "output")
+        keys, counts = np.unique(keys, return_counts=True)
+        rows, toks = keys // V, keys % V
+        freq = np.array([p.frequency_penalty for p in batch.params], dtype=np.float32)
+        pres = np.array([p.presence_penalty for p in batch.params], dtype=np.float32)
+        logits[rows, toks] -= freq[rows] * counts.astype(np.float32) + pres[rows]
+
+
+def apply_token_masks(logits: np.ndarray, batch: SamplingBatch) -> None:
+    """In place: -inf for bad words (a multi-token word's last token only once the output ends with the
+    rest of it) and, while the output is shorter than min_tokens, for the eos and stop token ids."""
+    R, V = logits.shape
+    rows, toks = [], []
+    for r, p in enumerate(batch.params):
+        out = batch.output_token_ids[r]
+        for word in batch.bad_words_ids[r]:
+            m = len(word) - 1
+            if m < 0 or len(out) < m:
+                continue
+            if m == 0 or [int(t) for t in out[len(out) - m:]] == [int(t) for t in word[:-1]]:
+                rows.append(r)
+                toks.append(int(word[-1]))
+        if len(out) < p.min_tokens:
+            ids = list(p.stop_token_ids)
+            eos = batch.eos_token_ids[r]
+            if not p.ignore_eos and eos is not None:  # with ignore_eos, eos is an ordinary token (vLLM)
+                ids.extend(np.atleast_1d(np.asarray(eos, dtype=np.int64)).tolist())
+            rows.extend([r] * len(ids))
+            toks.extend(ids)
+    if rows:
+        toks_arr = np.asarray(toks, dtype=np.int64)
+        inside = (toks_arr >= 0) & (toks_arr < V)  # ids beyond this vocab can never be produced anyway
+        logits[np.asarray(rows, dtype=np.int64)[inside], toks_arr[inside]] = -np.inf
+
+
+def _sample_sorted(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                   gens: list[np.random.Generator]) -> np.ndarray:
+    """Exact filtering on a descending sort; rows with neither top_k nor top_p skip the sort.
+
+    A row sorts only its SORT_WINDOW most probable tokens when that provably holds the whole
+    filtered set (see _window_suffices), the whole vocabulary otherwise.
+    """
+    R, V = probs.shape
+    u = np.array([g.random() for g in gens])
+    tokens = np.empty(R, dtype=np.int64)
+    needs_sort = (top_k > 0) | (top_p < 1.0)
+
+    plain = np.flatnonzero(~needs_sort)
+    if plain.size:
+        p = probs[plain]
+        p = np.where(p >= (min_p[plain] * p.max(axis=1))[:, None], p, 0.0)
+        tokens[plain] = _inverse_cdf(p, u[plain])
+
+    srt = np.flatnonzero(needs_sort)
+    if not srt.size:
+        return tokens
+    p = probs[srt]
+    total = p.sum(axis=1, dtype=np.float64)
+    full = np.ones(srt.size, dtype=bool)
+    if SORT_WINDOW < V:
+        window = np.argpartition(p, V - SORT_WINDOW, axis=1)[:, V - SORT_WINDOW:]
+        pw = np.take_along_axis(p, window, axis=1)
+        fits = _window_suffices(pw, top_k[srt], top_p[srt], total)
+        full = ~fits
+        if fits.any():
+            i = np.flatnonzero(fits)
+            order = np.take_along_axis(window[i], np.argsort(pw[i], axis=1)[:, ::-1], axis=1)
+            tokens[srt[i]] = _draw_sorted(p[i], order, top_k[srt[i]], top_p[srt[i]], min_p[srt[i]], total[i], u[srt[i]])
+    if full.any():
+        i = np.flatnonzero(full)
+        order = np.argsort(p[i], axis=1)[:, ::-1]  # descending; the order among ties does not matter
+        tokens[srt[i]] = _draw_sorted(p[i], order, top_k[srt[i]], top_p[srt[i]], min_p[srt[i]], total[i], u[srt[i]])
+    return tokens
+
+
+SORT_WINDOW = 1024
+
+
+def _window_suffices(pw: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """Rows whose filtered set lies inside the window (the row's W most probable tokens).
+
+    Every token outside the window is at most as probable as the window's smallest, `floor`, so it
+    has at least as many tokens (and as much mass) strictly above it as `floor` does. If that is
+    already >= k, or the mass >= top_p * total on a row without top_k, no such token survives; and
+    the top-k mass, needed for top_p, then lies in the window too.
+    """
+    floor = pw.min(axis=1)
+    above = pw > floor[:, None]
+    kept_by_k = (top_k > 0) & (above.sum(axis=1) >= top_k)
+    kept_by_p = (top_k == 0) & (np.where(above, pw, 0.0).sum(axis=1, dtype=np.float64) >= top_p * total)
+    return kept_by_k | kept_by_p
+
+
+def _draw_sorted(p: np.ndarray, order: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                 total: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Filter and draw on `order` (the row's tokens, or its most probable ones, most probable first)."""
+    q = np.take_along_axis(p, order, axis=1)
+    # position of the first token of each tie group = number of tokens strictly more probable
+    starts = np.ones(q.shape, dtype=bool)
+    starts[:, 1:] = q[:, 1:] != q[:, :-1]
+    n_greater = np.maximum.accumulate(np.where(starts, np.arange(q.shape[1], dtype=np.int32), 0), axis=1)
+    excl = np.zeros(q.shape, dtype=np.float64)
+    np.cumsum(q[:, :-1], axis=1, dtype=np.float64, out=excl[:, 1:])
+    mass_greater = np.take_along_axis(excl, n_greater, axis=1)
+
+    in_k = (top_k[:, None] == 0) | (n_greater < top_k[:, None])
+    z_k = np.where(top_k > 0, np.where(in_k, q, 0.0).sum(axis=1, dtype=np.float64), total)
+    in_p = (top_p[:, None] >= 1.0) | (mass_greater < (top_p * z_k)[:, None])
+    in_min = q >= (min_p * q[:, 0])[:, None]
+    pos = _inverse_cdf(np.where(in_k & in_p & in_min, q, 0.0), u)
+    return order[np.arange(order.shape[0]), pos]
+
+
+def _sample_rejection(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                      gens: list[np.random.Generator]) -> np.ndarray:
+    """Sort-free: draw among the candidates, accept if in the top-k and top-p sets, otherwise keep only
+    tokens more probable than the rejected one and draw again.
+
+    Exact: the accepted set S is an upper set, so a rejected candidate x has every token with
+    prob <= prob(x) outside S as well; the candidates always contain S, and a draw from them that
+    lands in S is distributed as probs restricted to S. The candidates shrink each round and the
+    most probable token is always accepted, so the loop ends.
+    """
+    R, V = probs.shape
+    candidates = probs >= (min_p * probs.max(axis=1))[:, None]  # min_p is a threshold: no search needed
+    # top-p is measured on the top-k renormalized distribution, so it needs the top-k mass: a
+    # selection (np.partition, linear time) finds each row's k-th largest prob; the top-k set is
+    # every token at least that probable (ties included: fewer than k are strictly more probable)
+    z_k = probs.sum(axis=1, dtype=np.float64)
+    with_k = np.flatnonzero(top_k > 0)
+    if with_k.size:
+        ks = top_k[with_k]
+        part = -np.partition(-probs[with_k], np.unique(ks) - 1, axis=1)
+        kth = part[np.arange(with_k.size), ks - 1]
+        z_k[with_k] = np.where(probs[with_k] >= kth[:, None], probs[with_k], 0.0).sum(axis=1, dtype=np.float64)
+    limit = top_p * z_k
+
+    tokens = np.empty(R, dtype=np.int64)
+    active = np.arange(R)
+    for _ in range(V + 1):
+        if not active.size:
+            return tokens
+        u = np.array([gens[r].random() for r in active])
+        p = probs[active]
+        x = _inverse_cdf(np.where(candidates[active], p, 0.0), u)
+        px = p[np.arange(active.size), x]
+        greater = p > px[:, None]
+        k = top_k[active]
+        ok = (k == 0) | (greater.sum(axis=1) < k)
+        ok &= (top_p[active] >= 1.0) | (np.where(greater, p, 0.0).sum(axis=1, dtype=np.float64) < limit[active])
+        tokens[active[ok]] = x[ok]
+        rejected = active[~ok]
+        candidates[rejected] &= probs[rejected] > px[~ok][:, None]
+        active = rejected
+    raise RuntimeError(f"rejection sampling did not converge for rows {active.tolist()}")
+
+
+def _inverse_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Index i with cdf[i-1] <= u * total < cdf[i] per row; zero-weight entries are never chosen."""
+    cdf = np.cumsum(weights, axis=1, dtype=np.float64)
+    idx = (cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1)
+    # u * total can round up to total; fall back to the last entry with weight
+    last = weights.shape[1] - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
+    return np.minimum(idx, last)
+
+
+def _softmax(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
+    x = logits / temperature[:, None]
+    x -= x.max(axis=1, keepdims=True)  # rows have a finite max (checked), so -inf stays -inf, never NaN
+    np.exp(x, out=x)
+    x /= x.sum(axis=1, keepdims=True)
+    return x
+
+
+def _logprobs(raw: np.ndarray, token_ids: np.ndarray,
+              params: list[SamplingParams]) -> list[dict[int, tuple[float, int]] | None]:
+    out: list[dict[int, tuple[float, int]] | None] = [None] * len(params)
+    rows = np.array([r for r, p in enumerate(params) if p.logprobs is not None], dtype=np.int64)
+    if not rows.size:
+        return out
+    x = raw[rows]
+    m = x.max(axis=1, keepdims=True)
+    m[~np.isfinite(m)] = 0.0
+    lp = x - m
+    lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
+    sampled = token_ids[rows]
+    sampled_lp = lp[np.arange(rows.size), sampled]
+    sampled_rank = (lp > sampled_lp[:, None]).sum(axis=1) + 1
+    n = min(max(params[r].logprobs for r in rows), lp.shape[1])
+    top = np.zeros((rows.size, 0), dtype=np.int64)
+    if n > 0:
+        top = np.argpartition(-lp, n - 1, axis=1)[:, :n]
+        top_lp = np.take_along_axis(lp, top, axis=1)
+        order = np.argsort(-top_lp, axis=1, kind="stable")
+        top = np.take_along_axis(top, order, axis=1)
+        top_lp = np.take_along_axis(top_lp, order, axis=1)
+        # every token more likely than a top-n token is in the top n, so its rank is the position
+        # of the first token with the same logprob
+        starts = np.ones(top_lp.shape, dtype=bool)
+        starts[:, 1:] = top_lp[:, 1:] != top_lp[:, :-1]
+        top_rank = np.maximum.accumulate(np.where(starts, np.arange(n), 0), axis=1) + 1
+    for i, r in enumerate(rows):
+        d = {int(sampled[i]): (float(sampled_lp[i]), int(sampled_rank[i]))}
+        for j in range(params[r].logprobs):
+            if j < top.shape[1] and np.isfinite(top_lp[i, j]):  # masked vocabulary tail is not a candidate
+                d.setdefault(int(top[i, j]), (float(top_lp[i, j]), int(top_rank[i, j])))
+        out[r] = d
+    return out
+
+
+def _as_float32_matrix(logits: "np.ndarray | paddle.Tensor") -> np.ndarray:
+    if not isinstance(logits, np.ndarray) and hasattr(logits, "numpy"):
+        logits = logits.numpy()
+    arr = np.asarray(logits, dtype=np.float32)
+    if arr.ndim != 2:
+        raise ValueError(f"logits must be [rows, vocab], got shape {arr.shape}")
+    return arr
+
+
+def _check_batch(logits: np.ndarray, batch: SamplingBatch) -> None:
+    R = logits.shape[0]
+    for name in ("params", "generators", "prompt_token_ids", "output_token_ids", "eos_token_ids",
+                 "bad_words_ids"):
+        if len(getattr(batch, name)) != R:
+            raise ValueError(f"SamplingBatch.{name} has {len(getattr(batch, name))} rows, logits have {R}")
+
+
+def _checked_ids(ids: np.ndarray, vocab: int, what: str) -> np.ndarray:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"{what} token ids must be in [0, {vocab}), got {ids.min()}..{ids.max()}")
+    return ids
