@@ -12,7 +12,7 @@ _LAUNCHERS = {
     "rms_norm": "rmsnorm",
     "weight_only_linear": "weight_only_gemm",
     "moe_align_block_size": "moe_align",
-    "fused_moe": "fused_moe",
+    "fused_moe": "moe_fused",
     "paged_decode_attention": "paged_attention",
 }
 

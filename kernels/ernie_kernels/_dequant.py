@@ -18,6 +18,10 @@ def load_weight_tile(b_ptr, offs_k, offs_n, mask, stride_bk, stride_bn, QUANT: t
         packed = tl.load(b_ptr + (offs_k[:, None] // 2) * stride_bk + offs_n[None, :] * stride_bn, mask=mask, other=0)
         shift = (offs_k[:, None] % 2) * 4
         return ((((packed.to(tl.int32) >> shift) & 15) ^ 8) - 8)
+    elif QUANT == 3:
+        # no `other`: the interpreter cannot cast a fill constant to fp8. Callers keep K a multiple of
+        # BLOCK_K so only out-of-range columns (never stored) see the undefined lanes.
+        return tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=mask)
     else:
         w = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=mask, other=0)
         if QUANT == 1:
