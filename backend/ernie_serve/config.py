@@ -15,6 +15,7 @@ SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 class EngineConfig:
     model: str | None = None  # checkpoint dir; None = the embedded tiny model
     tokenizer: str | None = None  # defaults to `model`
+    skip_tokenizer_init: bool = False  # token ids in and out only (no text, no stop strings), as vLLM
     max_model_len: int = 2048
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None  # None: 8192 (FastDeploy V1 scheduler)

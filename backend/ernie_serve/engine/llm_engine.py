@@ -40,12 +40,12 @@ def resolve_model_dir(config: EngineConfig) -> Path:
     return ensure_tiny_model()
 
 
-def read_eos_token_ids(model_dir: Path, tokenizer: ErnieTokenizer, model_cfg: ErnieModelConfig) -> list[int]:
+def read_eos_token_ids(model_dir: Path, tokenizer: ErnieTokenizer | None, model_cfg: ErnieModelConfig) -> list[int]:
     """EOS ids from generation_config.json (int or list), the config and the tokenizer, deduplicated."""
     ids: list[int] = []
     gen = model_dir / "generation_config.json"
     for source in (json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None,
-                   model_cfg.eos_token_id, tokenizer.eos_token_id):
+                   model_cfg.eos_token_id, tokenizer.eos_token_id if tokenizer else None):
         for i in source if isinstance(source, list) else [source]:
             if i is not None and int(i) not in ids:
                 ids.append(int(i))
@@ -57,10 +57,10 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model_dir(config)
         self.model_dir = model_dir
-        self.tokenizer = ErnieTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.tokenizer = None if config.skip_tokenizer_init else ErnieTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.model_config = ErnieModelConfig.from_pretrained(model_dir)
         self.eos_token_ids = read_eos_token_ids(model_dir, self.tokenizer, self.model_config)
-        self.model = load_model(model_dir, num_output_ids=len(self.tokenizer),
+        self.model = load_model(model_dir, num_output_ids=len(self.tokenizer) if self.tokenizer else None,
                                 show_progress=not config.disable_progress_bar)
         num_blocks, num_host_blocks = self._size_kv_pool()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
@@ -112,6 +112,8 @@ class LLMEngine:
         if sampling_params.logprobs is not None and sampling_params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {sampling_params.logprobs}")
         max_tokens = min(sampling_params.max_tokens or limit, limit - len(ids))
+        if self.tokenizer is None and (sampling_params.stop or sampling_params.bad_words):
+            raise ValueError("stop and bad_words need text: this engine runs with skip_tokenizer_init")
         bad_words = [self.tokenizer.encode(w) for w in sampling_params.bad_words]
         group = []
         for i in range(sampling_params.n):

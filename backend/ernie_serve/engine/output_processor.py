@@ -15,14 +15,16 @@ class TextState:
         p = req.sampling_params
         self.stops = p.stop
         self.include_stop = p.include_stop_str_in_output
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=req.prompt_token_ids[-8:],
-                                            skip_special_tokens=p.skip_special_tokens)
+        self.detok = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, prompt_ids=req.prompt_token_ids[-8:], skip_special_tokens=p.skip_special_tokens)
         self.text = ""  # decided text, as returned to the user
         self._pending = ""  # decoded but possibly the start of a stop string
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
     def append(self, token_ids: list[int], final: bool, check_stops: bool = True) -> tuple[str, str | None]:
         """Feed new tokens; returns (new decided text, matched stop string or None)."""
+        if self.detok is None:  # skip_tokenizer_init: ids only
+            return "", None
         self._pending += self.detok.step(token_ids)
         if final:
             self._pending += self.detok.flush()

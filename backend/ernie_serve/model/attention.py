@@ -15,7 +15,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, transpose
 
 _MASKED = -1e30  # finite, so a fully padded row gives a (discarded) uniform row instead of NaN
 
@@ -112,18 +112,25 @@ def _causal_mask(q_lens: list[int], ctx_lens: list[int], q: int, length: int) ->
 
 
 def _sdpa(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor, scale: float) -> paddle.Tensor:
-    """q [B, Q, nh, hd], k/v [B, L, nkv, hd], mask [B, 1, 1, Q, L] -> [B, Q, nh*hd]."""
+    """q [B, Q, nh, hd], k/v [B, nkv, L, hd] (contiguous), mask [B, 1, 1, Q, L] -> [B, Q, nh*hd].
+
+    Query head h reads KV head h // g (g = nh / nkv), so [nh] splits as [nkv, g] without a copy;
+    the single-token decode case needs no transpose at all.
+    """
     b, qn, nh, hd = q.shape
-    nkv = k.shape[2]
+    nkv = k.shape[1]
     g = nh // nkv
-    qh = q.reshape([b, qn, nkv, g, hd]).transpose([0, 2, 3, 1, 4]).reshape([b, nkv, g * qn, hd])
-    kh = k.transpose([0, 2, 1, 3])
-    vh = v.transpose([0, 2, 1, 3])
-    scores = paddle.matmul(qh, kh, transpose_y=True) * scale  # [B, nkv, g*Q, L]
+    if qn == 1:
+        qh = q.reshape([b, nkv, g, hd])
+    else:
+        qh = transpose(q.reshape([b, qn, nkv, g, hd]), [0, 2, 3, 1, 4]).reshape([b, nkv, g * qn, hd])
+    scores = paddle.matmul(qh, k, transpose_y=True) * scale  # [B, nkv, g*Q, L]
     scores = scores.reshape([b, nkv, g, qn, -1]) + mask
-    probs = F.softmax(scores.astype("float32"), axis=-1).astype(v.dtype).reshape([b, nkv, g * qn, -1])
-    out = paddle.matmul(probs, vh).reshape([b, nkv, g, qn, hd]).transpose([0, 3, 1, 2, 4])
-    return out.reshape([b, qn, nh * hd])
+    probs = F.softmax(scores, axis=-1).reshape([b, nkv, g * qn, -1])
+    out = paddle.matmul(probs, v)  # [B, nkv, g*Q, hd]
+    if qn == 1:
+        return out.reshape([b, 1, nh * hd])
+    return transpose(out.reshape([b, nkv, g, qn, hd]), [0, 3, 1, 2, 4]).reshape([b, qn, nh * hd])
 
 
 def paged_attention(
@@ -148,8 +155,8 @@ def paged_attention(
     for p in meta.prefills:
         qp = q[p.start : p.start + p.q_len].unsqueeze(0)
         if p.block_ids is None:
-            kp = k[p.start : p.start + p.q_len].unsqueeze(0)
-            vp = v[p.start : p.start + p.q_len].unsqueeze(0)
+            kp = transpose(k[p.start : p.start + p.q_len], [1, 0, 2]).unsqueeze(0)
+            vp = transpose(v[p.start : p.start + p.q_len], [1, 0, 2]).unsqueeze(0)
         else:
             kp, vp = cache.gather(layer, p.block_ids)
         outs.append(_sdpa(qp, kp, vp, p.mask, scale)[0])

@@ -34,12 +34,17 @@ class PagedKVCache:
         self.v[layer].reshape(flat)[slots] = v.numpy()
 
     def gather(self, layer: int, block_ids: np.ndarray) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K/V of the given blocks ([B, nb] ids) as [B, nb*block_size, kv_heads, head_dim]."""
+        """K/V of the given blocks ([B, nb] ids) as contiguous [B, kv_heads, nb*block_size, head_dim].
+
+        Heads-major is what the attention matmuls want; the transpose is done here in numpy
+        because Paddle's CPU transpose/contiguous kernels are ~10x slower than numpy's copy.
+        """
         b, nb = block_ids.shape
-        shape = [b, nb * self.block_size, self.num_kv_heads, self.head_dim]
-        k = np.take(self.k[layer], block_ids.reshape(-1), axis=0)
-        v = np.take(self.v[layer], block_ids.reshape(-1), axis=0)
-        return _as_paddle(k).reshape(shape), _as_paddle(v).reshape(shape)
+        shape = (b, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        flat = block_ids.reshape(-1)
+        k = np.take(self.k[layer], flat, axis=0).reshape(shape).transpose(0, 2, 1, 3)
+        v = np.take(self.v[layer], flat, axis=0).reshape(shape).transpose(0, 2, 1, 3)
+        return _as_paddle(k), _as_paddle(v)
 
     # Whole-block copies, all layers at once: the CPU swap tier and prefill/decode KV transfer use these.
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
@@ -56,3 +61,12 @@ class PagedKVCache:
 
 def _as_paddle(a: np.ndarray) -> paddle.Tensor:
     return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(a))
+
+
+def transpose(x: paddle.Tensor, perm: list[int]) -> paddle.Tensor:
+    """A contiguous transpose. On CPU tensors outside autograd it goes through numpy (zero-copy
+    in, one copy out): Paddle's strided CPU matmul on a transposed view was measured at 17 ms where
+    the contiguous one takes 0.25 ms, and its contiguous() kernel is no faster."""
+    if x.stop_gradient and x.place.is_cpu_place():
+        return _as_paddle(np.from_dlpack(x).transpose(perm))
+    return paddle.transpose(x, perm).contiguous()

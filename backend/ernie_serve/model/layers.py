@@ -43,12 +43,18 @@ class RotaryEmbedding:
 
     ERNIE rotates pairs (2i, 2i+1), not the two halves of the head (neox style), and the checkpoint
     weights are not permuted for either, so using rotate_half here would silently break the model.
+    The pair swap is a matmul with a fixed signed permutation R (x @ R = [-x1, x0, -x3, x2, ...]):
+    unlike strided slicing it stays on contiguous tensors, which Paddle's CPU kernels need to be fast.
     """
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, compression_ratio: float = 1.0):
         self.head_dim = head_dim
         self.theta = theta
         self.compression_ratio = compression_ratio
+        rot = np.zeros((head_dim, head_dim), np.float32)
+        rot[np.arange(1, head_dim, 2), np.arange(0, head_dim, 2)] = -1.0
+        rot[np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)] = 1.0
+        self._rot = paddle.to_tensor(rot)
         self._cos = self._sin = None
         self._ensure(max(256, min(max_positions, 8192)))
 
@@ -57,22 +63,19 @@ class RotaryEmbedding:
             return
         inv_freq = 1.0 / (self.theta ** (np.arange(0, self.head_dim, 2, dtype=np.float32) / self.head_dim))
         pos = np.arange(n, dtype=np.float32) / self.compression_ratio
-        freqs = np.outer(pos, inv_freq).astype(np.float32)  # [n, head_dim/2]
+        freqs = np.repeat(np.outer(pos, inv_freq).astype(np.float32), 2, axis=1)  # [n, head_dim], pairs equal
         self._cos = paddle.to_tensor(np.cos(freqs))
         self._sin = paddle.to_tensor(np.sin(freqs))
 
     def __call__(self, positions: paddle.Tensor, max_position: int, *xs: paddle.Tensor) -> list[paddle.Tensor]:
         """Rotate each x of shape [T, heads, head_dim] at its token's position."""
         self._ensure(max_position + 1)
-        cos = paddle.index_select(self._cos, positions).unsqueeze(1)  # [T, 1, hd/2]
+        cos = paddle.index_select(self._cos, positions).unsqueeze(1)  # [T, 1, hd]
         sin = paddle.index_select(self._sin, positions).unsqueeze(1)
         out = []
         for x in xs:
-            t, h, d = x.shape
-            pairs = x.astype("float32").reshape([t, h, d // 2, 2])
-            even, odd = pairs[..., 0], pairs[..., 1]
-            rot = paddle.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-            out.append(rot.reshape([t, h, d]).astype(x.dtype))
+            x32 = x.astype("float32")
+            out.append((x32 * cos + paddle.matmul(x32, self._rot) * sin).astype(x.dtype))
         return out
 
 
