@@ -1,0 +1,200 @@
+"""Request bodies of /v1/chat/completions and /v1/completions, as OpenAI (plus vLLM/FastDeploy extras) define them.
+
+Range checks live here so a bad field is a 400 naming it before anything reaches Triton. The limits
+mirror ernie_serve.SamplingParams (not imported: the shim must run without Paddle installed).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import bad_request
+
+MAX_LOGPROBS = 20          # ernie_serve.sampling_params.MAX_LOGPROBS
+MAX_STOP_SEQUENCES = 5     # FD_MAX_STOP_SEQS_NUM
+MAX_N = 16                 # choices per request; each is its own Triton request
+
+
+class _Model(BaseModel):
+    # Unknown fields are ignored, as OpenAI, vLLM and FastDeploy do.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class FunctionDefinition(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolCallFunction(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _GenerationFields(_Model):
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    bad_words: list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise bad_request(f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop")
+        if any(not s for s in stops):
+            raise bad_request("stop sequences must be non-empty strings", "stop")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            raise bad_request(f"tool_choice naming a function ({name!r}) is not supported: this server cannot "
+                              "force a particular tool call; use 'auto' or 'none'", "tool_choice")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise bad_request(f"tool_choice {self.tool_choice!r} is not supported: this server cannot force a "
+                              "tool call; use 'auto' or 'none'", "tool_choice")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than 'text' (guided decoding) is not supported",
+                              "response_format")
+        for i, m in enumerate(self.messages):
+            for part in m.content if isinstance(m.content, list) else []:
+                if part.type != "text":
+                    raise bad_request(f"content part type {part.type!r} is not supported; only 'text' parts",
+                                      f"messages[{i}].content")
+                if part.text is None:
+                    raise bad_request("a 'text' content part needs a 'text' string", f"messages[{i}].content")
+            if m.role == "tool" and m.content is None:
+                raise bad_request("a tool message needs content (the tool's result)", f"messages[{i}].content")
+        return self
+
+    @property
+    def generation_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """vLLM's meaning: None = no logprobs, 0 = only the sampled token's, k = plus the top k."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def active_tools(self) -> list[Tool] | None:
+        return None if self.tool_choice == "none" else (self.tools or None)
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.suffix:
+            raise bad_request("suffix (insertion) is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}) when given, got {self.best_of}", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)",
+                              "echo")
+        prompts = self.prompt_list()
+        if not prompts:
+            raise bad_request("prompt must be a non-empty string or list of strings", "prompt")
+        if len(prompts) * self.n > MAX_N:
+            raise bad_request(f"at most {MAX_N} choices per request (prompts x n), got {len(prompts) * self.n}",
+                              "prompt")
+        return self
+
+    def prompt_list(self) -> list[str]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, str) for x in p):
+            return list(p)
+        if p and not all(isinstance(x, str) for x in p):
+            raise bad_request("token-id prompts are not supported by the Triton ensemble (text_input is text); "
+                              "send the prompt as a string", "prompt")
+        return []
+
+    @property
+    def generation_limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's completions default
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs

@@ -1,0 +1,96 @@
+"""OpenAI response, chunk and usage objects built from choice states (plain dicts: what goes on the wire)."""
+from __future__ import annotations
+
+import json
+import math
+
+from .generation import ChoiceState
+from .triton import TokenLogprob
+
+
+def usage(states: list[ChoiceState]) -> dict:
+    prompt = sum(s.num_input_tokens or 0 for s in states if s.counts_prompt)
+    completion = sum(s.completion_tokens for s in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens or 0 for s in states if s.counts_prompt)},
+        "completion_tokens_details": {"reasoning_tokens": sum(s.reasoning_tokens for s in states)},
+    }
+
+
+def _finite(x: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number.
+    return x if math.isfinite(x) else -9999.0
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[TokenLogprob], k: int) -> dict:
+    return {"content": [{
+        "token": e.token, "logprob": _finite(e.logprob), "bytes": _bytes(e.token),
+        "top_logprobs": [{"token": t, "logprob": _finite(lp), "bytes": _bytes(t)} for _, t, lp in e.top[:k]],
+    } for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob], k: int, offset: int = 0) -> dict:
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(e.token)
+        offset += len(e.token)
+    return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{t: _finite(lp) for _, t, lp in e.top[:k]} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_message(s: ChoiceState) -> dict:
+    text = "".join(s.text)
+    calls = s.full_tool_calls()
+    msg = {"role": "assistant", "content": text if (text or not calls) else None,
+           "reasoning_content": "".join(s.reasoning) or None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def chat_completion(rid: str, created: int, model: str, states: list[ChoiceState], num_logprobs: int | None,
+                    return_token_ids: bool) -> dict:
+    choices = []
+    for s in states:
+        c = {"index": s.index, "message": chat_message(s),
+             "logprobs": chat_logprobs(s.logprobs, num_logprobs) if num_logprobs is not None else None,
+             "finish_reason": s.finish_reason}
+        if return_token_ids:
+            c["message"]["prompt_token_ids"] = s.prompt_token_ids
+            c["message"]["completion_token_ids"] = s.token_ids
+        choices.append(c)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(states)}
+
+
+def completion(rid: str, created: int, model: str, states: list[ChoiceState], echo_prompts: dict[int, str],
+               num_logprobs: int | None, return_token_ids: bool) -> dict:
+    choices = []
+    for s in states:
+        prefix = echo_prompts.get(s.index, "")
+        c = {"index": s.index, "text": prefix + "".join(s.text),
+             "logprobs": completion_logprobs(s.logprobs, num_logprobs, len(prefix))
+             if num_logprobs is not None else None,
+             "finish_reason": s.finish_reason}
+        if return_token_ids:
+            c["prompt_token_ids"] = s.prompt_token_ids
+            c["completion_token_ids"] = s.token_ids
+        choices.append(c)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+            "usage": usage(states)}
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,298 @@
+"""The shim's one connection to Triton: tritonclient's asyncio gRPC client, one stream per request.
+
+The ensemble's own config decides tensor dtypes and shapes (read once, then cached), so the shim
+follows whatever the repository declares: a field the ensemble has no input for is folded into
+`sampling_parameters` when it can be, and is otherwise a 400 naming it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+
+from .errors import OpenAIError
+
+log = logging.getLogger(__name__)
+
+_NP_TYPES = {
+    "TYPE_STRING": np.object_, "TYPE_BOOL": np.bool_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
+    "TYPE_UINT32": np.uint32, "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
+}
+_JSON_INPUTS = ("messages", "tools", "chat_template_kwargs", "sampling_parameters")
+# Dedicated-tensor fields and their SamplingParams name, for ensembles that lack the tensor.
+_FOLDABLE = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "seed": "seed", "stop_words": "stop", "bad_words": "bad_words"}
+_OPTIONAL_FLAGS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)  # best first
+
+
+@dataclass
+class StepOutput:
+    """One streamed Triton response: what this engine step added, plus the running counters."""
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)  # OpenAI delta tool_calls
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    num_reasoning_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EnsembleSpec:
+    inputs: dict[str, tuple[Any, list[int]]]  # name -> (numpy dtype, dims)
+    batched: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "EnsembleSpec":
+        cfg = cfg.get("config", cfg)
+        inputs = {i["name"]: (_NP_TYPES.get(i.get("data_type", "TYPE_STRING"), np.object_),
+                              [int(d) for d in i.get("dims", [])]) for i in cfg.get("input", [])}
+        return cls(inputs, int(cfg.get("max_batch_size", 0) or 0) > 0)
+
+
+def _decoded_token(token_id: int, token: Any) -> str:
+    # vLLM's convention when the server sends no text for a token.
+    return token if isinstance(token, str) else f"token_id:{token_id}"
+
+
+def parse_logprobs(raw: Any, token_ids: list[int]) -> list[TokenLogprob]:
+    """Accept one entry per new token, either OpenAI-like
+    `{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token", "logprob"}]}` or vLLM's
+    `{token_id: {"logprob", "rank", "decoded_token"}}` (the sampled id is then taken from output_ids)."""
+    out = []
+    for k, entry in enumerate(raw or []):
+        if "logprob" in entry:
+            tid = int(entry.get("token_id", token_ids[k] if k < len(token_ids) else -1))
+            top = [(int(t.get("token_id", -1)), _decoded_token(int(t.get("token_id", -1)), t.get("token")),
+                    float(t["logprob"])) for t in entry.get("top_logprobs") or []]
+            out.append(TokenLogprob(tid, _decoded_token(tid, entry.get("token")), float(entry["logprob"]), top))
+            continue
+        cands = {int(t): v for t, v in entry.items()}
+        tid = token_ids[k] if k < len(token_ids) else min(cands, key=lambda t: cands[t].get("rank") or 0)
+        ranked = sorted(cands.items(), key=lambda kv: -float(kv[1]["logprob"]))
+        top = [(t, _decoded_token(t, v.get("decoded_token")), float(v["logprob"])) for t, v in ranked]
+        sampled = cands.get(tid, {"logprob": float("nan")})
+        out.append(TokenLogprob(tid, _decoded_token(tid, sampled.get("decoded_token")), float(sampled["logprob"]),
+                                top))
+    return out
+
+
+def decode_response(result) -> StepOutput:
+    """tritonclient InferResult -> StepOutput; every output is optional."""
+    def arr(name):
+        try:
+            return result.as_numpy(name)
+        except Exception:  # noqa: BLE001 - an output the ensemble does not have
+            return None
+
+    def text(name) -> str:
+        a = arr(name)
+        if a is None or a.size == 0:
+            return ""
+        return "".join(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in a.reshape(-1))
+
+    def ints(name) -> list[int] | None:
+        a = arr(name)
+        return None if a is None else [int(x) for x in a.reshape(-1)]
+
+    def one(name) -> int | None:
+        v = ints(name)
+        return v[0] if v else None
+
+    def as_json(name):
+        s = text(name)
+        if not s:
+            return None
+        try:
+            return json.loads(s)
+        except json.JSONDecodeError:
+            log.warning("output %s is not JSON: %.200s", name, s)
+            return None
+
+    step = StepOutput(text=text("text_output"), reasoning=text("reasoning_content"),
+                      finish_reason=text("finish_reason") or None, token_ids=ints("output_ids") or [],
+                      num_input_tokens=one("num_input_tokens"), num_output_tokens=one("num_output_tokens"),
+                      num_cached_tokens=one("num_cached_tokens"),
+                      num_reasoning_tokens=one("num_reasoning_tokens"),
+                      prompt_token_ids=ints("prompt_token_ids") if arr("prompt_token_ids") is not None
+                      else ints("input_ids"))
+    calls = as_json("tool_calls")
+    step.tool_calls = calls if isinstance(calls, list) else []
+    lp = as_json("logprobs")
+    if lp:
+        step.logprobs = parse_logprobs(lp, step.token_ids)
+    return step
+
+
+def triton_error(exc: BaseException, model: str) -> OpenAIError:
+    """A tritonclient / gRPC failure as the OpenAI status a client should see."""
+    status = ""
+    if hasattr(exc, "code") and callable(exc.code):  # grpc.aio.AioRpcError
+        status = str(exc.code())
+        msg = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    else:
+        status = str(getattr(exc, "status", lambda: "")() or "")
+        msg = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+    msg = msg or str(exc)
+    low = msg.lower()
+    if "DEADLINE_EXCEEDED" in status:
+        return OpenAIError(504, f"Triton did not answer in time: {msg}")
+    if "UNAVAILABLE" in status or "failed to connect" in low or "connection refused" in low:
+        return OpenAIError(503, f"Triton is unavailable: {msg}")
+    if "NOT_FOUND" in status or ("unknown model" in low or "is not found" in low or "not ready" in low):
+        return OpenAIError(503, f"Triton model {model!r} is not available: {msg}")
+    if "overloaded" in low or "unavailable" in low or "engine" in low and "not running" in low:
+        return OpenAIError(503, msg)
+    if "INVALID_ARGUMENT" in status or not status:
+        # Errors inside a stream carry no code; the Triton models only fail requests this way for
+        # bad input (engine failures say "unavailable"/"not running", matched above).
+        return OpenAIError(400, msg)
+    return OpenAIError(500, f"Triton error: {msg}")
+
+
+class TritonBackend:
+    def __init__(self, url: str, model_name: str, client_factory: Callable[[str], Any] | None = None):
+        self.url = url
+        self.model_name = model_name
+        self._client_factory = client_factory or _grpc_aio_client
+        self._client = None
+        self._spec: EnsembleSpec | None = None
+        self._spec_lock = asyncio.Lock()
+
+    def _get_client(self):
+        if self._client is None:
+            self._client = self._client_factory(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def ready(self) -> bool:
+        try:
+            client = self._get_client()
+            return bool(await client.is_server_ready(client_timeout=2)
+                        and await client.is_model_ready(self.model_name, client_timeout=2))
+        except Exception:  # noqa: BLE001 - any failure means "not ready"
+            return False
+
+    async def spec(self) -> EnsembleSpec:
+        if self._spec is None:
+            async with self._spec_lock:
+                if self._spec is None:
+                    try:
+                        cfg = await self._get_client().get_model_config(self.model_name, as_json=True,
+                                                                        client_timeout=5)
+                    except Exception as e:  # noqa: BLE001
+                        raise triton_error(e, self.model_name) from e
+                    self._spec = EnsembleSpec.from_config(cfg)
+        return self._spec
+
+    async def encode(self, fields: dict[str, Any]) -> list:
+        from tritonclient.grpc import InferInput
+
+        spec = await self.spec()
+        fields = dict(fields)
+        sp = dict(fields.pop("sampling_parameters", None) or {})
+        for name in list(fields):
+            if name in spec.inputs:
+                continue
+            value = fields.pop(name)
+            if name in _FOLDABLE and "sampling_parameters" in spec.inputs:
+                sp[_FOLDABLE[name]] = value
+            elif name not in _OPTIONAL_FLAGS:
+                raise OpenAIError(400, f"the Triton model {self.model_name!r} has no input for {name!r}", name)
+        if sp:
+            if "sampling_parameters" not in spec.inputs:
+                raise OpenAIError(400, f"the Triton model {self.model_name!r} takes no sampling_parameters; "
+                                  f"unsupported field(s): {', '.join(sorted(sp))}", sorted(sp)[0])
+            fields["sampling_parameters"] = sp
+        inputs = []
+        for name, value in fields.items():
+            dtype, dims = spec.inputs[name]
+            if name in _JSON_INPUTS:
+                value = json.dumps(value, ensure_ascii=False)
+            values = value if isinstance(value, list) else [value]
+            if not values:
+                continue
+            if dtype is np.object_:
+                arr = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=np.object_)
+            else:
+                arr = np.array(values, dtype=dtype)
+            shape = [len(values)] if (dims and dims[-1] == -1) or len(values) > 1 else [1] * max(len(dims), 1)
+            if spec.batched:
+                shape = [1] + shape
+            arr = arr.reshape(shape)
+            inp = InferInput(name, list(arr.shape), "BYTES" if dtype is np.object_ else _triton_dtype(arr))
+            inp.set_data_from_numpy(arr)
+            inputs.append(inp)
+        return inputs
+
+    async def generate(self, fields: dict[str, Any], request_id: str) -> AsyncIterator[StepOutput]:
+        """Stream one request's outputs; leaving early (break, cancel, close) cancels it in Triton."""
+        inputs = await self.encode(fields)
+        done = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
+            # Keep the request side open until the final response: half-closing a stream is not a
+            # cancellation, but some servers end the stream early on it.
+            await done.wait()
+
+        try:
+            call = self._get_client().stream_infer(requests())
+        except Exception as e:  # noqa: BLE001
+            raise triton_error(e, self.model_name) from e
+        finished = False
+        try:
+            while True:
+                try:
+                    result, error = await call.__anext__()
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - grpc.aio.AioRpcError and friends
+                    raise triton_error(e, self.model_name) from e
+                if error is not None:
+                    raise triton_error(error, self.model_name)
+                step = decode_response(result)
+                if step.finish_reason is not None:
+                    finished = True
+                yield step
+                if finished:
+                    break
+        finally:
+            done.set()
+            # Unfinished: the gRPC cancel reaches Triton, which cancels the request in the engine (its KV
+            # blocks are freed). Finished: nothing is left to cancel; this just closes the stream now.
+            call.cancel()
+
+
+def _triton_dtype(arr: np.ndarray) -> str:
+    from tritonclient.utils import np_to_triton_dtype
+
+    return np_to_triton_dtype(arr.dtype)
+
+
+def _grpc_aio_client(url: str):
+    import tritonclient.grpc.aio as grpcclient
+
+    return grpcclient.InferenceServerClient(url)

@@ -1,0 +1,53 @@
+"""`ernie-openai`: the OpenAI-compatible server in front of a Triton serving the `ernie` ensemble.
+
+    ernie-openai --triton-url localhost:8001 --port 9000 [--host 127.0.0.1] [--model-name ernie]
+                 [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--request-timeout S]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .openai import ServerConfig, create_app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ernie-openai", description=__doc__.split("\n\n")[0])
+    p.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint (host:port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--model-name", default="ernie", help="the Triton ensemble to call")
+    p.add_argument("--served-model-name", default=None, help="the name clients use in 'model' (default: --model-name)")
+    p.add_argument("--api-key", default=os.environ.get("ERNIE_OPENAI_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env ERNIE_OPENAI_API_KEY)")
+    p.add_argument("--max-concurrency", type=int, default=512,
+                   help="generation requests served at once; more are refused with 429")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take before it is cancelled with 504 (default: no limit)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    if args.max_concurrency < 1:
+        p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        p.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    return args
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(triton_url=args.triton_url, model_name=args.model_name,
+                        served_model_name=args.served_model_name, api_key=args.api_key,
+                        max_concurrency=args.max_concurrency, request_timeout=args.request_timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(config_from_args(args)), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    main()

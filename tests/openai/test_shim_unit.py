@@ -1,0 +1,382 @@
+"""Unit tests of the shim's own logic (mapping, streaming, accumulation, errors) against a fake of
+tritonclient's asyncio gRPC client. The same behaviours against a real tritonserver: test_e2e.py."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from ernie_client.openai import ServerConfig, create_app
+from ernie_client.openai.triton import TritonBackend, parse_logprobs
+
+from fake_triton import FakeTritonClient, ensemble_config
+
+CHAT = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+def shim(start_shim):
+    """shim(**ServerConfig fields, fake=FakeTritonClient(...)) -> (openai client, RunningShim, fake)."""
+    def make(fake: FakeTritonClient | None = None, **cfg):
+        fake = fake or FakeTritonClient()
+        config = ServerConfig(triton_url="fake:8001", **cfg)
+        app = create_app(config, TritonBackend(config.triton_url, config.model_name, client_factory=lambda _: fake))
+        running = start_shim(app)
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key=cfg.get("api_key") or "none", max_retries=0,
+                               timeout=20)
+        return client, running, fake
+    return make
+
+
+def _sent(fake: FakeTritonClient, i: int = -1) -> dict:
+    """The i-th request the fake received, as plain Python values."""
+    out = {}
+    for name, arr in fake.requests[i].items():
+        vals = [v.decode() if isinstance(v, bytes) else v.item() for v in arr.reshape(-1)]
+        out[name] = vals if name in ("stop_words", "bad_words") else vals[0]
+    for name in ("sampling_parameters", "messages", "tools", "chat_template_kwargs"):
+        if name in out:
+            out[name] = json.loads(out[name])
+    return out
+
+
+# ---------------------------------------------------------------------------- chat
+def test_chat_non_streaming_returns_text_finish_reason_and_usage(shim):
+    client, _, fake = shim()
+    r = client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=3, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == " w0 w7 w14"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 3 and r.usage.total_tokens == 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    sent = _sent(fake)
+    assert sent["messages"] == [{"role": "user", "content": "hello there"}]
+    assert sent["max_tokens"] == 3 and sent["temperature"] == 0.0 and sent["stream"] is True
+    assert "text_input" not in sent
+
+
+def test_chat_without_max_tokens_asks_for_no_limit(shim):
+    client, _, fake = shim()
+    client.chat.completions.create(model="ernie", messages=CHAT)
+    sent = _sent(fake)
+    assert "max_tokens" not in sent and sent["sampling_parameters"]["max_tokens"] is None
+
+
+def test_max_completion_tokens_wins_over_max_tokens(shim):
+    client, _, fake = shim()
+    r = client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=9, max_completion_tokens=2)
+    assert _sent(fake)["max_tokens"] == 2 and r.usage.completion_tokens == 2
+
+
+def test_chat_stream_starts_with_role_and_ends_with_done(shim):
+    _, running, _ = shim()
+    with httpx.stream("POST", running.url + "/v1/chat/completions", timeout=20,
+                      json={"model": "ernie", "messages": CHAT, "max_tokens": 2, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == " w0 w7"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stream_include_usage_sends_a_final_usage_chunk(shim):
+    client, _, _ = shim()
+    chunks = list(client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.prompt_tokens == 2
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_reasoning_content_is_separate_in_message_and_delta(shim):
+    client, _, _ = shim()
+    msgs = [{"role": "user", "content": "think first"}]
+    r = client.chat.completions.create(model="ernie", messages=msgs, max_tokens=4)
+    assert r.choices[0].message.reasoning_content == "let me think"
+    assert r.choices[0].message.content == " w0 w7"
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2
+    chunks = list(client.chat.completions.create(model="ernie", messages=msgs, max_tokens=4, stream=True))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert (reasoning, content) == ("let me think", " w0 w7")
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tool_call_is_merged_and_finishes_with_tool_calls(shim):
+    client, _, fake = shim()
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    r = client.chat.completions.create(model="ernie", messages=msgs, tools=[WEATHER_TOOL])
+    call = r.choices[0].message.tool_calls[0]
+    assert (call.id, call.type, call.function.name) == ("chatcmpl-tool-1", "function", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert _sent(fake)["tools"][0]["function"]["name"] == "get_weather"
+    chunks = list(client.chat.completions.create(model="ernie", messages=msgs, tools=[WEATHER_TOOL], stream=True))
+    args = "".join(tc.function.arguments or "" for c in chunks for tc in (c.choices[0].delta.tool_calls or []))
+    assert json.loads(args) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_does_not_send_tools(shim):
+    client, _, fake = shim()
+    client.chat.completions.create(model="ernie", messages=CHAT, tools=[WEATHER_TOOL], tool_choice="none",
+                                   max_tokens=1)
+    assert "tools" not in _sent(fake)
+
+
+def test_follow_up_turn_passes_tool_calls_reasoning_and_tool_results(shim):
+    client, _, fake = shim()
+    msgs = [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "weather "}, {"type": "text", "text": "in Paris?"}]},
+            {"role": "assistant", "content": None, "reasoning_content": "need the tool",
+             "tool_calls": [{"id": "call-1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call-1", "content": '{"temp": 21}'}]
+    client.chat.completions.create(model="ernie", messages=msgs, max_tokens=1,
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    sent = _sent(fake)
+    assert sent["messages"][1] == {"role": "user", "content": "weather in Paris?"}
+    asst = sent["messages"][2]
+    assert asst["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert asst["reasoning_content"] == asst["thoughts"] == "need the tool"
+    assert sent["messages"][3] == {"role": "tool", "tool_call_id": "call-1", "content": '{"temp": 21}'}
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+# ---------------------------------------------------------------------------- sampling fields
+def test_sampling_fields_reach_triton_tensors_and_json(shim):
+    client, _, fake = shim()
+    client.chat.completions.create(
+        model="ernie", messages=CHAT, max_tokens=2, temperature=0.7, top_p=0.9, seed=5, stop=["zz"],
+        presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True, top_logprobs=2,
+        extra_body={"top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True})
+    sent = _sent(fake)
+    assert sent["top_p"] == pytest.approx(0.9) and sent["top_k"] == 20 and sent["seed"] == 5
+    assert sent["stop_words"] == ["zz"]
+    assert sent["sampling_parameters"] == {"min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                                           "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True,
+                                           "logprobs": 2}
+    dtypes = {k: v.dtype for k, v in fake.requests[-1].items()}
+    assert dtypes["max_tokens"] == np.int32 and dtypes["seed"] == np.uint64 and dtypes["temperature"] == np.float32
+    assert dtypes["stream"] == np.bool_
+    assert fake.requests[-1]["stop_words"].shape == (1,)
+
+
+def test_batched_ensemble_gets_a_leading_batch_dimension(shim):
+    client, _, fake = shim(FakeTritonClient(ensemble_config(max_batch_size=8)))
+    client.completions.create(model="ernie", prompt="a b", max_tokens=1, stop=["x", "y"])
+    assert fake.requests[-1]["text_input"].shape == (1, 1)
+    assert fake.requests[-1]["stop_words"].shape == (1, 2)
+
+
+def test_fields_without_a_tensor_fold_into_sampling_parameters(shim):
+    client, _, fake = shim(FakeTritonClient(ensemble_config(drop=("top_k", "seed"))))
+    client.completions.create(model="ernie", prompt="a b", max_tokens=1, seed=3, extra_body={"top_k": 4})
+    sp = _sent(fake)["sampling_parameters"]
+    assert sp["seed"] == 3 and sp["top_k"] == 4
+
+
+def test_stop_ends_with_finish_reason_stop(shim):
+    client, _, _ = shim()
+    r = client.completions.create(model="ernie", prompt="a b", max_tokens=10, stop=["w14"])
+    assert r.choices[0].text == " w0 w7" and r.choices[0].finish_reason == "stop"
+
+
+def test_n2_gives_two_choices_with_their_own_seeds(shim):
+    client, _, fake = shim()
+    r = client.chat.completions.create(model="ernie", messages=CHAT, n=2, seed=1, max_tokens=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == " w1 w8" and r.choices[1].message.content == " w2 w9"
+    assert sorted(_sent(fake, i)["seed"] for i in (-1, -2)) == [1, 2]
+    assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 4
+    chunks = list(client.chat.completions.create(model="ernie", messages=CHAT, n=2, max_tokens=2, stream=True))
+    finished = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+    assert finished == [0, 1]
+
+
+def test_seed_makes_results_reproducible(shim):
+    client, _, _ = shim()
+    a = client.completions.create(model="ernie", prompt="a b", max_tokens=3, seed=11, temperature=1.0)
+    b = client.completions.create(model="ernie", prompt="a b", max_tokens=3, seed=11, temperature=1.0)
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_completions_echo_and_multiple_prompts(shim):
+    client, _, _ = shim()
+    r = client.completions.create(model="ernie", prompt=["one two", "three"], max_tokens=1, echo=True)
+    assert [c.text for c in r.choices] == ["one two w0", "three w0"]
+    assert r.usage.prompt_tokens == 3
+    chunks = list(client.completions.create(model="ernie", prompt="one two", max_tokens=2, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "one two w0 w7"
+
+
+def test_logprobs_chat_and_completions(shim):
+    client, _, fake = shim()
+    r = client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [" w0", " w7"] and content[0].logprob == -0.5
+    assert [t.token for t in content[0].top_logprobs] == [" w0", " x"]
+    c = client.completions.create(model="ernie", prompt="a", max_tokens=2, logprobs=1)
+    lp = c.choices[0].logprobs
+    assert lp.tokens == [" w0", " w7"] and lp.token_logprobs == [-0.5, -0.5]
+    assert lp.top_logprobs == [{" w0": -0.5}, {" w7": -0.5}] and lp.text_offset == [0, 3]
+
+
+def test_vllm_style_logprob_dicts_are_understood():
+    entries = parse_logprobs([{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
+                               "9": {"logprob": -2.0, "rank": 2}}], [5])
+    assert entries[0].token == "a" and entries[0].logprob == -0.1
+    assert [t[1] for t in entries[0].top] == ["a", "token_id:9"]
+
+
+def test_cached_tokens_reported_on_a_repeated_prompt(shim):
+    client, _, _ = shim()
+    client.completions.create(model="ernie", prompt="same prompt", max_tokens=1)
+    r = client.completions.create(model="ernie", prompt="same prompt", max_tokens=1)
+    assert r.usage.prompt_tokens_details.cached_tokens == 8
+
+
+def test_return_token_ids(shim):
+    client, _, _ = shim()
+    r = client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=2,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].message.completion_token_ids == [0, 7]
+
+
+# ---------------------------------------------------------------------------- errors
+def _error(exc: openai.APIStatusError) -> dict:
+    return exc.response.json()["error"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": CHAT, "temperature": 3}, "temperature"),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": []}, "messages"),
+    ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": CHAT, "tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),
+    ({"messages": CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e", "f"]}, "stop"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+])
+def test_invalid_chat_fields_are_400_naming_the_field(shim, body, param):
+    _, running, fake = shim()
+    r = httpx.post(running.url + "/v1/chat/completions", json={"model": "ernie", **body}, timeout=20)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    assert fake.requests == []
+
+
+def test_invalid_json_body_is_400(shim):
+    _, running, _ = shim()
+    r = httpx.post(running.url + "/v1/completions", content=b"{not json", timeout=20,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_triton_rejection_is_400_with_its_message(shim):
+    client, _, _ = shim()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="ernie", prompt="invalid please", max_tokens=2)
+    assert "max_tokens must be" in _error(e.value)["message"]
+    with pytest.raises(openai.BadRequestError):  # streaming too: the status comes before the stream
+        client.completions.create(model="ernie", prompt="invalid please", max_tokens=2, stream=True)
+
+
+def test_bad_api_key_is_401(shim):
+    client, running, _ = shim(api_key="sekrit")
+    assert client.models.list().data[0].id == "ernie"
+    bad = openai.OpenAI(base_url=running.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="ernie", messages=CHAT)
+    assert _error(e.value)["code"] == "invalid_api_key"
+    assert httpx.get(running.url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_unknown_model_is_404(shim):
+    client, _, _ = shim(served_model_name="ernie-4.5-tiny")
+    assert [m.id for m in client.models.list().data] == ["ernie-4.5-tiny"]
+    client.chat.completions.create(model="ernie-4.5-tiny", messages=CHAT, max_tokens=1)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert _error(e.value)["param"] == "model"
+
+
+def test_over_max_concurrency_is_429(shim):
+    client, running, fake = shim(FakeTritonClient(step_delay=0.1), max_concurrency=1)
+    with httpx.stream("POST", running.url + "/v1/completions", timeout=20,
+                      json={"model": "ernie", "prompt": "x", "max_tokens": 50, "stream": True}) as r:
+        lines = r.iter_lines()  # keep a reference: a collected iterator closes the connection
+        next(lines)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model="ernie", prompt="y", max_tokens=1)
+    deadline = time.monotonic() + 10
+    while fake.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.completions.create(model="ernie", prompt="y", max_tokens=1)  # the slot came back
+
+
+def test_triton_unavailable_is_503(shim):
+    client, running, _ = shim(FakeTritonClient(available=False))
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="ernie", messages=CHAT)
+    assert e.value.status_code == 503
+    assert httpx.get(running.url + "/health").status_code == 503
+
+
+def test_request_timeout_is_504_and_cancels(shim):
+    client, _, fake = shim(FakeTritonClient(step_delay=0.2), request_timeout=0.5)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="ernie", prompt="x", max_tokens=50)
+    assert e.value.status_code == 504
+    assert fake.cancelled == 1 and fake.running == 0
+
+
+# ---------------------------------------------------------------------------- disconnect, metrics
+def _raw_stream_then_drop(port: int, body: dict, read_bytes: int = 200) -> None:
+    """Send a streaming request, read a little of the answer, then close the socket."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        got = b""
+        while b"data:" not in got and len(got) < read_bytes * 10:
+            got += s.recv(read_bytes)
+
+
+def test_client_disconnect_mid_stream_cancels_the_triton_request(shim):
+    _, running, fake = shim(FakeTritonClient(step_delay=0.1))
+    _raw_stream_then_drop(running.port, {"model": "ernie", "messages": CHAT, "max_tokens": 200, "stream": True})
+    deadline = time.monotonic() + 10
+    while (fake.running or not fake.cancelled) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake.cancelled == 1 and fake.running == 0
+    metrics = httpx.get(running.url + "/metrics").text
+    assert "ernie_openai:client_disconnects_total 1.0" in metrics
+    assert "ernie_openai:requests_in_flight 0.0" in metrics
+
+
+def test_metrics_count_requests_and_tokens(shim):
+    client, running, _ = shim()
+    client.completions.create(model="ernie", prompt="a b c", max_tokens=3)
+    text = httpx.get(running.url + "/metrics").text
+    assert 'ernie_openai:requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+    assert "ernie_openai:prompt_tokens_total 3.0" in text and "ernie_openai:generation_tokens_total 3.0" in text
+    assert "ernie_openai:time_to_first_token_seconds_count" in text
