@@ -1,0 +1,80 @@
+"""ernie_bls: the ensemble's chain inside one decoupled python model.
+
+BLS calls: ernie_tokenizer (one response), then ernie_moe with exec(decoupled=True) (one response
+per engine step); each engine response goes through this model's own Postprocessor, so a token
+costs no third model call. The client request is this model's own, so its cancellation is seen
+directly; the engine is told through the same abort channel the detokenizer uses.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import pb as pbx
+from .control import send_abort
+from .errors import Cancelled, ServingError
+
+log = logging.getLogger(__name__)
+TOKENIZER_OUTPUTS = ["input_ids", "request_json"]
+ENGINE_OUTPUTS = ["request_key", "response_index", "token_ids", "text_delta", "engine_finish_reason",
+                  "num_input_tokens", "num_output_tokens", "num_cached_tokens", "request_meta", "prompt_ids"]
+
+
+class BlsPipeline:
+    def __init__(self, pb: Any, post, tokenizer_model: str = "ernie_tokenizer", engine_model: str = "ernie_moe"):
+        self.pb = pb
+        self.post = post
+        self.tokenizer_model = tokenizer_model
+        self.engine_model = engine_model
+
+    def run(self, request: Any) -> None:
+        pb = self.pb
+        sender = request.get_response_sender()
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        key, address = "", ""
+        try:
+            tok = pb.InferenceRequest(model_name=self.tokenizer_model, inputs=request.inputs(),
+                                      requested_output_names=TOKENIZER_OUTPUTS,
+                                      parameters=pbx.parameters_of(request)).exec()
+            if tok.has_error():
+                sender.send(pb.InferenceResponse(error=tok.error()), flags=final)
+                return
+            engine_inputs = [pb.get_output_tensor_by_name(tok, n) for n in TOKENIZER_OUTPUTS]
+            stream = pb.InferenceRequest(model_name=self.engine_model, inputs=engine_inputs,
+                                         requested_output_names=ENGINE_OUTPUTS).exec(decoupled=True)
+            for resp in stream:
+                if resp.has_error():
+                    sender.send(pb.InferenceResponse(error=resp.error()), flags=final)
+                    return
+                if not resp.output_tensors():  # the engine's empty FINAL
+                    continue
+                inputs = {t.name(): t.as_numpy() for t in resp.output_tensors()}
+                if not key:
+                    key = pbx_str(inputs, "request_key")
+                    address = self.post._meta(inputs).get("abort_address", "")
+                if request.is_cancelled():
+                    send_abort(address, key)
+                    try:
+                        self.post.process(inputs, cancelled=True)  # drops the state
+                    except Cancelled:
+                        pass
+                    sender.send(pbx.error_response(pb, "CANCELLED", "request cancelled"), flags=final)
+                    return
+                outputs = self.post.process(inputs)
+                done = pbx_str(inputs, "engine_finish_reason") != ""
+                sender.send(pb.InferenceResponse(output_tensors=pbx.tensors(pb, outputs)),
+                            flags=final if done else 0)
+                if done:
+                    return
+            sender.send(flags=final)
+        except ServingError as e:
+            sender.send(pbx.error_response(pb, e.code, str(e)), flags=final)
+        except Exception as e:  # noqa: BLE001 - never leave the client without its FINAL
+            log.exception("ernie_bls request failed")
+            sender.send(pbx.error_response(pb, "INTERNAL", f"{type(e).__name__}: {e}"), flags=final)
+
+
+def pbx_str(inputs: dict, name: str) -> str:
+    from .postprocess import _str
+
+    return _str(inputs, name)

@@ -1,0 +1,243 @@
+"""ernie_moe's logic: one AsyncEngine per model instance, driven from Triton's decoupled execute.
+
+Per request: execute() submits and returns; the engine thread produces one RequestOutput per step;
+a response thread turns each into output tensors and sends them, so a slow send never stalls the
+step loop. Streaming requests get one response per step, non-streaming ones a single response with
+everything. Cancellation (is_cancelled() polled on a thread, or an abort from the detokenizer, see
+control.py) aborts the request in the engine, which frees its KV blocks; the request then gets
+CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .control import AbortListener
+from .errors import InvalidInput, error_code
+
+log = logging.getLogger(__name__)
+CANCEL_POLL_SECONDS = 0.05
+
+
+class ResponseSink(Protocol):
+    """What a model.py wraps a Triton response sender in."""
+
+    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
+    def send_error(self, code: str, message: str) -> None: ...  # always the FINAL response
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass
+class _Live:
+    key: str
+    sink: ResponseSink
+    stream: bool
+    meta: str
+    prompt_ids: list[int]
+    index: int = 0
+    cancelled: bool = False
+    done: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+def _str_tensor(value: str) -> np.ndarray:
+    return np.array([[value.encode("utf-8")]], dtype=np.object_)
+
+
+def _int_tensor(values: list[int]) -> np.ndarray:
+    return np.array([values], dtype=np.int32).reshape(1, len(values))
+
+
+def _scalar(value: int) -> np.ndarray:
+    return np.array([[value]], dtype=np.int32)
+
+
+def decode_engine_inputs(inputs: dict[str, np.ndarray]) -> tuple[list[int], dict[str, Any]]:
+    """input_ids and request_json from ernie_tokenizer (or a direct / BLS caller)."""
+    if "input_ids" not in inputs:
+        raise InvalidInput("input_ids", "missing")
+    ids = np.asarray(inputs["input_ids"]).reshape(-1).astype(np.int64).tolist()
+    raw = inputs.get("request_json")
+    if raw is None:
+        return ids, {"sampling": {}, "stream": False, "meta": {}}
+    text = np.asarray(raw).reshape(-1)[0]
+    text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+    try:
+        req = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise InvalidInput("request_json", f"is not valid JSON ({e.msg})") from None
+    if not isinstance(req, dict) or not isinstance(req.get("sampling", {}), dict):
+        raise InvalidInput("request_json", "must be an object with a 'sampling' object")
+    return ids, req
+
+
+class EngineModel:
+    def __init__(self, config: EngineConfig, metrics=None, engine: AsyncEngine | None = None):
+        self.config = config
+        self.engine = engine or AsyncEngine(config)
+        self.metrics = metrics
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._sender = threading.Thread(target=self._send_loop, name="ernie-responses", daemon=True)
+        self._sender.start()
+        self._poller = threading.Thread(target=self._poll_cancelled, name="ernie-cancel-poll", daemon=True)
+        self._poller.start()
+        self.aborts = AbortListener(self.abort)
+        if metrics is not None:
+            self.engine.step_listeners.append(self._on_step)
+            metrics.update(self.engine.stats(), force=True)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, inputs: dict[str, np.ndarray], sink: ResponseSink, request_id: str = "") -> None:
+        """Start one request; every outcome (tokens, errors, cancellation) ends in one FINAL on sink."""
+        try:
+            ids, req = decode_engine_inputs(inputs)
+            try:
+                params = SamplingParams.from_dict(req.get("sampling") or {})
+            except (ValueError, TypeError) as e:
+                raise InvalidInput("sampling_parameters", str(e)) from None
+            key = f"{request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+            meta = dict(req.get("meta") or {})
+            meta["abort_address"] = self.aborts.public_address
+            live = _Live(key, sink, bool(req.get("stream", meta.get("stream", False))),
+                         json.dumps(meta, ensure_ascii=False), ids)
+            with self._lock:
+                self._live[key] = live
+            try:
+                self.engine.add_request(key, ids, params, lambda out, err: self._on_output(live, out, err))
+            except BaseException:
+                with self._lock:
+                    self._live.pop(key, None)
+                raise
+        except (InvalidInput, ValueError, EngineOverloadedError, EngineDeadError) as e:
+            if isinstance(e, EngineDeadError) and self.metrics is not None:
+                self.metrics.set_healthy(False)
+            sink.send_error(error_code(e), str(e))
+        except Exception as e:  # noqa: BLE001 - never leave a request without its FINAL
+            log.exception("submit failed")
+            sink.send_error("INTERNAL", f"{type(e).__name__}: {e}")
+
+    def abort(self, key: str) -> bool:
+        """Abort by request key (client cancellation); the request ends CANCELLED + FINAL."""
+        with self._lock:
+            live = self._live.get(key)
+            if live is None:
+                return False
+            live.cancelled = True
+        found = self.engine.abort(key)
+        if self.metrics is not None:
+            self.metrics.update(self.engine.stats(), force=True)
+        return found
+
+    def stats(self) -> dict:
+        s = self.engine.stats()
+        s["healthy"] = self.engine.is_healthy
+        with self._lock:
+            s["num_live_requests"] = len(self._live)
+        return s
+
+    # ------------------------------------------------------------------ engine thread
+    def _on_output(self, live: _Live, out: RequestOutput, err: Exception | None) -> None:
+        if err is not None:
+            if self.metrics is not None:
+                self.metrics.set_healthy(False)
+            self._finish(live)
+            self._outbox.put((live.sink, None, ("UNAVAILABLE", f"engine failed, request not completed: {err}")))
+            return
+        comp = out.outputs[0]
+        if out.finished:
+            self._finish(live)
+            if self.metrics is not None:
+                self.metrics.request_finished(comp.finish_reason, len(comp.token_ids), out.metrics)
+        if live.cancelled or (out.finished and comp.finish_reason == "abort"):
+            if out.finished:
+                self._outbox.put((live.sink, None, ("CANCELLED", "request cancelled")))
+            return
+        if not live.stream:
+            live.token_ids.extend(comp.token_ids_delta)
+            live.text.append(comp.text_delta)
+            if not out.finished:
+                return
+            self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids), comp.text), None))
+            return
+        self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids_delta), comp.text_delta), None))
+
+    def _tensors(self, live: _Live, out: RequestOutput, token_ids: list[int], text: str) -> tuple[dict, bool]:
+        first = live.index == 0
+        comp = out.outputs[0]
+        outputs = {
+            "request_key": _str_tensor(live.key),
+            "response_index": _scalar(live.index),
+            "token_ids": _int_tensor(token_ids),
+            "text_delta": _str_tensor(text),
+            "engine_finish_reason": _str_tensor(comp.finish_reason or "" if out.finished else ""),
+            "num_input_tokens": _scalar(len(out.prompt_token_ids)),
+            "num_output_tokens": _scalar(len(comp.token_ids)),
+            "num_cached_tokens": _scalar(out.num_cached_tokens),
+            # The detokenizer builds its per-request state from the first response only.
+            "request_meta": _str_tensor(live.meta if first else ""),
+            "prompt_ids": _int_tensor(live.prompt_ids if first else []),
+        }
+        live.index += 1
+        return outputs, out.finished
+
+    def _finish(self, live: _Live) -> None:
+        with self._lock:
+            live.done = True
+            self._live.pop(live.key, None)
+
+    def _on_step(self, stats: dict) -> None:
+        self.metrics.update(stats)
+        if not self.engine.is_healthy:
+            self.metrics.set_healthy(False)
+
+    # ------------------------------------------------------------------ helper threads
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            sink, payload, error = item
+            try:
+                if error is not None:
+                    sink.send_error(*error)
+                else:
+                    outputs, final = payload
+                    sink.send(outputs, final)
+            except Exception:  # noqa: BLE001 - a client that went away must not stop the others
+                log.exception("sending a response failed")
+
+    def _poll_cancelled(self) -> None:
+        while not self._stop.wait(CANCEL_POLL_SECONDS):
+            with self._lock:
+                live = [lv for lv in self._live.values() if not lv.cancelled]
+            for lv in live:
+                try:
+                    cancelled = lv.sink.is_cancelled()
+                except Exception:  # noqa: BLE001
+                    cancelled = False
+                if cancelled:
+                    self.abort(lv.key)
+
+    def shutdown(self, drain: bool = False, timeout: float = 10.0) -> None:
+        """Finalize: abort (or drain) in-flight requests so each gets its FINAL, then stop threads."""
+        self.engine.shutdown(drain=drain, timeout=timeout)
+        self._stop.set()
+        self._poller.join(2)
+        self.aborts.close()
+        self._outbox.put(None)
+        self._sender.join(timeout)

@@ -1,0 +1,54 @@
+"""What each model.py builds from its config.pbtxt parameters (empty `model` = the embedded tiny model)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .pb import engine_config_from_parameters
+
+
+def model_dir(params: dict[str, str]) -> Path:
+    if params.get("model", "").strip():
+        return Path(params["model"].strip())
+    from ..demo.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def load_plugins(params: dict[str, str]) -> None:
+    path = params.get("tool_parser_plugin", "").strip()
+    if path:
+        from ..parsers import load_parser_plugin
+
+        load_parser_plugin(path)
+
+
+def load_tokenizer(params: dict[str, str]):
+    from ..tokenizer import ErnieTokenizer
+
+    tok = params.get("tokenizer", "").strip()
+    return ErnieTokenizer.from_pretrained(tok or model_dir(params))
+
+
+def preprocessor(params: dict[str, str]):
+    from .preprocess import Preprocessor
+
+    cfg = engine_config_from_parameters(params)
+    load_plugins(params)
+    return Preprocessor(load_tokenizer(params), cfg.max_model_len, cfg.reasoning_parser, cfg.tool_call_parser,
+                        cfg.chat_template)
+
+
+def postprocessor(params: dict[str, str]):
+    from .postprocess import Postprocessor
+
+    load_plugins(params)
+    return Postprocessor(load_tokenizer(params), ttl=float(params.get("state_ttl_seconds") or 600))
+
+
+def engine_model(params: dict[str, str], metrics=None):
+    from .engine_model import EngineModel
+
+    cfg = engine_config_from_parameters(params)
+    if cfg.model is None:
+        cfg.model = str(model_dir(params))
+    return EngineModel(cfg, metrics)

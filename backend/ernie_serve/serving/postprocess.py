@@ -1,0 +1,184 @@
+"""ernie_detokenizer's logic: ernie_moe's per-step responses -> client-facing output tensors.
+
+The engine already detokenizes incrementally (its text deltas keep SentencePiece spaces and hold
+back or cut stop strings), so what is left per request is the chat parser state: reasoning /
+content / tool-call splitting, which must see the deltas of one request in order. Triton delivers
+them in order to a model with one instance and no dynamic batching; response_index checks it.
+
+State lives in this process, keyed by the request key that ernie_moe puts on every response. It is
+dropped on the final response, on cancellation, and after `ttl` seconds without a response (a
+request whose producer died must not leak).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..chat import finish_reason_for
+from ..parsers import ChatOutputParser
+from .control import send_abort
+from .errors import Cancelled, InvalidInput, ServingError
+
+log = logging.getLogger(__name__)
+OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "finish_reason", "num_input_tokens",
+                "num_output_tokens", "num_cached_tokens", "output_ids")
+
+
+class OrderError(ServingError):
+    code = "INTERNAL"
+
+
+@dataclass
+class _State:
+    meta: dict[str, Any]
+    parser: ChatOutputParser | None
+    next_index: int = 1
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+def _str(inputs: dict[str, np.ndarray], name: str, default: str = "") -> str:
+    arr = inputs.get(name)
+    if arr is None:
+        return default
+    v = np.asarray(arr).reshape(-1)
+    if v.size == 0:
+        return default
+    v = v[0]
+    return v.decode("utf-8") if isinstance(v, bytes) else str(v)
+
+
+def _int(inputs: dict[str, np.ndarray], name: str, default: int = 0) -> int:
+    arr = inputs.get(name)
+    if arr is None or np.asarray(arr).size == 0:
+        return default
+    return int(np.asarray(arr).reshape(-1)[0])
+
+
+def _ids(inputs: dict[str, np.ndarray], name: str) -> list[int]:
+    arr = inputs.get(name)
+    return [] if arr is None else np.asarray(arr).reshape(-1).astype(np.int64).tolist()
+
+
+def _out_str(value: str) -> np.ndarray:
+    return np.array([[value.encode("utf-8")]], dtype=np.object_)
+
+
+def _out_int(value: int) -> np.ndarray:
+    return np.array([[value]], dtype=np.int32)
+
+
+class Postprocessor:
+    def __init__(self, tokenizer, ttl: float = 600.0):
+        self.tokenizer = tokenizer
+        self.ttl = ttl
+        self._states: dict[str, _State] = {}
+        self._aborted: dict[str, float] = {}  # keys already sent an abort, so it is sent once
+        self._lock = threading.Lock()
+        self._last_sweep = time.monotonic()
+
+    @property
+    def num_states(self) -> int:
+        return len(self._states)
+
+    def process(self, inputs: dict[str, np.ndarray], cancelled: bool = False) -> dict[str, np.ndarray]:
+        """One ernie_moe response in, one client response out; raises ServingError subclasses."""
+        key = _str(inputs, "request_key")
+        if not key:
+            raise InvalidInput("request_key", "missing: ernie_detokenizer consumes ernie_moe's outputs")
+        index = _int(inputs, "response_index", -1)
+        now = time.monotonic()
+        with self._lock:
+            self._sweep(now)
+            if cancelled:
+                self._cancel(key, inputs, now)
+            if index == 0:
+                if key in self._states:
+                    raise OrderError(f"request {key}: a second first response (response_index 0)")
+                state = self._new_state(inputs)
+                self._states[key] = state
+            else:
+                state = self._states.get(key)
+                if state is None:
+                    raise OrderError(f"request {key}: response {index} has no state (its first response was "
+                                     f"never seen, or it was idle longer than the {self.ttl:.0f}s TTL)")
+                if index != state.next_index:
+                    self._states.pop(key, None)
+                    raise OrderError(f"request {key}: response {index} arrived, expected {state.next_index}; "
+                                     "ernie_detokenizer needs one instance and no dynamic batching")
+                state.next_index += 1
+            state.last_seen = now
+            engine_reason = _str(inputs, "engine_finish_reason") or None
+            if engine_reason is not None:
+                self._states.pop(key, None)
+        return self._outputs(state, inputs, engine_reason)
+
+    def _cancel(self, key: str, inputs: dict[str, np.ndarray], now: float) -> None:
+        state = self._states.pop(key, None)
+        if key not in self._aborted:
+            meta = state.meta if state is not None else self._meta(inputs)
+            send_abort(meta.get("abort_address", ""), key)
+            self._aborted[key] = now
+        raise Cancelled(f"request {key} was cancelled")
+
+    @staticmethod
+    def _meta(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        raw = _str(inputs, "request_meta")
+        try:
+            meta = json.loads(raw) if raw else {}
+        except json.JSONDecodeError:
+            raise InvalidInput("request_meta", "is not valid JSON") from None
+        return meta if isinstance(meta, dict) else {}
+
+    def _new_state(self, inputs: dict[str, np.ndarray]) -> _State:
+        meta = self._meta(inputs)
+        parser = None
+        if meta.get("reasoning_parser") or (meta.get("tool_call_parser") and meta.get("tools")):
+            parser = ChatOutputParser(self.tokenizer, meta.get("reasoning_parser"), meta.get("tool_call_parser"),
+                                      _ids(inputs, "prompt_ids"), meta.get("tools"), meta.get("enable_thinking"))
+        return _State(meta, parser)
+
+    def _outputs(self, state: _State, inputs: dict[str, np.ndarray], engine_reason: str | None) -> dict:
+        text = _str(inputs, "text_delta")
+        token_ids = _ids(inputs, "token_ids")
+        reasoning, content, calls = "", text, []
+        if state.parser is not None:
+            deltas = [state.parser.feed(text, token_ids)]
+            if engine_reason is not None:
+                deltas.append(state.parser.flush())
+            reasoning = "".join(d.reasoning_content or "" for d in deltas if d is not None)
+            content = "".join(d.content or "" for d in deltas if d is not None)
+            calls = [c.to_dict() for d in deltas if d is not None for c in d.tool_calls]
+        num_output = _int(inputs, "num_output_tokens")
+        finish = ""
+        if engine_reason is not None:
+            finish = finish_reason_for(num_output, state.meta.get("max_tokens"), engine_reason,
+                                       bool(state.parser is not None and state.parser.finish().tools_called)) or ""
+        echo = state.meta.get("echo")
+        if echo and engine_reason is not None and state.next_index == 1:  # non-streaming: the only response
+            content = echo + content
+        return {
+            "text_output": _out_str(content),
+            "reasoning_content": _out_str(reasoning),
+            "tool_calls": _out_str(json.dumps(calls, ensure_ascii=False) if calls else ""),
+            "finish_reason": _out_str(finish),
+            "num_input_tokens": _out_int(_int(inputs, "num_input_tokens")),
+            "num_output_tokens": _out_int(num_output),
+            "num_cached_tokens": _out_int(_int(inputs, "num_cached_tokens")),
+            "output_ids": np.array([token_ids], dtype=np.int32).reshape(1, len(token_ids)),
+        }
+
+    def _sweep(self, now: float) -> None:
+        if now - self._last_sweep < min(10.0, self.ttl):
+            return
+        self._last_sweep = now
+        for key in [k for k, s in self._states.items() if now - s.last_seen > self.ttl]:
+            log.warning("dropping detokenizer state of %s: no response for %.0fs", key, self.ttl)
+            del self._states[key]
+        for key in [k for k, t in self._aborted.items() if now - t > self.ttl]:
+            del self._aborted[key]

@@ -1,0 +1,189 @@
+"""Ensemble request tensors -> one validated GenerateRequest.
+
+Names follow the TensorRT-LLM ensemble (genai-perf `--backend tensorrtllm`, Triton's OpenAI frontend)
+and the vLLM backend (`sampling_parameters` JSON); chat requests add `messages`, `tools` and
+`chat_template_kwargs` as JSON strings. Tensors arrive batched ([1, ...]): one request per batch row,
+and a batch of more than one row is refused rather than silently truncated.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..sampling_params import SamplingParams
+from .errors import InvalidInput
+
+# tensor name -> SamplingParams field, for the scalar sampling inputs
+SCALAR_SAMPLING_INPUTS = {
+    "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+    "seed": "seed", "random_seed": "seed", "min_tokens": "min_tokens", "min_length": "min_tokens",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+INT_FIELDS = {"max_tokens", "top_k", "seed", "min_tokens"}
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
+               "return_finish_reason")
+JSON_INPUTS = ("sampling_parameters", "messages", "tools", "chat_template_kwargs")
+STRING_LIST_INPUTS = {"stop_words": "stop", "bad_words": "bad_words"}
+# request parameters (HTTP JSON keys that are not inputs, gRPC parameters) this layer reads
+PARSER_PARAMETERS = ("reasoning_parser", "tool_call_parser")
+
+
+@dataclass
+class GenerateRequest:
+    params: SamplingParams
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    reasoning_parser: str | None = None  # per-request override of the configured parser
+    tool_call_parser: str | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+def _row(inputs: dict[str, np.ndarray], name: str) -> np.ndarray | None:
+    arr = inputs.get(name)
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.ndim >= 2 or (arr.ndim == 1 and name not in STRING_LIST_INPUTS):
+        if arr.shape[0] != 1:
+            raise InvalidInput(name, f"send one request per call (batch size 1), got a batch of {arr.shape[0]}")
+        arr = arr[0]
+    return arr.reshape(-1)
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidInput(name, f"must be UTF-8 text ({e})") from None
+    if isinstance(value, str):
+        return value
+    raise InvalidInput(name, f"must be a string, got {type(value).__name__}")
+
+
+def _one(inputs: dict[str, np.ndarray], name: str) -> Any:
+    arr = _row(inputs, name)
+    if arr is None:
+        return None
+    if arr.size != 1:
+        raise InvalidInput(name, f"must hold exactly one value, got {arr.size}")
+    return arr[0]
+
+
+def _json(inputs: dict[str, np.ndarray], name: str, kind: type) -> Any:
+    raw = _one(inputs, name)
+    if raw is None:
+        return None
+    text = _text(raw, name)
+    if not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidInput(name, f"is not valid JSON ({e.msg} at position {e.pos})") from None
+    if not isinstance(value, kind):
+        want = "a JSON object" if kind is dict else "a JSON array"
+        raise InvalidInput(name, f"must be {want}, got {type(value).__name__}")
+    return value
+
+
+def _string_list(inputs: dict[str, np.ndarray], name: str) -> list[str] | None:
+    arr = inputs.get(name)
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.ndim >= 2:
+        if arr.shape[0] != 1:
+            raise InvalidInput(name, f"send one request per call (batch size 1), got a batch of {arr.shape[0]}")
+        arr = arr[0]
+    words = [_text(v, name) for v in arr.reshape(-1)]
+    return [w for w in words if w]  # TRT-LLM clients pad the list with empty strings
+
+
+def _number(value: Any, name: str, field_name: str) -> Any:
+    if isinstance(value, (np.bool_, bool)):
+        raise InvalidInput(name, "must be a number, got a boolean")
+    if field_name in INT_FIELDS:
+        if isinstance(value, (np.floating, float)) and not float(value).is_integer():
+            raise InvalidInput(name, f"must be an integer, got {value}")
+        return int(value)
+    return float(value)
+
+
+def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = None) -> GenerateRequest:
+    """Validate everything a client can send; raises InvalidInput naming the offending field."""
+    parameters = parameters or {}
+    prompt_raw = _one(inputs, "text_input")
+    prompt = _text(prompt_raw, "text_input") if prompt_raw is not None else None
+    messages = _json(inputs, "messages", list)
+    if prompt is not None and messages is not None:
+        raise InvalidInput("text_input", "give either text_input or messages, not both")
+    if prompt is None and messages is None:
+        raise InvalidInput("text_input", "missing: give text_input (a prompt) or messages (a chat as JSON)")
+    if prompt is not None and not prompt:
+        raise InvalidInput("text_input", "is empty")
+    if messages is not None:
+        if not messages:
+            raise InvalidInput("messages", "must be a non-empty JSON array of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise InvalidInput("messages", f"item {i} must be an object with a string 'role'")
+    tools = _json(inputs, "tools", list)
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise InvalidInput("tools", "must be a JSON array of tool objects")
+    kwargs = _json(inputs, "chat_template_kwargs", dict) or {}
+    if prompt is not None and (tools or kwargs):
+        name = "tools" if tools else "chat_template_kwargs"
+        raise InvalidInput(name, "only applies to chat requests (messages), not to text_input")
+
+    flags = {}
+    for name in BOOL_INPUTS:
+        v = _one(inputs, name)
+        flags[name] = bool(v) if v is not None else False
+
+    sampling: dict[str, Any] = _json(inputs, "sampling_parameters", dict) or {}
+    if "max_completion_tokens" in sampling:  # OpenAI spelling; parsers.md: it wins over max_tokens
+        value = sampling.pop("max_completion_tokens")
+        if value is not None:
+            sampling["max_tokens"] = value
+    for name, field_name in SCALAR_SAMPLING_INPUTS.items():
+        v = _one(inputs, name)
+        if v is not None:
+            sampling[field_name] = _number(v, name, field_name)
+    for name, field_name in STRING_LIST_INPUTS.items():
+        words = _string_list(inputs, name)
+        if words:
+            sampling[field_name] = words
+    try:
+        params = SamplingParams.from_dict(sampling)
+    except ValueError as e:
+        raise InvalidInput(_field_of(str(e), sampling), str(e)) from None
+    except TypeError as e:  # e.g. a string where a number belongs, inside sampling_parameters
+        raise InvalidInput("sampling_parameters", str(e)) from None
+
+    overrides = {}
+    for name in PARSER_PARAMETERS:
+        v = parameters.get(name)
+        if v is not None and not isinstance(v, str):
+            raise InvalidInput(name, f"must be a parser name string, got {type(v).__name__}")
+        overrides[name] = v or None
+    return GenerateRequest(params=params, prompt=prompt, messages=messages, tools=tools or None,
+                           chat_template_kwargs=kwargs, stream=flags["stream"],
+                           exclude_input_in_output=flags["exclude_input_in_output"], **overrides)
+
+
+def _field_of(message: str, sampling: dict) -> str:
+    """SamplingParams messages start with the field name; fall back to the JSON input's name."""
+    head = message.split(" ", 1)[0]
+    return head if head in sampling or head in SamplingParams.__dataclass_fields__ else "sampling_parameters"
