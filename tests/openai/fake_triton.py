@@ -20,10 +20,12 @@ _IN = [("text_input", "TYPE_STRING", [1]), ("max_tokens", "TYPE_INT32", [1]), ("
        ("messages", "TYPE_STRING", [1]), ("tools", "TYPE_STRING", [1]), ("chat_template_kwargs", "TYPE_STRING", [1])]
 
 
-def ensemble_config(max_batch_size: int = 0, drop: tuple[str, ...] = ()) -> dict:
+def ensemble_config(max_batch_size: int = 0, drop: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> dict:
+    """The ensemble config as get_model_config(as_json=True) returns it; no `outputs`: none declared."""
     return {"config": {"name": "ernie", "max_batch_size": max_batch_size,
                        "input": [{"name": n, "data_type": t, "dims": [str(d) for d in dims]}
-                                 for n, t, dims in _IN if n not in drop]}}
+                                 for n, t, dims in _IN if n not in drop],
+                       "output": [{"name": n, "data_type": "TYPE_STRING", "dims": ["1"]} for n in outputs]}}
 
 
 class FakeResult:

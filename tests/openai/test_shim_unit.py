@@ -236,6 +236,28 @@ def test_logprobs_chat_and_completions(shim):
     assert lp.top_logprobs == [{" w0": -0.5}, {" w7": -0.5}] and lp.text_offset == [0, 3]
 
 
+def test_logprobs_are_a_clear_400_when_the_ensemble_has_no_logprobs_output(shim):
+    client, _, fake = shim(FakeTritonClient(ensemble_config(outputs=("text_output", "finish_reason"))))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=2, logprobs=True)
+    assert _error(e.value)["param"] == "logprobs" and "no 'logprobs' output" in _error(e.value)["message"]
+    assert fake.requests == []
+
+
+def test_triton_error_messages_name_the_openai_field():
+    from ernie_client.openai.triton import triton_error
+    from tritonclient.utils import InferenceServerException
+
+    e = triton_error(InferenceServerException("text_input: the prompt has 3000 tokens but max_model_len is 2048"),
+                     "ernie")
+    assert (e.status, e.param) == (400, "prompt")
+    e = triton_error(InferenceServerException("overloaded: 9 requests already waiting"), "ernie")
+    assert e.status == 503
+    e = triton_error(InferenceServerException("failed to connect to all addresses",
+                                              status="StatusCode.UNAVAILABLE"), "ernie")
+    assert e.status == 503
+
+
 def test_vllm_style_logprob_dicts_are_understood():
     entries = parse_logprobs([{"5": {"logprob": -0.1, "rank": 1, "decoded_token": "a"},
                                "9": {"logprob": -2.0, "rank": 2}}], [5])

@@ -288,7 +288,7 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
                     started.add(i)
                     text = echo.get(i, "")
                 if step is not None:
-                    text += step.text
+                    text += step.reasoning + step.text
                 lp = None
                 if k is not None and step is not None and step.logprobs:
                     lp = R.completion_logprobs(step.logprobs, k, offsets[i])

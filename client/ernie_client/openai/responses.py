@@ -77,7 +77,9 @@ def completion(rid: str, created: int, model: str, states: list[ChoiceState], ec
     choices = []
     for s in states:
         prefix = echo_prompts.get(s.index, "")
-        c = {"index": s.index, "text": prefix + "".join(s.text),
+        # A completion is raw text: if the server's reasoning parser split it, join it back.
+        text = "".join(r + t for r, t in zip(s.reasoning, s.text))
+        c = {"index": s.index, "text": prefix + text,
              "logprobs": completion_logprobs(s.logprobs, num_logprobs, len(prefix))
              if num_logprobs is not None else None,
              "finish_reason": s.finish_reason}

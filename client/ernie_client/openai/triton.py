@@ -57,13 +57,15 @@ class StepOutput:
 class EnsembleSpec:
     inputs: dict[str, tuple[Any, list[int]]]  # name -> (numpy dtype, dims)
     batched: bool
+    outputs: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg: dict) -> "EnsembleSpec":
         cfg = cfg.get("config", cfg)
         inputs = {i["name"]: (_NP_TYPES.get(i.get("data_type", "TYPE_STRING"), np.object_),
                               [int(d) for d in i.get("dims", [])]) for i in cfg.get("input", [])}
-        return cls(inputs, int(cfg.get("max_batch_size", 0) or 0) > 0)
+        outputs = frozenset(o["name"] for o in cfg.get("output", []))
+        return cls(inputs, int(cfg.get("max_batch_size", 0) or 0) > 0, outputs)
 
 
 def _decoded_token(token_id: int, token: Any) -> str:
@@ -157,13 +159,28 @@ def triton_error(exc: BaseException, model: str) -> OpenAIError:
         return OpenAIError(503, f"Triton is unavailable: {msg}")
     if "NOT_FOUND" in status or ("unknown model" in low or "is not found" in low or "not ready" in low):
         return OpenAIError(503, f"Triton model {model!r} is not available: {msg}")
-    if "overloaded" in low or "unavailable" in low or "engine" in low and "not running" in low:
+    if "overloaded" in low or "unavailable" in low or "engine failed" in low or "not running" in low:
         return OpenAIError(503, msg)
+    if "cancelled" in low:
+        return OpenAIError(503, f"Triton cancelled the request: {msg}")
     if "INVALID_ARGUMENT" in status or not status:
         # Errors inside a stream carry no code; the Triton models only fail requests this way for
-        # bad input (engine failures say "unavailable"/"not running", matched above).
-        return OpenAIError(400, msg)
+        # bad input (engine failures say "unavailable"/"engine failed", matched above).
+        return OpenAIError(400, msg, param=_param_of(msg))
     return OpenAIError(500, f"Triton error: {msg}")
+
+
+# ernie_tokenizer's field names -> the OpenAI request's
+_PARAM_NAMES = {"text_input": "prompt", "stop_words": "stop", "bad_words": "bad_words", "random_seed": "seed",
+                "min_length": "min_tokens", "sampling_parameters": None, "request_key": None, "stop": "stop"}
+
+
+def _param_of(message: str) -> str | None:
+    """The field an ernie_serve error names: its messages start with `field: ...` or `field must ...`."""
+    head = message.split(":", 1)[0].split(" ", 1)[0].strip()
+    if not head.isidentifier():
+        return None
+    return _PARAM_NAMES.get(head, head) if (":" in message or " must " in message) else None
 
 
 class TritonBackend:
@@ -219,6 +236,9 @@ class TritonBackend:
                 sp[_FOLDABLE[name]] = value
             elif name not in _OPTIONAL_FLAGS:
                 raise OpenAIError(400, f"the Triton model {self.model_name!r} has no input for {name!r}", name)
+        if sp.get("logprobs") is not None and spec.outputs and "logprobs" not in spec.outputs:
+            raise OpenAIError(400, f"logprobs are not available: the Triton model {self.model_name!r} has no "
+                              "'logprobs' output", "logprobs")
         if sp:
             if "sampling_parameters" not in spec.inputs:
                 raise OpenAIError(400, f"the Triton model {self.model_name!r} takes no sampling_parameters; "
