@@ -1,0 +1,1 @@
+"""Console entry points (ernie-serve)."""

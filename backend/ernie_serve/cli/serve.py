@@ -1,0 +1,111 @@
+"""ernie-serve / scripts/serve.sh: FastDeploy-named flags -> a rendered model repository -> tritonserver.
+
+    ernie-serve                                   # the embedded tiny model on 8000/8001/8002
+    ernie-serve --model /ckpt/ERNIE-4.5-21B-A3B-Paddle --max-model-len 8192 --max-num-seqs 32 \
+                --reasoning-parser ernie-x1 --tool-call-parser ernie-x1 --openai-port 9000
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from dataclasses import fields
+
+from ..config import EngineConfig
+
+# Flags that belong to the launcher, not to the engine.
+SERVER_FLAGS = {"http_port", "grpc_port", "metrics_port", "openai_port", "host", "max_inflight_requests",
+                "engine_instances", "run_dir", "startup_timeout", "state_ttl_seconds", "log_to_console"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ernie-serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("server")
+    g.add_argument("--http-port", type=int, default=8000)
+    g.add_argument("--grpc-port", type=int, default=8001)
+    g.add_argument("--metrics-port", type=int, default=8002)
+    g.add_argument("--openai-port", type=int, default=None, help="also start the OpenAI shim on this port")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    g.add_argument("--max-inflight-requests", type=int, default=None,
+                   help="ensemble max_inflight_requests (needs a tritonserver newer than 2.51)")
+    g.add_argument("--engine-instances", type=int, default=None, help="ernie_moe instances (one engine each)")
+    g.add_argument("--state-ttl-seconds", default=None, help="detokenizer per-request state TTL")
+    g.add_argument("--run-dir", default=None, help="where the rendered repository and the log go")
+    g.add_argument("--startup-timeout", type=float, default=600.0)
+    g.add_argument("--log-to-console", action="store_true", help="tritonserver log to this terminal")
+    e = p.add_argument_group("engine (FastDeploy flag names; rendered into config.pbtxt parameters)")
+    for f in fields(EngineConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if "bool" in str(f.type):
+            e.add_argument(flag, dest=f.name, nargs="?", const="true", default=None, metavar="BOOL")
+        else:
+            e.add_argument(flag, dest=f.name, default=None)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
+    out = {k: str(v) for k, v in vars(args).items()
+           if k not in SERVER_FLAGS and v is not None}
+    if args.state_ttl_seconds is not None:
+        out["state_ttl_seconds"] = str(args.state_ttl_seconds)
+    # Fail here, with the flag's name, rather than inside a model's initialize.
+    from ..serving.pb import engine_config_from_parameters
+
+    engine_config_from_parameters({k: v for k, v in out.items() if k != "state_ttl_seconds"})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, TypeError) as e:
+        print(f"ernie-serve: {e}", file=sys.stderr)
+        return 2
+    from ..serving.launcher import TritonServer
+
+    server = TritonServer(settings, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, host=args.host, run_dir=args.run_dir,
+                          engine_instances=args.engine_instances, max_inflight_requests=args.max_inflight_requests,
+                          openai_port=args.openai_port, log_to_console=args.log_to_console)
+    stopping = []
+
+    def on_signal(signum, _frame):
+        stopping.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"[ernie-serve] starting tritonserver (run dir {server.run_dir}) ...", flush=True)
+    try:
+        server.start(timeout=args.startup_timeout)
+    except Exception as e:  # noqa: BLE001
+        print(f"[ernie-serve] failed to start: {e}", file=sys.stderr)
+        return 1
+    print(f"[ernie-serve] ready in {server.startup_seconds:.1f}s\n"
+          f"  HTTP     http://{server.http_url}  (POST /v2/models/ernie/generate, /generate_stream)\n"
+          f"  gRPC     {server.grpc_url}  (model 'ernie', or 'ernie_bls')\n"
+          f"  metrics  {server.metrics_url}  (ernie:*)\n"
+          + (f"  OpenAI   http://{args.host}:{args.openai_port}/v1\n" if server.openai_proc else "")
+          + f"  log      {server.log_path}\n"
+          "  Ctrl-C to stop.", flush=True)
+    code = 0
+    while not stopping:
+        if server.proc.poll() is not None:
+            print(f"[ernie-serve] tritonserver exited with {server.proc.returncode}\n{server.log_tail()}",
+                  file=sys.stderr)
+            code = server.proc.returncode or 1
+            break
+        time.sleep(0.5)
+    if stopping:
+        print("[ernie-serve] stopping: in-flight requests finish or are cancelled, then the server exits",
+              flush=True)
+    server.stop()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

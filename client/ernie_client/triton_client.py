@@ -1,0 +1,149 @@
+"""tritonclient helpers for the `ernie` ensemble (and `ernie_bls`): build inputs, stream, collect.
+
+    from ernie_client.triton_client import stream_generate, generate
+    for delta in stream_generate("localhost:8001", text="Hello", max_tokens=32, temperature=0):
+        print(delta.text, end="", flush=True)
+    result = generate("localhost:8001", messages=[{"role": "user", "content": "Hi"}])
+"""
+from __future__ import annotations
+
+import json
+import queue
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+_TYPES = {"max_tokens": ("INT32", np.int32), "min_tokens": ("INT32", np.int32), "top_k": ("INT32", np.int32),
+          "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
+          "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
+          "frequency_penalty": ("FP32", np.float32), "seed": ("UINT64", np.uint64)}
+_FLAGS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
+
+
+@dataclass
+class Delta:
+    """One response: what this step added, plus the running counters."""
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    final: bool = False
+
+
+@dataclass
+class Result:
+    text: str
+    reasoning: str
+    tool_calls: list[dict]
+    finish_reason: str | None
+    output_ids: list[int]
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+    num_responses: int
+
+
+def build_inputs(text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
+                 chat_template_kwargs: dict | None = None, sampling_parameters: dict | None = None,
+                 stop: list[str] | None = None, bad_words: list[str] | None = None, stream: bool = True,
+                 exclude_input_in_output: bool = True, protocol: str = "grpc", **scalars: Any) -> list:
+    """InferInputs with the batch dimension the ensemble declares ([1, ...])."""
+    if protocol == "grpc":
+        from tritonclient.grpc import InferInput
+    else:
+        from tritonclient.http import InferInput
+
+    def add(name: str, dtype: str, arr: np.ndarray) -> None:
+        inp = InferInput(name, list(arr.shape), dtype)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+
+    inputs: list = []
+    strings = {"text_input": text, "messages": json.dumps(messages) if messages is not None else None,
+               "tools": json.dumps(tools) if tools else None,
+               "chat_template_kwargs": json.dumps(chat_template_kwargs) if chat_template_kwargs else None,
+               "sampling_parameters": json.dumps(sampling_parameters) if sampling_parameters else None}
+    for name, value in strings.items():
+        if value is not None:
+            add(name, "BYTES", np.array([[value.encode("utf-8")]], dtype=np.object_))
+    for name, words in (("stop_words", stop), ("bad_words", bad_words)):
+        if words:
+            add(name, "BYTES", np.array([[w.encode("utf-8") for w in words]], dtype=np.object_))
+    for name, value in scalars.items():
+        if value is None:
+            continue
+        if name not in _TYPES:
+            raise ValueError(f"unknown input {name!r}; known: {', '.join(sorted(_TYPES))}")
+        dtype, np_type = _TYPES[name]
+        add(name, dtype, np.array([[value]], dtype=np_type))
+    flags = {"stream": stream, "exclude_input_in_output": exclude_input_in_output,
+             "return_num_input_tokens": True, "return_num_output_tokens": True}
+    for name in _FLAGS:
+        add(name, "BOOL", np.array([[flags[name]]], dtype=bool))
+    return inputs
+
+
+def parse_result(result: Any, final: bool = False) -> Delta:
+    """tritonclient InferResult -> Delta (works for the gRPC and HTTP result types)."""
+    def s(name: str) -> str:
+        a = result.as_numpy(name)
+        if a is None:
+            return ""
+        return "".join(x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.reshape(-1))
+
+    def i(name: str) -> int | None:
+        a = result.as_numpy(name)
+        return None if a is None or a.size == 0 else int(a.reshape(-1)[0])
+
+    ids = result.as_numpy("output_ids")
+    calls = s("tool_calls")
+    return Delta(text=s("text_output"), reasoning=s("reasoning_content"),
+                 tool_calls=json.loads(calls) if calls else [], finish_reason=s("finish_reason") or None,
+                 output_ids=[] if ids is None else ids.reshape(-1).tolist(),
+                 num_input_tokens=i("num_input_tokens"), num_output_tokens=i("num_output_tokens"),
+                 num_cached_tokens=i("num_cached_tokens"), final=final)
+
+
+def stream_generate(url: str = "localhost:8001", model: str = "ernie", timeout: float = 600.0,
+                    request_id: str | None = None, client: Any = None, **kwargs: Any) -> Iterator[Delta]:
+    """Stream one request over gRPC; yields a Delta per response; raises the server's error."""
+    import tritonclient.grpc as grpcclient
+
+    own = client is None
+    client = client or grpcclient.InferenceServerClient(url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        kwargs.setdefault("stream", True)
+        client.async_stream_infer(model, build_inputs(**kwargs), request_id=request_id or uuid.uuid4().hex,
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = q.get(timeout=timeout)
+            if error is not None:
+                raise error
+            params = result.get_response().parameters
+            final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
+            if result.get_response().outputs:
+                yield parse_result(result, final)
+            if final:
+                return
+    finally:
+        client.stop_stream(cancel_requests=True)
+        if own:
+            client.close()
+
+
+def generate(url: str = "localhost:8001", model: str = "ernie", **kwargs: Any) -> Result:
+    """One request, collected: the concatenated deltas and the last counters."""
+    deltas = list(stream_generate(url, model, **kwargs))
+    last = deltas[-1] if deltas else Delta()
+    return Result("".join(d.text for d in deltas), "".join(d.reasoning for d in deltas),
+                  [c for d in deltas for c in d.tool_calls], next((d.finish_reason for d in reversed(deltas)
+                                                                   if d.finish_reason), None),
+                  [t for d in deltas for t in d.output_ids], last.num_input_tokens, last.num_output_tokens,
+                  len(deltas))

@@ -1,0 +1,32 @@
+"""One tritonserver for every e2e test, started through the launcher's Python API on free ports."""
+from __future__ import annotations
+
+import pytest
+
+# Small enough to keep the suite fast on 2 cores, large enough for 16 concurrent streams.
+SERVER_SETTINGS = {"max_model_len": "512", "max_num_seqs": "16", "block_size": "16",
+                   "num_gpu_blocks_override": "512"}
+
+
+@pytest.fixture(scope="session")
+def triton_server():
+    from ernie_serve.serving.launcher import TritonServer, free_port
+
+    server = TritonServer(SERVER_SETTINGS, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    try:
+        server.start(timeout=300)
+    except Exception:
+        server.cleanup()
+        raise
+    yield server
+    server.stop()
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def offline_llm():
+    """The offline engine the server must agree with (same engine settings)."""
+    from ernie_serve import LLM
+
+    return LLM(model=None, max_model_len=512, max_num_seqs=16, block_size=16, num_gpu_blocks_override=512,
+               disable_progress_bar=True)
