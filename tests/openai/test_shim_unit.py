@@ -251,6 +251,8 @@ def test_triton_error_messages_name_the_openai_field():
     e = triton_error(InferenceServerException("text_input: the prompt has 3000 tokens but max_model_len is 2048"),
                      "ernie")
     assert (e.status, e.param) == (400, "prompt")
+    e = triton_error(InferenceServerException("in ensemble 'ernie', stop: may hold at most 5 strings"), "ernie")
+    assert (e.status, e.param) == (400, "stop")
     e = triton_error(InferenceServerException("overloaded: 9 requests already waiting"), "ernie")
     assert e.status == 503
     e = triton_error(InferenceServerException("failed to connect to all addresses",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -177,6 +178,7 @@ _PARAM_NAMES = {"text_input": "prompt", "stop_words": "stop", "bad_words": "bad_
 
 def _param_of(message: str) -> str | None:
     """The field an ernie_serve error names: its messages start with `field: ...` or `field must ...`."""
+    message = re.sub(r"^in ensemble '[^']*', ", "", message)  # Triton's prefix for a failed ensemble step
     head = message.split(":", 1)[0].split(" ", 1)[0].strip()
     if not head.isidentifier():
         return None

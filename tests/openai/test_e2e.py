@@ -1,0 +1,311 @@
+"""Acceptance: the official `openai` client against the shim in front of a real tritonserver (tiny demo model).
+
+One tritonserver (ernie_serve.serving.launcher.TritonServer, free ports) and one `ernie-openai` process serve
+the module; shims with other settings (API key, --max-concurrency, --request-timeout, a dead Triton URL)
+run in-thread against the same server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from shim_helpers import free_port
+from ernie_client.openai import ServerConfig, create_app
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+LONG = dict(max_tokens=1500, temperature=0, extra_body={"ignore_eos": True})  # runs for many seconds
+
+
+def _wait(pred, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def triton():
+    launcher = pytest.importorskip("ernie_serve.serving.launcher", reason="the Triton launcher is not available")
+    server = launcher.TritonServer({}, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    try:
+        server.start(timeout=300)
+    except (FileNotFoundError, RuntimeError, TimeoutError) as e:
+        server.cleanup()
+        pytest.fail(f"tritonserver did not start: {e}")
+    yield server
+    server.stop()
+    server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def shim(triton):
+    """`ernie-openai` as a process (the console script's module), on a free port."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "backend"),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "ernie_client.openai_server", "--triton-url", triton.grpc_url,
+                             "--port", str(port), "--served-model-name", "ernie-tiny", "--log-level", "warning"],
+                            env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None and pytest.fail(f"ernie-openai exited with {proc.returncode}")
+
+    try:
+        _wait(healthy, 60, "ernie-openai /health")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def client(shim):
+    return openai.OpenAI(base_url=shim + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def other_shim(start_shim, triton):
+    def make(**cfg):
+        cfg.setdefault("triton_url", triton.grpc_url)
+        running = start_shim(create_app(ServerConfig(**cfg)))
+        return running, openai.OpenAI(base_url=running.url + "/v1", api_key=cfg.get("api_key") or "unused",
+                                      max_retries=0, timeout=120)
+    return make
+
+
+def _engine_metric(triton, name: str) -> float:
+    text = httpx.get(triton.metrics_url, timeout=5).text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    assert values, f"{name} not on the Triton metrics port"
+    return sum(values)
+
+
+def _idle(triton) -> bool:
+    return (_engine_metric(triton, "ernie:num_requests_running") == 0
+            and _engine_metric(triton, "ernie:num_requests_waiting") == 0
+            and _engine_metric(triton, "ernie:kv_cache_usage_perc") == 0)
+
+
+# ---------------------------------------------------------------------------- chat
+def test_chat_non_streaming_and_streaming_agree(client):
+    r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=12, temperature=0)
+    msg = r.choices[0].message
+    assert r.object == "chat.completion" and msg.role == "assistant" and msg.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert 1 <= r.usage.completion_tokens <= 12
+    chunks = list(client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_sse_stream_ends_with_done(shim):
+    with httpx.stream("POST", shim + "/v1/chat/completions", timeout=60,
+                      json={"model": "ernie-tiny", "messages": CHAT, "max_tokens": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+
+
+def test_usage_equals_the_engine_counts(client, triton):
+    prompt = "The sea is wide and"
+    r = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=10, temperature=0)
+    direct = httpx.post(f"http://{triton.http_url}/v2/models/ernie/generate", timeout=60, json={
+        "text_input": prompt, "max_tokens": 10, "temperature": 0.0, "exclude_input_in_output": True,
+        "return_num_input_tokens": True, "return_num_output_tokens": True}).json()
+    assert r.choices[0].text == direct["text_output"]
+    assert r.usage.prompt_tokens == direct["num_input_tokens"]
+    assert r.usage.completion_tokens == direct["num_output_tokens"]
+
+
+def test_many_concurrent_streams(shim, client):
+    want = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=8,
+                                          temperature=0).choices[0].message.content
+
+    async def one(aclient):
+        text = ""
+        async for c in await aclient.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=8,
+                                                             temperature=0, stream=True):
+            text += c.choices[0].delta.content or ""
+        return text
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=shim + "/v1", api_key="x", max_retries=0, timeout=120) as aclient:
+            return await asyncio.gather(*[one(aclient) for _ in range(8)])
+
+    assert asyncio.run(run()) == [want] * 8
+
+
+# ---------------------------------------------------------------------------- completions and sampling
+def test_completions_with_echo(client):
+    prompt = "Once upon a time"
+    plain = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    chunks = list(client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+def test_n2_returns_two_choices(client):
+    r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, n=2, max_tokens=6, temperature=1.0,
+                                       seed=1)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.message.content and c.finish_reason for c in r.choices)
+    assert r.usage.completion_tokens <= 12
+    chunks = list(client.chat.completions.create(model="ernie-tiny", messages=CHAT, n=2, max_tokens=4, stream=True))
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1]
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    full = client.completions.create(model="ernie-tiny", prompt="A long story:", max_tokens=16,
+                                     temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), f"pick a visible stop string from {full!r}"
+    r = client.completions.create(model="ernie-tiny", prompt="A long story:", max_tokens=16, temperature=0,
+                                  stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_seed_makes_sampling_reproducible(client):
+    kw = dict(model="ernie-tiny", prompt="Random words:", max_tokens=10, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    assert a == b
+
+
+def test_logprobs(client, triton):
+    import tritonclient.http as httpclient
+
+    outputs = {o["name"] for o in httpclient.InferenceServerClient(triton.http_url).get_model_config("ernie")["output"]}
+    try:
+        r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=4, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    except openai.BadRequestError as e:
+        assert "logprobs" not in outputs and e.response.json()["error"]["param"] == "logprobs"
+        pytest.xfail("the ernie ensemble has no 'logprobs' output yet; the shim answers a clear 400")
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
+
+
+def test_cached_tokens_on_a_repeated_long_prompt(client):
+    prompt = " ".join(f"item{i} is number {i} in the list;" for i in range(60))
+    first = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens > 128  # more than two 64-token blocks
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+def test_models_and_health(client, shim):
+    assert [m.id for m in client.models.list().data] == ["ernie-tiny"]
+    assert httpx.get(shim + "/health").json() == {"status": "ok"}
+    assert "ernie_openai:requests_total" in httpx.get(shim + "/metrics").text
+
+
+# ---------------------------------------------------------------------------- errors
+def _err(e: openai.APIStatusError) -> dict:
+    return e.response.json()["error"]
+
+
+def test_invalid_field_is_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ernie-tiny", messages=CHAT, temperature=5)
+    assert _err(e.value)["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:  # refused by Triton's tokenizer model
+        client.completions.create(model="ernie-tiny", prompt="word " * 3000, max_tokens=2)
+    assert _err(e.value)["param"] == "prompt" and "max_model_len" in _err(e.value)["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=2, stream=False,
+                                       stream_options={"include_usage": True})
+    assert _err(e.value)["param"] == "stream_options"
+
+
+def test_bad_api_key_is_401(other_shim):
+    running, good = other_shim(api_key="k3y")
+    assert good.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1).choices
+    bad = openai.OpenAI(base_url=running.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1)
+    assert _err(e.value)["type"] == "authentication_error"
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-5", messages=CHAT, max_tokens=1)
+    assert _err(e.value)["code"] == "model_not_found"
+
+
+def test_over_max_concurrency_is_429(other_shim, triton):
+    running, c = other_shim(max_concurrency=1)
+    stream = c.chat.completions.create(model="ernie", messages=CHAT, stream=True, **LONG)
+    next(iter(stream))
+    try:
+        with pytest.raises(openai.RateLimitError):
+            c.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1)
+    finally:
+        stream.close()
+    _wait(lambda: _idle(triton), 20, "the held stream to be cancelled")
+    assert c.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1).choices
+
+
+def test_triton_unavailable_is_503(other_shim):
+    running, c = other_shim(triton_url=f"127.0.0.1:{free_port()}")
+    with pytest.raises(openai.InternalServerError) as e:
+        c.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1)
+    assert e.value.status_code == 503 and _err(e.value)["type"] == "service_unavailable"
+    assert httpx.get(running.url + "/health").status_code == 503
+
+
+def test_request_timeout_is_504_and_frees_the_request(other_shim, triton):
+    _, c = other_shim(request_timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model="ernie", messages=CHAT, **LONG)
+    assert e.value.status_code == 504 and time.monotonic() - t0 < 10
+    _wait(lambda: _idle(triton), 20, "the timed-out request to leave the engine")
+
+
+def test_client_disconnect_mid_stream_frees_its_kv_blocks(shim, triton):
+    generated_before = _engine_metric(triton, "ernie:generation_tokens_total")
+    body = json.dumps({"model": "ernie-tiny", "messages": CHAT, "stream": True, "max_tokens": 1500,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    port = int(shim.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got = b""
+        while got.count(b"data:") < 5:
+            got += s.recv(4096)
+        assert _engine_metric(triton, "ernie:kv_cache_usage_perc") > 0
+    _wait(lambda: _idle(triton), 20, "the abandoned request's KV blocks to be freed")
+    assert _engine_metric(triton, "ernie:generation_tokens_total") - generated_before < 1500
