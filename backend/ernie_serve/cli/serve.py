@@ -103,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     if stopping:
         print("[ernie-serve] stopping: in-flight requests finish or are cancelled, then the server exits",
               flush=True)
+    t0 = time.monotonic()
     server.stop()
+    print(f"[ernie-serve] stopped in {time.monotonic() - t0:.1f}s", flush=True)
+    if code == 0:
+        server.cleanup()
     return code
 
 

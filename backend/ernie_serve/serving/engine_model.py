@@ -172,7 +172,7 @@ class EngineModel:
             live.text.append(comp.text_delta)
             if not out.finished:
                 return
-            self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids), comp.text), None))
+            self._outbox.put((live.sink, self._tensors(live, out, live.token_ids, "".join(live.text)), None))
             return
         self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids_delta), comp.text_delta), None))
 

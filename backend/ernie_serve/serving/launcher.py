@@ -214,7 +214,9 @@ class TritonServer:
         for proc in (self.openai_proc, self.proc):
             if proc is None or proc.poll() is not None:
                 continue
-            os.killpg(proc.pid, signal.SIGTERM)
+            # Only the server itself: it unloads the models, whose stubs then finalize (aborting in-flight
+            # requests with CANCELLED + FINAL). A signal to the whole group would kill the stubs first.
+            proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
