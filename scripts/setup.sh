@@ -17,8 +17,16 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing the project and its dependencies ($extras) into .venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip >/dev/null
-  "$venv/bin/pip" install -q --disable-pip-version-check -e ".[${extras}]"
+  # This machine's pip config lists local indexes that may not exist; their warnings are noise.
+  quiet() {
+    set +e
+    "$@" 2>&1 | grep -v "^WARNING: Location 'file:"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    return "$rc"
+  }
+  quiet "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip
+  quiet "$venv/bin/pip" install -q --disable-pip-version-check -e ".[${extras}]"
   echo "$want" > "$stamp"
 else
   echo "[setup] .venv is up to date"

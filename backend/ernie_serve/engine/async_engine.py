@@ -47,6 +47,8 @@ class AsyncEngine:
         self._stop = False
         self.error: Exception | None = None
         self.step_listeners: list[Callable[[dict], None]] = []  # metrics hooks, called after each step
+        self.log_interval_s = 10.0
+        self._last_log = (time.monotonic(), 0, 0)  # time, prompt tokens, generation tokens
         self._thread = threading.Thread(target=self._loop, name="ernie-engine", daemon=True)
         self._thread.start()
 
@@ -147,6 +149,7 @@ class AsyncEngine:
                         if out.finished:
                             del self._pending[out.request_id]
                 stats = self.engine.stats() if self.step_listeners else None
+                self._maybe_log()
             for cb, out in deliver:
                 _safe_call(cb, out, None)
             for listener in self.step_listeners:
@@ -154,6 +157,21 @@ class AsyncEngine:
         err = EngineDeadError(f"engine step failed: {self.error!r}")
         for p, out in failed:
             _safe_call(p.callback, out, err)
+
+    def _maybe_log(self) -> None:
+        """A vLLM-style status line every log_interval_s while there is work (lock held)."""
+        now = time.monotonic()
+        t0, p0, g0 = self._last_log
+        if now - t0 < self.log_interval_s:
+            return
+        e = self.engine
+        dt = now - t0
+        log.info("throughput: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d, "
+                 "preempted %d | KV usage %.1f%% | prefix-cache hit rate %.1f%%",
+                 (e.num_prompt_tokens - p0) / dt, (e.num_generation_tokens - g0) / dt,
+                 len(e.scheduler.running), len(e.scheduler.waiting), e.scheduler.num_preemptions,
+                 100 * e.kv.usage, 100 * e.kv.stats.hit_rate)
+        self._last_log = (now, e.num_prompt_tokens, e.num_generation_tokens)
 
     def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting work; let in-flight requests finish (drain) or abort them, then join."""
