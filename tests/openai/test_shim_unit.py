@@ -374,20 +374,22 @@ def test_request_timeout_is_504_and_cancels(shim):
 
 
 # ---------------------------------------------------------------------------- disconnect, metrics
-def _raw_stream_then_drop(port: int, body: dict, read_bytes: int = 200) -> None:
-    """Send a streaming request, read a little of the answer, then close the socket."""
+def _raw_request_then_drop(port: int, body: dict, wait_for: bytes | None = b"data:") -> None:
+    """Send a request, read until `wait_for` shows up in the answer (None: read nothing), then close."""
     payload = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         got = b""
-        while b"data:" not in got and len(got) < read_bytes * 10:
-            got += s.recv(read_bytes)
+        while wait_for is not None and wait_for not in got and len(got) < 10_000:
+            got += s.recv(200)
+        if wait_for is None:
+            time.sleep(0.3)  # let the request reach the fake
 
 
 def test_client_disconnect_mid_stream_cancels_the_triton_request(shim):
     _, running, fake = shim(FakeTritonClient(step_delay=0.1))
-    _raw_stream_then_drop(running.port, {"model": "ernie", "messages": CHAT, "max_tokens": 200, "stream": True})
+    _raw_request_then_drop(running.port, {"model": "ernie", "messages": CHAT, "max_tokens": 200, "stream": True})
     deadline = time.monotonic() + 10
     while (fake.running or not fake.cancelled) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -395,6 +397,16 @@ def test_client_disconnect_mid_stream_cancels_the_triton_request(shim):
     metrics = httpx.get(running.url + "/metrics").text
     assert "ernie_openai:client_disconnects_total 1.0" in metrics
     assert "ernie_openai:requests_in_flight 0.0" in metrics
+
+
+def test_client_disconnect_while_waiting_for_a_whole_answer_cancels_too(shim):
+    _, running, fake = shim(FakeTritonClient(step_delay=0.1))
+    _raw_request_then_drop(running.port, {"model": "ernie", "messages": CHAT, "max_tokens": 200}, wait_for=None)
+    deadline = time.monotonic() + 10
+    while (fake.running or not fake.cancelled) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake.cancelled == 1 and fake.running == 0
+    assert 'status="499"' in httpx.get(running.url + "/metrics").text
 
 
 def test_metrics_count_requests_and_tokens(shim):

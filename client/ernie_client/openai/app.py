@@ -90,8 +90,12 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise _validation_error(e) from None
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; nobody is left to answer."""
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it if the client goes away first (then raise CancelledError)."""
+    """Await `work`, cancelling it if the client goes away first (then raise ClientGone)."""
     async def watch():
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -101,8 +105,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        task.cancel()
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientGone()
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -206,8 +209,11 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
                 metrics.timeouts.inc()
             await close(status=str(e.status))
             return e.response()
-        except BaseException:
+        except ClientGone:
             await close(disconnected=True, status="499")
+            return Response(status_code=499)
+        except BaseException:
+            await close(status="500")
             raise
         return SSEResponse(events(gen, first), lambda disconnected: close(disconnected))
 
