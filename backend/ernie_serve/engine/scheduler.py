@@ -99,6 +99,8 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_limit: int) -> None:
+        # FastDeploy's max_num_partial_prefills: how many prompts may be mid-prefill at once.
+        partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_tokens - 1 and not r.output_token_ids)
         while self.waiting and budget > 0:
             req = self.waiting[0]
             seats = 1 + len(req.forks)  # n > 1 siblings join as soon as the prompt is computed
@@ -107,7 +109,8 @@ class Scheduler:
             hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
             remaining = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
             n = min(remaining, budget, chunk_limit)
-            if n < remaining and not self.config.enable_chunked_prefill:
+            if n < remaining and (not self.config.enable_chunked_prefill
+                                  or partial >= self.config.max_num_partial_prefills):
                 break
             if not self.kv.allocate_slots(req, n, hits):
                 break
@@ -116,6 +119,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+            partial += n < remaining
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
