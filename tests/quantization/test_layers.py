@@ -5,8 +5,8 @@ import paddle
 import pytest
 
 from ernie_serve.quantization import formats as F
-from ernie_serve.quantization.layers import (METHODS, FloatMoEExperts, QuantLinear, QuantMoEExperts,
-                                             model_memory_bytes)
+from ernie_serve.model.moe import FusedExperts
+from ernie_serve.quantization.layers import METHODS, QuantLinear, QuantMoEExperts, model_memory_bytes
 
 K, N, T = 256, 160, 7
 
@@ -105,7 +105,7 @@ def _pd(*arrays):
 
 def test_float_experts_match_a_per_token_loop(moe):
     ug, dn, x, ids, wts = moe
-    y = FloatMoEExperts(ug, dn)(*_pd(x, ids, wts)).numpy()
+    y = FusedExperts.from_weights(ug, dn)(*_pd(x, ids, wts)).numpy()
     np.testing.assert_allclose(y, _moe_loop(x, ids, wts, ug, dn), rtol=1e-5, atol=1e-5)
 
 
@@ -113,16 +113,16 @@ def test_float_experts_match_a_per_token_loop(moe):
 def test_quant_experts_equal_float_experts_on_dequantized_weights(moe, method):
     ug, dn, x, ids, wts = moe
     qe = QuantMoEExperts.from_float(ug, dn, method)
-    ug_d = np.stack([m.dequantize().numpy() for m in qe.up_gate])
-    dn_d = np.stack([m.dequantize().numpy() for m in qe.down])
+    ug_d = np.stack([m.dequantize().numpy() for m in qe.up_gate_proj])
+    dn_d = np.stack([m.dequantize().numpy() for m in qe.down_proj])
     y = qe(*_pd(x, ids, wts)).numpy()
-    np.testing.assert_allclose(y, FloatMoEExperts(ug_d, dn_d)(*_pd(x, ids, wts)).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y, FusedExperts.from_weights(ug_d, dn_d)(*_pd(x, ids, wts)).numpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method,max_rel", [("block_wise_fp8", 0.1), ("w4a8", 0.3), ("wint4", 0.3)])
 def test_quant_experts_are_close_to_float_experts(moe, method, max_rel):
     ug, dn, x, ids, wts = moe
-    ref = FloatMoEExperts(ug, dn)(*_pd(x, ids, wts)).numpy()
+    ref = FusedExperts.from_weights(ug, dn)(*_pd(x, ids, wts)).numpy()
     y = QuantMoEExperts.from_float(ug, dn, method, calib_x=x)(*_pd(x, ids, wts)).numpy()
     assert np.sqrt(((y - ref) ** 2).mean() / (ref ** 2).mean()) < max_rel
 
@@ -133,8 +133,8 @@ def test_quant_experts_from_stacked_checkpoint_tensors(moe):
     q2, s2 = F.quantize_weight_only(dn, 8)
     qe = QuantMoEExperts.from_checkpoint({"quant_weight": q1, "weight_scale": s1},
                                          {"quant_weight": q2, "weight_scale": s2}, "wint8")
-    ref = FloatMoEExperts(F.dequantize_weight_only(q1, s1, 8), F.dequantize_weight_only(q2, s2, 8))
+    ref = FusedExperts.from_weights(F.dequantize_weight_only(q1, s1, 8), F.dequantize_weight_only(q2, s2, 8))
     np.testing.assert_allclose(qe(*_pd(x, ids, wts)).numpy(), ref(*_pd(x, ids, wts)).numpy(), rtol=1e-5, atol=1e-5)
-    fe = FloatMoEExperts(ug, dn)
+    fe = FusedExperts.from_weights(ug, dn)
     assert model_memory_bytes([qe]) == q1.size + q2.size + (s1.size + s2.size) * 4
     assert model_memory_bytes([fe, paddle.zeros([10])]) == (ug.size + dn.size) * 4 + 40

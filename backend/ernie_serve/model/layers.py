@@ -79,14 +79,24 @@ class RotaryEmbedding:
         return out
 
 
+def make_linear(in_features: int, out_features: int, quant_method: str | None = None) -> nn.Layer:
+    """A float `Linear`, or an empty `QuantLinear` that the loader fills (no fp32 weight is ever allocated)."""
+    if quant_method is None:
+        return Linear(in_features, out_features)
+    # Imported here: the quantization layers are built from this module's blocks.
+    from ..quantization.layers import QuantLinear
+
+    return QuantLinear(quant_method, in_features, out_features)
+
+
 class MLP(nn.Layer):
     """down(silu(gate(x)) * up(x)) with gate and up fused in one [H, 2I] projection (gate first)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_method: str | None = None):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.up_gate_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.up_gate_proj = make_linear(hidden_size, 2 * intermediate_size, quant_method)
+        self.down_proj = make_linear(intermediate_size, hidden_size, quant_method)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(silu_and_mul(self.up_gate_proj(x)))

@@ -31,10 +31,10 @@ class TopKRouter(nn.Layer):
 
 
 class FusedExperts(nn.Layer):
-    """All routed experts, stacked: up_gate [E, H, 2I] (gate half first), down [E, I, H].
+    """All routed experts in fp32, stacked: up_gate [E, H, 2I] (gate half first), down [E, I, H].
 
-    Tokens are sorted by expert once, then each active expert runs one matmul over its tokens;
-    results are weighted and scattered back with index_add. There is no per-token loop.
+    Parameters, so autograd trains through it (demo/fit.py); the quantized twin is
+    ernie_serve.quantization.layers.QuantMoEExperts, and both run grouped_expert_forward.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -42,6 +42,18 @@ class FusedExperts(nn.Layer):
         self.num_experts = num_experts
         self.up_gate_proj = self.create_parameter([num_experts, hidden_size, 2 * intermediate_size])
         self.down_proj = self.create_parameter([num_experts, intermediate_size, hidden_size])
+
+    @classmethod
+    def from_weights(cls, up_gate: np.ndarray, down: np.ndarray) -> "FusedExperts":
+        e, h, i2 = up_gate.shape
+        experts = cls(e, h, i2 // 2)
+        experts.up_gate_proj.set_value(np.asarray(up_gate, np.float32))
+        experts.down_proj.set_value(np.asarray(down, np.float32))
+        return experts
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (int(np.prod(self.up_gate_proj.shape)) + int(np.prod(self.down_proj.shape)))
 
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(silu_and_mul(paddle.matmul(x, self.up_gate_proj[e])), self.down_proj[e])
@@ -51,11 +63,18 @@ class FusedExperts(nn.Layer):
 
 
 def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor):
-    """Shared by every expert implementation: `experts.expert_forward(e, x_e)` is all that differs."""
+    """sum_j w[t, j] * Expert_{ids[t, j]}(x[t]) for every expert implementation (float or quantized):
+    `experts.expert_forward(e, x_e)` is all that differs.
+
+    Tokens are sorted by expert once, then each active expert runs once over its tokens; results are
+    weighted and scattered back with index_add. There is no per-token loop, and gradients flow.
+    """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape([-1]).numpy()
-    order = np.argsort(flat_ids, kind="stable")
     counts = np.bincount(flat_ids, minlength=experts.num_experts)
+    if counts.shape[0] > experts.num_experts:
+        raise ValueError(f"topk_ids hold expert id {int(flat_ids.max())} >= num_experts={experts.num_experts}")
+    order = np.argsort(flat_ids, kind="stable")
     token_of = paddle.to_tensor(order // k)
     xs = paddle.index_select(x, token_of)
     w = paddle.index_select(topk_weights.reshape([-1]), paddle.to_tensor(order)).astype(x.dtype)
@@ -68,14 +87,26 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
     return paddle.index_add(paddle.zeros_like(x), token_of, 0, ys)
 
 
+def make_experts(cfg: ErnieModelConfig, quant_method: str | None) -> nn.Layer:
+    """Float experts, or empty quantized ones that the loader fills expert by expert."""
+    if quant_method is None:
+        return FusedExperts(cfg.moe_num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    from ..quantization.layers import QuantMoEExperts  # built from this module: imported late
+
+    return QuantMoEExperts.empty(quant_method, cfg.moe_num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+
 class MoE(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig):
+    """`experts_quant` applies to the routed experts, `dense_quant` to the shared ones; the router stays fp32."""
+
+    def __init__(self, cfg: ErnieModelConfig, experts_quant: str | None = None, dense_quant: str | None = None):
         super().__init__()
         self.gate = TopKRouter(cfg.hidden_size, cfg.moe_num_experts, cfg.moe_k, cfg.moe_norm_min)
-        self.experts = FusedExperts(cfg.moe_num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = make_experts(cfg, experts_quant)
         self.shared_experts = None
         if cfg.moe_num_shared_experts > 0:
-            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.moe_num_shared_experts)
+            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.moe_num_shared_experts,
+                                      dense_quant)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         ids, weights = self.gate(x)

@@ -2,18 +2,23 @@
 
 Weights stay resident in their quantized form; forward dequantizes one column tile at a time (so a
 [K, N] fp32 copy of a big matrix never exists) and runs an fp32 matmul, the only matmul Paddle CPU has.
-The same interface is what the GPU path (ernie_kernels) implements, and FloatMoEExperts is the fp32
-twin of QuantMoEExperts, so the model has one code path and quantization is a drop-in.
+The same interface is what the GPU path (ernie_kernels) implements. QuantLinear stands in for the
+model's `Linear` and QuantMoEExperts for its fp32 `FusedExperts` (both experts run the model's
+grouped_expert_forward), so the model has one code path and quantization is a drop-in. Both are
+nn.Layers whose quantized tensors are buffers; built empty, the loader fills them as weights stream in.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
+from paddle import nn
 
+from ernie_serve.model.layers import silu_and_mul
+from ernie_serve.model.moe import grouped_expert_forward
 from ernie_serve.quantization import formats as fmt
 
 METHODS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
@@ -75,37 +80,62 @@ def _quantize_act_int8(x: paddle.Tensor, scale: float) -> paddle.Tensor:
     return paddle.clip(paddle.round(x / scale), -127.0, 127.0)  # paddle.round: half away from zero
 
 
-class QuantLinear:
-    """y = x @ W for a weight W [K, N] held quantized; forward(x [T, K]) -> [T, N] float32."""
+# Checkpoint tensors (suffixes after `<layer>.`) each method needs; block_wise_fp8's scale may also be
+# named weight_scale in a checkpoint and is renamed weight_scale_inv on load.
+REQUIRED_TENSORS = {"wint8": ("quant_weight", "weight_scale"), "wint4": ("quant_weight", "weight_scale"),
+                    "block_wise_fp8": ("quant_weight", "weight_scale_inv"),
+                    "wint2": ("quant_weight", "weight_scale", "super_scales", "code_scale", "code_zp"),
+                    "w4a8": ("quant_weight", "weight_scale", "activation_scale")}
+QUANT_TENSOR_SUFFIXES = ("quant_weight", "weight_scale", "weight_scale_inv", "super_scales", "code_scale",
+                         "code_zp", "activation_scale")
 
-    def __init__(self, method: str, in_features: int, out_features: int, tensors: dict[str, paddle.Tensor]):
+
+def quantize_float(w_KN: np.ndarray, method: str, *, activation_scale: float | None = None,
+                   calib_x: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Quantize an fp32 weight [K, N] into checkpoint-named tensors (see REQUIRED_TENSORS)."""
+    method = _check_method(method)
+    w = np.asarray(w_KN, np.float32)
+    if method in ("wint8", "wint4"):
+        q, s = fmt.quantize_weight_only(w, 8 if method == "wint8" else 4)
+        return {"quant_weight": q, "weight_scale": s}
+    if method == "block_wise_fp8":
+        q, s = fmt.quantize_block_fp8(w)
+        return {"quant_weight": q, "weight_scale_inv": s}
+    if method == "wint2":
+        return fmt.quantize_wint2(w)
+    if activation_scale is None:
+        if calib_x is None:
+            raise ValueError("w4a8 needs a static activation scale: pass activation_scale= or calib_x= "
+                             "(or write a calibrated checkpoint with scripts/quantize_checkpoint.py)")
+        activation_scale = fmt.calibrate_activation_scale(calib_x)
+    return fmt.quantize_w4a8(w, activation_scale)
+
+
+class QuantLinear(nn.Layer):
+    """y = x @ W for a weight W [K, N] held quantized; forward(x [T, K]) -> [T, N] float32.
+
+    Built empty (the model's placeholder) or from tensors; load_float / load_quantized fill it once.
+    """
+
+    def __init__(self, method: str, in_features: int, out_features: int,
+                 tensors: dict[str, np.ndarray] | None = None):
+        super().__init__()
         self.method = _check_method(method)
         self.in_features, self.out_features = in_features, out_features
-        self.tensors = tensors
+        self.tensors: dict[str, paddle.Tensor] = {}
         self.tile_n = max(128, (_TILE_BYTES // (4 * max(in_features, 1))) // 128 * 128)
+        if tensors is not None:
+            self.load_quantized(tensors)
 
     # ------------------------------------------------------------ construction
     @classmethod
     def from_float(cls, w_KN: np.ndarray, method: str, *, activation_scale: float | None = None,
                    calib_x: np.ndarray | None = None) -> "QuantLinear":
         """Quantize an fp32 weight [K, N]. w4a8 needs activation_scale or calibration inputs calib_x."""
-        method = _check_method(method)
-        w = np.asarray(w_KN, np.float32)
-        if method in ("wint8", "wint4"):
-            q, s = fmt.quantize_weight_only(w, 8 if method == "wint8" else 4)
-            t = {"quant_weight": q, "weight_scale": s}
-        elif method == "block_wise_fp8":
-            q, s = fmt.quantize_block_fp8(w)
-            t = {"quant_weight": q, "weight_scale_inv": s}
-        elif method == "wint2":
-            t = fmt.quantize_wint2(w)
-        else:
-            if activation_scale is None:
-                if calib_x is None:
-                    raise ValueError("w4a8 needs activation_scale= or calib_x= (calibration activations)")
-                activation_scale = fmt.calibrate_activation_scale(calib_x)
-            t = fmt.quantize_w4a8(w, activation_scale)
-        return cls.from_checkpoint(t, method)
+        k, n = np.shape(w_KN)
+        layer = cls(method, k, n)
+        layer.load_float(w_KN, activation_scale=activation_scale, calib_x=calib_x)
+        return layer
 
     @classmethod
     def from_checkpoint(cls, tensors: dict[str, np.ndarray], method: str, *,
@@ -118,29 +148,68 @@ class QuantLinear:
         transposed=True accepts a block_wise_fp8 weight in torch layout [N, K] with scale [N/128, K/128].
         """
         method = _check_method(method)
-        t = dict(tensors)
-        qw = np.asarray(t.pop("quant_weight"))
+        qw = np.shape(tensors["quant_weight"])
         if method == "block_wise_fp8":
-            s = np.asarray(t.pop("weight_scale_inv", None) if "weight_scale_inv" in t else t.pop("weight_scale"))
-            if transposed:
-                qw, s = qw.T, s.T
-            qw = np.ascontiguousarray(qw).view(np.uint8)
-            k, n = qw.shape
-            out = {"quant_weight": paddle.to_tensor(qw).view(paddle.float8_e4m3fn),
-                   "weight_scale_inv": paddle.to_tensor(np.asarray(s, np.float32))}
-            return cls(method, k, n, out)
-        rows = {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}[method]
-        k, n = qw.shape[0] * rows, qw.shape[1]
-        out = {"quant_weight": paddle.to_tensor(np.ascontiguousarray(qw))}
-        for name, arr in t.items():
-            arr = np.asarray(arr)
-            out[name] = paddle.to_tensor(arr if arr.dtype == np.uint8 else arr.astype(np.float32))
-        needed = {"wint8": ["weight_scale"], "wint4": ["weight_scale"], "w4a8": ["weight_scale", "activation_scale"],
-                  "wint2": ["weight_scale", "super_scales", "code_scale", "code_zp"]}[method]
-        missing = [m for m in needed if m not in out]
+            k, n = qw[::-1] if transposed else qw
+        else:
+            k, n = qw[0] * {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}[method], qw[1]
+        layer = cls(method, k, n)
+        layer.load_quantized(tensors, transposed=transposed)
+        return layer
+
+    def load_float(self, w_KN: np.ndarray, **calibration) -> None:
+        """Quantize and hold an fp32 weight [K, N]; the caller drops its fp32 copy."""
+        if tuple(np.shape(w_KN)) != (self.in_features, self.out_features):
+            raise ValueError(f"QuantLinear [{self.in_features}, {self.out_features}] got a weight of shape "
+                             f"{list(np.shape(w_KN))}")
+        self.load_quantized(quantize_float(w_KN, self.method, **calibration))
+
+    def load_quantized(self, tensors: dict[str, np.ndarray], *, transposed: bool = False) -> None:
+        """Hold pre-quantized tensors (names and layouts as from_checkpoint's)."""
+        if self.tensors:
+            raise ValueError(f"QuantLinear [{self.in_features}, {self.out_features}] is already loaded")
+        t = {k: np.asarray(v) for k, v in tensors.items()}
+        method = self.method
+        if method == "block_wise_fp8" and "weight_scale_inv" not in t and "weight_scale" in t:
+            t["weight_scale_inv"] = t.pop("weight_scale")
+        missing = [m for m in REQUIRED_TENSORS[method] if m not in t]
         if missing:
             raise ValueError(f"{method} checkpoint tensors missing {missing}; got {sorted(tensors)}")
-        return cls(method, k, n, out)
+        qw = t.pop("quant_weight")
+        if method == "block_wise_fp8":
+            s = t.pop("weight_scale_inv")
+            if transposed:
+                qw, s = qw.T, s.T
+            out = {"quant_weight": paddle.to_tensor(np.ascontiguousarray(qw).view(np.uint8)).view(paddle.float8_e4m3fn),
+                   "weight_scale_inv": paddle.to_tensor(np.ascontiguousarray(s, np.float32))}
+            shape = qw.shape
+        else:
+            rows = {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}[method]
+            shape = (qw.shape[0] * rows, qw.shape[1])
+            out = {"quant_weight": paddle.to_tensor(np.ascontiguousarray(qw))}
+            for name, arr in t.items():
+                out[name] = paddle.to_tensor(arr if arr.dtype == np.uint8 else arr.astype(np.float32))
+        if tuple(shape) != (self.in_features, self.out_features):
+            raise ValueError(f"{method} quant_weight of {list(qw.shape)} is a [{shape[0]}, {shape[1]}] weight, "
+                             f"expected [{self.in_features}, {self.out_features}] (Paddle [in, out] layout)")
+        for name, tensor in out.items():
+            self.register_buffer(name, tensor)
+        self.tensors = out
+
+    def export(self) -> dict[str, np.ndarray]:
+        """The held tensors as checkpoint arrays (fp8 codes as ml_dtypes float8_e4m3fn)."""
+        out = {}
+        for name, t in self.tensors.items():
+            if t.dtype == paddle.float8_e4m3fn:
+                out[name] = t.view(paddle.uint8).numpy().view(fmt.ml_dtypes.float8_e4m3fn)
+            else:
+                out[name] = t.numpy()
+        return out
+
+    @property
+    def float_nbytes(self) -> int:
+        """What the same weight takes in fp32."""
+        return 4 * self.in_features * self.out_features
 
     # ------------------------------------------------------------ use
     @property
@@ -187,64 +256,24 @@ class QuantLinear:
             y = y * float(self.tensors["activation_scale"])
         return y
 
-    __call__ = forward
 
+class QuantMoEExperts(nn.Layer):
+    """Quantized routed experts with FusedExperts' interface; one QuantLinear per expert matrix."""
 
-def _grouped_experts(x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
-                     num_experts: int, expert: Callable[[int, paddle.Tensor], paddle.Tensor]) -> paddle.Tensor:
-    """sum_j w[t, j] * expert(ids[t, j], x[t]) with tokens sorted by expert: one call per active expert."""
-    t, k = topk_ids.shape
-    flat = topk_ids.reshape([-1]).astype("int64")
-    order = paddle.argsort(flat, stable=True)
-    counts = np.bincount(flat.numpy(), minlength=num_experts)
-    if counts.shape[0] > num_experts:
-        raise ValueError(f"topk_ids hold an expert id >= num_experts={num_experts}")
-    token_of = order // k
-    ys, start = [], 0
-    for e in np.nonzero(counts)[0]:
-        rows = token_of[start:start + int(counts[e])]
-        ys.append(expert(int(e), paddle.gather(x, rows)))
-        start += int(counts[e])
-    y_sorted = paddle.concat(ys, axis=0)
-    y_slots = paddle.gather(y_sorted, paddle.argsort(order)).reshape([t, k, -1])
-    return (y_slots * topk_weights.astype("float32").unsqueeze(-1)).sum(axis=1)
+    def __init__(self, up_gate_proj: list[QuantLinear], down_proj: list[QuantLinear]):
+        super().__init__()
+        if len(up_gate_proj) != len(down_proj):
+            raise ValueError(f"{len(up_gate_proj)} up_gate experts but {len(down_proj)} down experts")
+        self.up_gate_proj = nn.LayerList(up_gate_proj)
+        self.down_proj = nn.LayerList(down_proj)
+        self.num_experts = len(up_gate_proj)
+        self.method = up_gate_proj[0].method
 
-
-def _swiglu(h: paddle.Tensor) -> paddle.Tensor:
-    i = h.shape[-1] // 2
-    return F.silu(h[:, :i]) * h[:, i:]  # first half of up_gate is gate
-
-
-class FloatMoEExperts:
-    """fp32 routed experts: up_gate [E, H, 2I] ([gate | up] on the last dim), down [E, I, H]."""
-
-    def __init__(self, up_gate: np.ndarray, down: np.ndarray):
-        self.up_gate = paddle.to_tensor(np.asarray(up_gate, np.float32))
-        self.down = paddle.to_tensor(np.asarray(down, np.float32))
-        self.num_experts = self.up_gate.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.up_gate) + _nbytes(self.down)
-
-    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
-        """x [T, H], topk_ids [T, k] int64, topk_weights [T, k] -> [T, H] float32."""
-        def expert(e: int, xe: paddle.Tensor) -> paddle.Tensor:
-            return paddle.matmul(_swiglu(paddle.matmul(xe, self.up_gate[e])), self.down[e])
-        return _grouped_experts(x.astype("float32"), topk_ids, topk_weights, self.num_experts, expert)
-
-    __call__ = forward
-
-
-class QuantMoEExperts:
-    """Quantized routed experts with FloatMoEExperts' interface; one QuantLinear per expert matrix."""
-
-    def __init__(self, up_gate: list[QuantLinear], down: list[QuantLinear]):
-        if len(up_gate) != len(down):
-            raise ValueError(f"{len(up_gate)} up_gate experts but {len(down)} down experts")
-        self.up_gate, self.down = up_gate, down
-        self.num_experts = len(up_gate)
-        self.method = up_gate[0].method
+    @classmethod
+    def empty(cls, method: str, num_experts: int, hidden_size: int, intermediate_size: int) -> "QuantMoEExperts":
+        """Placeholders for the loader to fill expert by expert."""
+        return cls([QuantLinear(method, hidden_size, 2 * intermediate_size) for _ in range(num_experts)],
+                   [QuantLinear(method, intermediate_size, hidden_size) for _ in range(num_experts)])
 
     @classmethod
     def from_float(cls, up_gate: np.ndarray, down: np.ndarray, method: str, *,
@@ -260,7 +289,7 @@ class QuantMoEExperts:
         ups, downs = [], []
         for e in range(ug.shape[0]):
             ups.append(QuantLinear.from_float(ug[e], method, calib_x=xs))
-            h = _swiglu(paddle.to_tensor(xs @ ug[e])).numpy()
+            h = silu_and_mul(paddle.to_tensor(xs @ ug[e])).numpy()
             downs.append(QuantLinear.from_float(dn[e], method, calib_x=h))
         return cls(ups, downs)
 
@@ -276,23 +305,40 @@ class QuantMoEExperts:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.up_gate) + sum(m.nbytes for m in self.down)
+        return sum(m.nbytes for m in self.up_gate_proj) + sum(m.nbytes for m in self.down_proj)
+
+    @property
+    def float_nbytes(self) -> int:
+        return sum(m.float_nbytes for m in self.up_gate_proj) + sum(m.float_nbytes for m in self.down_proj)
+
+    def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj[e](silu_and_mul(self.up_gate_proj[e](x)))
 
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
         """x [T, H], topk_ids [T, k] int64, topk_weights [T, k] -> [T, H] float32."""
-        def expert(e: int, xe: paddle.Tensor) -> paddle.Tensor:
-            return self.down[e](_swiglu(self.up_gate[e](xe)))
-        return _grouped_experts(x.astype("float32"), topk_ids, topk_weights, self.num_experts, expert)
-
-    __call__ = forward
+        return grouped_expert_forward(self, x.astype("float32"), topk_ids, topk_weights)
 
 
 def model_memory_bytes(layers: Iterable[object]) -> int:
-    """Resident weight bytes of layers (anything with .nbytes: our layers, numpy arrays) and Paddle tensors."""
+    """Resident weight bytes of layers (anything with .nbytes: our layers, numpy arrays), Paddle tensors,
+    and any other nn.Layer (its parameters and buffers)."""
     total = 0
     for layer in layers:
         if isinstance(layer, paddle.Tensor):
             total += _nbytes(layer)
-        else:
+        elif hasattr(layer, "nbytes"):
             total += int(layer.nbytes)
+        elif isinstance(layer, nn.Layer):
+            total += sum(_nbytes(t) for t in list(layer.parameters()) + list(layer.buffers()))
+        else:
+            raise TypeError(f"model_memory_bytes: cannot size a {type(layer).__name__}")
     return total
+
+
+def weight_memory_report(model: nn.Layer) -> dict[str, int]:
+    """Resident weight bytes of a model: in total, in its quantized layers, and those layers in fp32."""
+    quant = [m for m in model.sublayers() if isinstance(m, QuantLinear)]
+    total = model_memory_bytes([model])
+    q = sum(m.nbytes for m in quant)
+    return {"total_bytes": total, "quantized_bytes": q, "quantized_fp32_bytes": sum(m.float_nbytes for m in quant),
+            "float_bytes": total - q, "fp32_model_bytes": total - q + sum(m.float_nbytes for m in quant)}
