@@ -15,6 +15,7 @@ from ..model.config import ErnieModelConfig
 from ..model.kv_cache import PagedKVCache
 from ..model.loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..quantization.layers import weight_memory_report
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .kv_cache_manager import KVCacheManager
@@ -61,7 +62,11 @@ class LLMEngine:
         self.model_config = ErnieModelConfig.from_pretrained(model_dir)
         self.eos_token_ids = read_eos_token_ids(model_dir, self.tokenizer, self.model_config)
         self.model = load_model(model_dir, num_output_ids=len(self.tokenizer) if self.tokenizer else None,
-                                show_progress=not config.disable_progress_bar)
+                                show_progress=not config.disable_progress_bar, quantization=config.quantization)
+        mem = weight_memory_report(self.model)
+        log.info("model weights resident: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
+                 "%.1f MiB)", mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
+                 mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
         num_blocks, num_host_blocks = self._size_kv_pool()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)

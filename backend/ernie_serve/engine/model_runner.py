@@ -31,7 +31,8 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                  quant=getattr(model, "kv_cache_quant", None))
         shape = (num_host_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
         self.sampler = Sampler(sampling_method)

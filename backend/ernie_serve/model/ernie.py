@@ -2,6 +2,8 @@
 
 `forward` takes the step's tokens flattened across sequences plus an AttentionMetadata that says
 which token belongs where; `compute_logits` runs the head only for the rows that get sampled.
+A QuantPlan (ernie_serve.quantization.plan) makes the dense linears and routed experts empty
+quantized layers for the loader to fill; embeddings, norms, the router and lm_head stay fp32.
 """
 from __future__ import annotations
 
@@ -10,19 +12,19 @@ from paddle import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
-from .kv_cache import PagedKVCache
-from .layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from .kv_cache import KVCacheQuant, PagedKVCache
+from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, make_linear
 from .moe import MoE
 
 
 class Attention(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, layer_idx: int):
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant_method: str | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size)  # [Q | K | V] on the out dim
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        self.qkv_proj = make_linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, quant_method)  # [Q | K | V] out
+        self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, quant_method)
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, cache):
         t = x.shape[0]
@@ -38,12 +40,16 @@ class Attention(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, layer_idx: int):
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant=None):
         super().__init__()
+        dense = quant.dense if quant is not None else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, dense)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, quant.moe_method(layer_idx) if quant is not None else None, dense)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dense)
 
     def forward(self, x, positions, rope, meta, cache):
         h = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, cache)
@@ -51,13 +57,16 @@ class DecoderLayer(nn.Layer):
 
 
 class ErnieForCausalLM(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, num_output_ids: int | None = None):
-        """`num_output_ids`: the tokenizer's length; logits of ids beyond it are masked to -inf."""
+    def __init__(self, cfg: ErnieModelConfig, num_output_ids: int | None = None, quant=None):
+        """`num_output_ids`: the tokenizer's length; logits of ids beyond it are masked to -inf.
+        `quant`: a QuantPlan, or None for an fp32 model."""
         super().__init__()
         self.config = cfg
+        self.quant = quant
+        self.kv_cache_quant: KVCacheQuant | None = None  # set by the loader when the C8 cache is configured
         self.num_output_ids = num_output_ids if num_output_ids is not None else cfg.vocab_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.LayerList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.LayerList([DecoderLayer(cfg, i, quant) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.compression_ratio)

@@ -3,6 +3,12 @@
 Both dialects map onto one parameter layout: Paddle's [in, out], q/k/v fused as qkv_proj, gate/up
 fused as up_gate_proj (gate first), routed experts stacked. Tensors stream shard by shard from
 memory-mapped files; a fused parameter is assembled in a buffer until all its pieces arrived.
+
+Quantized loading (a QuantPlan from `quantization=` or config.json's quantization_config): the model
+is built with empty quantized layers, so no fp32 copy of a quantized weight is ever allocated whole.
+A weight is quantized the moment its last piece arrives and its buffer dropped; stacked experts are
+assembled and quantized one expert at a time. Pre-quantized tensors (`<linear>.quant_weight`,
+`.weight_scale`, ...; "-Paddle" layout, experts one by one) go into those layers as they are.
 """
 from __future__ import annotations
 
@@ -16,8 +22,11 @@ import numpy as np
 import paddle
 from tqdm.auto import tqdm
 
+from ..quantization.layers import QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS, QuantLinear, QuantMoEExperts
+from ..quantization.plan import QuantPlan
 from .config import ErnieModelConfig
 from .ernie import ErnieForCausalLM
+from .kv_cache import KVCacheQuant
 from .safetensors_io import iter_tensors, read_header
 
 log = logging.getLogger(__name__)
@@ -30,6 +39,24 @@ class Piece:
     param: str
     index: tuple = ()
     transpose: bool = False
+
+
+@dataclass
+class QuantPiece:
+    """A pre-quantized tensor: `key` (quant_weight, weight_scale, ...) of the quantized weight `param`
+    (expert `expert` of a stacked experts parameter, or None)."""
+
+    param: str
+    expert: int | None
+    key: str
+
+
+@dataclass
+class KVScale:
+    """A C8 KV cache static scale: `which` is "k" or "v"."""
+
+    layer: int
+    which: str
 
 
 def checkpoint_shards(model_dir: Path) -> list[Path]:
@@ -48,8 +75,12 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|up_gat
 _MLP = re.compile(r"^mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj|up_gate_proj)\.weight$")
 
 
-def map_tensor_name(name: str, cfg: ErnieModelConfig) -> Piece | str | None:
-    """A Piece for model weights, "mtp" for MTP-head tensors, "ignore" for known extras, None if unknown."""
+def map_tensor_name(name: str, cfg: ErnieModelConfig) -> Piece | QuantPiece | KVScale | str | None:
+    """A Piece for model weights, a QuantPiece / KVScale for quantized checkpoints' tensors, "mtp" for
+    MTP-head tensors, "ignore" for known extras, None if unknown."""
+    base, _, suffix = name.rpartition(".")
+    if suffix in QUANT_TENSOR_SUFFIXES and ".mtp_" not in name:
+        return _map_quant_tensor(name, base, suffix, cfg)
     torch_layout = name.startswith("model.") or (name == "lm_head.weight" and _is_torch_lm_head(cfg))
     if ".mtp_" in name or name.startswith(("model.mtp", "ernie.mtp")):
         return "mtp"
@@ -98,67 +129,159 @@ def map_tensor_name(name: str, cfg: ErnieModelConfig) -> Piece | str | None:
     return None
 
 
+_KV_SCALE = re.compile(r"^(?:model|ernie)\.layers\.(\d+)\.self_attn\.cache([kv])_matmul$")
+
+
+def _map_quant_tensor(name: str, base: str, suffix: str, cfg: ErnieModelConfig) -> QuantPiece | KVScale | None:
+    m = _KV_SCALE.match(base)
+    if m:
+        return KVScale(int(m.group(1)), m.group(2)) if suffix == "activation_scale" else None
+    piece = map_tensor_name(base + ".weight", cfg)
+    if not isinstance(piece, Piece):
+        return None
+    expert = None
+    if piece.param.endswith(("mlp.experts.up_gate_proj", "mlp.experts.down_proj")):
+        expert, rest = piece.index[0], piece.index[1:]
+    else:
+        rest = piece.index
+    if piece.transpose or any(r != slice(None) for r in rest):
+        raise ValueError(f"pre-quantized tensor {name!r}: only the \"-Paddle\" layout (ernie.*, fused qkv_proj "
+                         f"and up_gate_proj, [in, out]) is read for quantized weights")
+    return QuantPiece(piece.param, expert, suffix)
+
+
 def _is_torch_lm_head(cfg: ErnieModelConfig) -> bool:
     return cfg.raw.get("_checkpoint_layout", "torch") == "torch"
 
 
-class _Assembler:
-    """Fills parameters piece by piece and tells which ones never got all their pieces."""
+@dataclass
+class _Target:
+    """A parameter the checkpoint fills: a float Paddle parameter, a QuantLinear, or stacked experts
+    (one QuantLinear per expert, each filled and quantized on its own)."""
 
-    def __init__(self, params: dict[str, paddle.Tensor]):
-        self.params = params
-        self.buffers: dict[str, np.ndarray] = {}
+    shape: tuple
+    sink: object  # paddle.Tensor | QuantLinear | list[QuantLinear]
+
+    @property
+    def per_expert(self) -> bool:
+        return isinstance(self.sink, list)
+
+    def layer(self, expert: int | None) -> QuantLinear | None:
+        sink = self.sink[expert] if self.per_expert else self.sink
+        return sink if isinstance(sink, QuantLinear) else None
+
+    def commit(self, expert: int | None, value: np.ndarray) -> None:
+        layer = self.layer(expert)
+        if layer is not None:
+            layer.load_float(value)  # quantized now; the caller drops value
+        else:
+            self.sink.set_value(np.ascontiguousarray(value, dtype=np.float32))
+
+
+def _targets(model: ErnieForCausalLM) -> dict[str, _Target]:
+    """Checkpoint targets by Piece.param name: every parameter, and the quantized layers under the
+    name their float weight would have (`<path>.weight`, `<experts>.up_gate_proj` / `.down_proj`)."""
+    targets = {n: _Target(tuple(p.shape), p) for n, p in model.named_parameters()}
+    in_experts = set()
+    for path, layer in model.named_sublayers():
+        if isinstance(layer, QuantMoEExperts):
+            for kind in ("up_gate_proj", "down_proj"):
+                linears = list(getattr(layer, kind))
+                in_experts.update(id(q) for q in linears)
+                first = linears[0]
+                targets[f"{path}.{kind}"] = _Target((len(linears), first.in_features, first.out_features), linears)
+    for path, layer in model.named_sublayers():
+        if isinstance(layer, QuantLinear) and id(layer) not in in_experts:
+            targets[f"{path}.weight"] = _Target((layer.in_features, layer.out_features), layer)
+    return targets
+
+
+class _Assembler:
+    """Fills targets piece by piece and tells which ones never got all their pieces."""
+
+    def __init__(self, targets: dict[str, _Target]):
+        self.targets = targets
+        self.buffers: dict[tuple, np.ndarray] = {}
+        self.buffer_filled: dict[tuple, int] = {}
+        self.quant_parts: dict[tuple, dict[str, np.ndarray]] = {}
         self.filled: dict[str, int] = {}
 
-    def put(self, tensor_name: str, piece: Piece, arr: np.ndarray) -> None:
-        if piece.param not in self.params:
-            raise ValueError(f"checkpoint tensor {tensor_name!r} maps to {piece.param!r}, which this model "
+    def _target(self, tensor_name: str, param: str) -> _Target:
+        if param not in self.targets:
+            raise ValueError(f"checkpoint tensor {tensor_name!r} maps to {param!r}, which this model "
                              f"config does not have (check moe_layer_* / tie_word_embeddings in config.json)")
-        param = self.params[piece.param]
+        return self.targets[param]
+
+    def put(self, tensor_name: str, piece: Piece, arr: np.ndarray) -> None:
+        target = self._target(tensor_name, piece.param)
         value = arr.T if piece.transpose else arr
-        shape = tuple(param.shape)
-        if not piece.index:
+        shape, index, expert = target.shape, piece.index, None
+        if target.per_expert:
+            expert, index, shape = index[0], index[1:], shape[1:]
+        if not index:
             if tuple(value.shape) != shape:
                 raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr.shape)}, expected "
                                  f"{list(shape[::-1]) if piece.transpose else list(shape)} for {piece.param}")
-            param.set_value(np.ascontiguousarray(value, dtype=np.float32))
-            self.filled[piece.param] = int(np.prod(shape))
+            target.commit(expert, value)
+            self.filled[piece.param] = self.filled.get(piece.param, 0) + value.size
             return
-        buf = self.buffers.get(piece.param)
+        key = (piece.param, expert)
+        buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[piece.param] = np.zeros(shape, np.float32)
-        if buf[piece.index].shape != value.shape:
+            buf = self.buffers[key] = np.zeros(shape, np.float32)
+        if buf[index].shape != value.shape:
             raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr.shape)}, which does not fit "
-                             f"{piece.param}{list(buf[piece.index].shape)} (check head_dim / intermediate sizes)")
-        buf[piece.index] = value
+                             f"{piece.param}{list(buf[index].shape)} (check head_dim / intermediate sizes)")
+        buf[index] = value
         self.filled[piece.param] = self.filled.get(piece.param, 0) + value.size
-        if self.filled[piece.param] == buf.size:
-            param.set_value(self.buffers.pop(piece.param))
+        self.buffer_filled[key] = self.buffer_filled.get(key, 0) + value.size
+        if self.buffer_filled[key] == buf.size:
+            del self.buffer_filled[key]
+            target.commit(expert, self.buffers.pop(key))
+
+    def put_quantized(self, tensor_name: str, piece: QuantPiece, arr: np.ndarray) -> None:
+        target = self._target(tensor_name, piece.param)
+        layer = target.layer(piece.expert)
+        if layer is None:
+            raise ValueError(f"checkpoint tensor {tensor_name!r} is quantized but {piece.param} is fp32 in this "
+                             f"load: quantization_config (dense_quant_type / moe_quant_type) must name its method")
+        key = "weight_scale_inv" if layer.method == "block_wise_fp8" and piece.key == "weight_scale" else piece.key
+        parts = self.quant_parts.setdefault((piece.param, piece.expert), {})
+        parts[key] = np.array(arr)
+        if all(k in parts for k in REQUIRED_TENSORS[layer.method]):
+            layer.load_quantized(self.quant_parts.pop((piece.param, piece.expert)))
+            n = layer.in_features * layer.out_features
+            self.filled[piece.param] = self.filled.get(piece.param, 0) + n
 
     def missing(self) -> list[str]:
-        return [n for n, p in self.params.items() if self.filled.get(n, 0) != int(np.prod(p.shape))]
+        return [n for n, t in self.targets.items() if self.filled.get(n, 0) != int(np.prod(t.shape))]
 
 
 def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_progress: bool = True,
-               cfg: ErnieModelConfig | None = None) -> ErnieForCausalLM:
-    """Build the model and fill it from the checkpoint; MTP tensors land in `model.mtp_weights`."""
+               cfg: ErnieModelConfig | None = None, quantization: str | None = None) -> ErnieForCausalLM:
+    """Build the model and fill it from the checkpoint; MTP tensors land in `model.mtp_weights`.
+
+    `quantization` (wint8 | wint4 | block_wise_fp8 | wint2): quantize a float checkpoint while loading.
+    A checkpoint whose config.json has a quantization_config is loaded as that config says.
+    """
     model_dir = Path(model_dir)
     cfg = cfg or ErnieModelConfig.from_pretrained(model_dir)
     shards = checkpoint_shards(model_dir)
     names = [n for s in shards for n in read_header(s)[0]]
     cfg.raw["_checkpoint_layout"] = "paddle" if any(n.startswith("ernie.") for n in names) else "torch"
+    plan = QuantPlan.resolve(quantization, cfg.quantization_config)
     paddle.nn.initializer.set_global_initializer(paddle.nn.initializer.Constant(0.0),
                                                  paddle.nn.initializer.Constant(0.0))
     try:
-        model = ErnieForCausalLM(cfg, num_output_ids)
+        model = ErnieForCausalLM(cfg, num_output_ids, quant=plan if plan and plan.quantizes_weights else None)
     finally:
         paddle.nn.initializer.set_global_initializer(None, None)
     model.eval()
-    params = dict(model.named_parameters())
-    for p in params.values():
+    for p in model.parameters():
         p.stop_gradient = True
-    asm = _Assembler(params)
+    asm = _Assembler(_targets(model))
     mtp: dict[str, np.ndarray] = {}
+    kv_scales: dict[tuple[int, str], np.ndarray] = {}
     with tqdm(total=len(names), desc=f"Loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
         for shard in shards:
             for name, arr, _code in iter_tensors(shard):
@@ -170,6 +293,10 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
                     mtp[name] = np.array(arr, dtype=np.float32)
                 elif target == "ignore":
                     log.info("ignoring %s (tie_word_embeddings is true)", name)
+                elif isinstance(target, KVScale):
+                    kv_scales[(target.layer, target.which)] = np.array(arr, dtype=np.float32).reshape(-1)
+                elif isinstance(target, QuantPiece):
+                    asm.put_quantized(name, target, arr)
                 else:
                     asm.put(name, target, arr)
                 bar.update(1)
@@ -178,4 +305,19 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
         raise ValueError(f"checkpoint {model_dir} is missing tensors for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     model.mtp_weights = mtp
+    if plan is not None and plan.kv_cache == "int8":
+        model.kv_cache_quant = _kv_cache_quant(kv_scales, cfg.num_hidden_layers)
+    elif kv_scales:
+        log.info("ignoring the checkpoint's C8 KV scales: quantization_config has no kv_cache_quant_type")
     return model
+
+
+def _kv_cache_quant(scales: dict[tuple[int, str], np.ndarray], num_layers: int) -> KVCacheQuant:
+    """Static channel-wise scales when the checkpoint has them for every layer, else dynamic ones."""
+    if not scales:
+        return KVCacheQuant()
+    want = [(i, w) for i in range(num_layers) for w in "kv"]
+    absent = [f"layers.{i}.self_attn.cache{w}_matmul.activation_scale" for i, w in want if (i, w) not in scales]
+    if absent:
+        raise ValueError(f"C8 KV cache: the checkpoint has static scales for some layers but not {absent[:4]}")
+    return KVCacheQuant([scales[(i, "k")] for i in range(num_layers)], [scales[(i, "v")] for i in range(num_layers)])

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
 
 _DTYPES = {
@@ -20,7 +21,8 @@ _DTYPES = {
 }
 _CODES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
           np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
-          np.dtype(np.int16): "I16", np.dtype(np.float64): "F64"}
+          np.dtype(np.int16): "I16", np.dtype(np.float64): "F64",
+          np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}  # read back as its uint8 bytes
 
 
 def read_header(path: Path) -> tuple[dict, int]:
