@@ -1,13 +1,14 @@
 """The shim's own Prometheus metrics (its own registry, so /metrics shows only these)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 
 class Metrics:
     def __init__(self) -> None:
+        disable_created_metrics()  # no `*_created` timestamp series next to every counter
         r = self.registry = CollectorRegistry()
         p = "ernie_openai:"
         self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status",
