@@ -66,6 +66,7 @@ build_env() {
     local versions
     versions="$("$env/bin/python" -c "$check" 2>&1)" \
         || { printf '%s\n' "$versions" >&2; die "$name: import check failed after install"; }
+    versions="$(printf '%s\n' "$versions" | tail -n1)"  # vllm logs a line or two on import
     local size
     size="$(du -sh "$env" | cut -f1)"
     {

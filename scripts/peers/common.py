@@ -81,6 +81,28 @@ def warmup_requests(workload: Workload, max_tokens: int, vocab_size: int) -> lis
             for r in workload.requests[:workload.max_num_seqs]]
 
 
+def process_tree_cpu_s() -> float:
+    """CPU seconds used so far by this process and its live descendants (vLLM computes in a child).
+
+    The box is shared, so wall time depends on what else runs; CPU time alongside it shows how much of
+    the wall time this peer actually had the cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                # fields after the ')' that ends the command name: state ppid ... utime(12) stime(13)
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    tree, frontier = set(), {os.getpid()}
+    while frontier:
+        tree |= frontier
+        frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier and pid not in tree}
+    return sum(stats[pid][1] for pid in tree if pid in stats) / tick
+
+
 def cpu_list() -> list[int]:
     """The CPUs this process may run on (a cgroup/taskset may give fewer than os.cpu_count())."""
     return sorted(os.sched_getaffinity(0))
@@ -99,7 +121,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
 
 
 def write_result(path: Path, name: str, workload: Workload, outputs: list[list[int]], elapsed_s: float,
-                 versions: dict, notes: dict) -> dict:
+                 cpu_s: float, versions: dict, notes: dict) -> dict:
     if len(outputs) != len(workload.requests):
         raise RuntimeError(f"{name}: {len(outputs)} outputs for {len(workload.requests)} requests")
     output_tokens = sum(len(o) for o in outputs)
@@ -109,6 +131,9 @@ def write_result(path: Path, name: str, workload: Workload, outputs: list[list[i
         "output_tokens": output_tokens,
         "prompt_tokens": workload.prompt_tokens,
         "tokens_per_s": round(output_tokens / elapsed_s, 2),
+        # CPU seconds of the process tree during the timed run; with T threads, cpu_s well under
+        # T * elapsed_s means other work on the box took the cores
+        "cpu_s": round(cpu_s, 2),
         "num_requests": len(workload.requests),
         "max_num_seqs": workload.max_num_seqs,
         "ignore_eos": workload.ignore_eos,
@@ -116,7 +141,8 @@ def write_result(path: Path, name: str, workload: Workload, outputs: list[list[i
         "versions": {"python": platform.python_version(), **versions},
         "notes": notes,
         # the box is shared: a 1-minute load average well above the thread count means the figure is low
-        "host": {"cpus": cpu_list(), "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+        "host": {"cpus": cpu_list(), "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                 "cpu_share": round(cpu_s / (elapsed_s * len(cpu_list())), 3)},
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

