@@ -1,5 +1,7 @@
-"""Acceptance: the official `openai` client against the shim in front of a real tritonserver (tiny demo model).
+"""Acceptance: the official `openai` client against the shim in front of a real tritonserver.
 
+The model is the embedded tiny demo model, fitted to speak ERNIE's thinking format on the chats in
+ernie_serve/demo/data/chat_demo.jsonl; the server runs the ernie-x1 reasoning and tool-call parsers.
 One tritonserver (ernie_serve.serving.launcher.TritonServer, free ports) and one `ernie-openai` process serve
 the module; shims with other settings (API key, --max-concurrency, --request-timeout, a dead Triton URL)
 run in-thread against the same server.
@@ -25,7 +27,9 @@ from ernie_client.openai import ServerConfig, create_app
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
-CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+DEMO = {row["name"]: row for row in map(json.loads, (ROOT / "backend/ernie_serve/demo/data/chat_demo.jsonl")
+                                        .read_text().splitlines()) if row}
+CHAT = DEMO["capital"]["messages"]
 LONG = dict(max_tokens=1500, temperature=0, extra_body={"ignore_eos": True})  # runs for many seconds
 
 
@@ -42,7 +46,8 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.1):
 @pytest.fixture(scope="module")
 def triton():
     launcher = pytest.importorskip("ernie_serve.serving.launcher", reason="the Triton launcher is not available")
-    server = launcher.TritonServer({}, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = launcher.TritonServer({"reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1"},
+                                   http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
     try:
         server.start(timeout=300)
     except (FileNotFoundError, RuntimeError, TimeoutError) as e:
@@ -111,17 +116,24 @@ def _idle(triton) -> bool:
 
 
 # ---------------------------------------------------------------------------- chat
-def test_chat_non_streaming_and_streaming_agree(client):
-    r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=12, temperature=0)
+def _reasoning(delta) -> str:
+    return getattr(delta, "reasoning_content", None) or ""
+
+
+def test_chat_non_streaming_and_streaming_agree_with_reasoning_separated(client):
+    r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=80, temperature=0)
     msg = r.choices[0].message
-    assert r.object == "chat.completion" and msg.role == "assistant" and msg.content
-    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.object == "chat.completion" and msg.role == "assistant"
+    assert msg.reasoning_content.strip() == DEMO["capital"]["reasoning"]
+    assert msg.content.strip() == DEMO["capital"]["response"]
+    assert r.choices[0].finish_reason == "stop"
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert 1 <= r.usage.completion_tokens <= 12
-    chunks = list(client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=12, temperature=0,
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens < r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=80, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert "".join(_reasoning(c.choices[0].delta) for c in chunks if c.choices) == msg.reasoning_content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
@@ -140,21 +152,24 @@ def test_usage_equals_the_engine_counts(client, triton):
     direct = httpx.post(f"http://{triton.http_url}/v2/models/ernie/generate", timeout=60, json={
         "text_input": prompt, "max_tokens": 10, "temperature": 0.0, "exclude_input_in_output": True,
         "return_num_input_tokens": True, "return_num_output_tokens": True}).json()
-    assert r.choices[0].text == direct["text_output"]
+    # text_input requests also go through the reasoning parser; a completion joins the parts back
+    assert r.choices[0].text == direct["reasoning_content"] + direct["text_output"]
     assert r.usage.prompt_tokens == direct["num_input_tokens"]
     assert r.usage.completion_tokens == direct["num_output_tokens"]
 
 
 def test_many_concurrent_streams(shim, client):
-    want = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=8,
-                                          temperature=0).choices[0].message.content
+    msg = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=40,
+                                         temperature=0).choices[0].message
+    want = (msg.reasoning_content or "") + "|" + (msg.content or "")
 
     async def one(aclient):
-        text = ""
-        async for c in await aclient.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=8,
+        reasoning = content = ""
+        async for c in await aclient.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=40,
                                                              temperature=0, stream=True):
-            text += c.choices[0].delta.content or ""
-        return text
+            reasoning += _reasoning(c.choices[0].delta)
+            content += c.choices[0].delta.content or ""
+        return reasoning + "|" + content
 
     async def run():
         async with openai.AsyncOpenAI(base_url=shim + "/v1", api_key="x", max_retries=0, timeout=120) as aclient:
@@ -178,7 +193,7 @@ def test_n2_returns_two_choices(client):
     r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, n=2, max_tokens=6, temperature=1.0,
                                        seed=1)
     assert [c.index for c in r.choices] == [0, 1]
-    assert all(c.message.content and c.finish_reason for c in r.choices)
+    assert all((c.message.content or c.message.reasoning_content) and c.finish_reason for c in r.choices)
     assert r.usage.completion_tokens <= 12
     chunks = list(client.chat.completions.create(model="ernie-tiny", messages=CHAT, n=2, max_tokens=4, stream=True))
     assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1]
@@ -224,6 +239,37 @@ def test_cached_tokens_on_a_repeated_long_prompt(client):
     assert first.usage.prompt_tokens > 128  # more than two 64-token blocks
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
+# ---------------------------------------------------------------------------- tools (demo model)
+def test_tool_call_parsed_with_name_json_arguments_and_finish_reason(client):
+    row = DEMO["weather_call"]
+    r = client.chat.completions.create(model="ernie-tiny", messages=row["messages"], tools=row["tools"],
+                                       max_tokens=120, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["location"] == "Paris"
+    chunks = list(client.chat.completions.create(model="ernie-tiny", messages=row["messages"], tools=row["tools"],
+                                                 max_tokens=120, temperature=0, stream=True))
+    deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("chatcmpl-tool-")
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_follow_up_turn_with_the_tool_result(client):
+    row = DEMO["weather_result"]
+    messages = [dict(m) for m in row["messages"]]
+    messages[1]["content"] = None  # how the openai client sends an assistant turn that only called tools
+    messages[1]["tool_calls"][0]["id"] = "call-0"
+    messages[2]["tool_call_id"] = "call-0"
+    r = client.chat.completions.create(model="ernie-tiny", messages=messages, tools=row["tools"], max_tokens=120,
+                                       temperature=0)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content.strip() == row["response"]
 
 
 def test_models_and_health(client, shim):
