@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from shim_helpers import RunningShim
+from openai_shim_helpers import RunningShim
 
 
 @pytest.fixture

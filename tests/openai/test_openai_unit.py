@@ -1,5 +1,5 @@
 """Unit tests of the shim's own logic (mapping, streaming, accumulation, errors) against a fake of
-tritonclient's asyncio gRPC client. The same behaviours against a real tritonserver: test_e2e.py."""
+tritonclient's asyncio gRPC client. The same behaviours against a real tritonserver: test_openai_e2e.py."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from ernie_client.openai import ServerConfig, create_app
 from ernie_client.openai.triton import TritonBackend, parse_logprobs
 
-from fake_triton import FakeTritonClient, ensemble_config
+from openai_fake_triton import FakeTritonClient, ensemble_config
 
 CHAT = [{"role": "user", "content": "hello there"}]
 

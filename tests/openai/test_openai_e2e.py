@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from shim_helpers import free_port
+from openai_shim_helpers import free_port
 from ernie_client.openai import ServerConfig, create_app
 
 pytestmark = pytest.mark.e2e

@@ -2,7 +2,7 @@
 
 It decodes the tensors the shim really builds and answers with a scripted word generator, so the
 tests check the mapping, streaming, accumulation and error paths without a tritonserver. The
-acceptance tests (test_e2e.py) run against a real one.
+acceptance tests (test_openai_e2e.py) run against a real one.
 """
 from __future__ import annotations
 
