@@ -1,7 +1,10 @@
 """The embedded demo checkpoints: built locally, deterministically, with no download.
 
-`tiny` is the default model of every entry point (tests, `scripts/serve.sh`, the Triton repo);
-`bench` is the benchmark-size model (8 layers, hidden 1024, 16 experts top-4). Weights are random.
+`tiny` is the default model of every entry point (tests, `scripts/serve.sh`, the Triton repo). Its
+random init is fitted (demo/fit.py) to the chat set in demo/data/chat_demo.jsonl, so that greedy
+decoding of those prompts answers in ERNIE-4.5 Thinking's format: reasoning, `</think>`, then a
+`<response>` or `<tool_call>` block. `build_checkpoint` alone writes random weights: `bench`, the
+benchmark-size model (8 layers, hidden 1024, 16 experts top-4), stays random.
 The tiny model's head is untied: with a tied head and random layers the residual stream stays close
 to the input embedding, so greedy decoding would just repeat the last token.
 """
@@ -23,7 +26,7 @@ from ..paths import tiny_model_dir
 from .tokenizer_builder import build_tokenizer
 
 log = logging.getLogger(__name__)
-BUILD_VERSION = 1  # bump when the recipe changes, so stale local builds are rebuilt
+BUILD_VERSION = 3  # bump when the recipe changes, so stale local builds are rebuilt
 
 _BASE = {
     "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_act": "silu",
@@ -91,15 +94,23 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 def build_checkpoint(out_dir: Path, name: str = "tiny", layout: str = "pt", seed: int = 0,
                      weights: dict[str, np.ndarray] | None = None) -> Path:
-    """Write config, weights (layout "pt" or "paddle") and the demo tokenizer into out_dir."""
-    config = copy.deepcopy(CONFIGS[name])
-    tensors = weights if weights is not None else random_weights(config, seed)
-    if layout == "paddle":
-        tensors = pt_to_paddle(tensors, ErnieModelConfig.from_dict(config))
-    elif layout != "pt":
+    """Write config, weights (layout "pt" or "paddle"; random unless given) and the demo tokenizer."""
+    if layout not in ("pt", "paddle"):
         raise ValueError(f"layout must be 'pt' or 'paddle', got {layout!r}")
+    config = CONFIGS[name]
     out_dir = Path(out_dir)
     build_tokenizer(out_dir, vocab_size=config["vocab_size"] if name == "tiny" else 4096)
+    _write_weights(out_dir, name, layout, weights if weights is not None else random_weights(config, seed))
+    (out_dir / "BUILD").write_text(json.dumps({"name": name, "layout": layout, "seed": seed,
+                                               "version": BUILD_VERSION}))
+    return out_dir
+
+
+def _write_weights(out_dir: Path, name: str, layout: str, tensors: dict[str, np.ndarray]) -> None:
+    """"-PT" tensors into out_dir (which already holds the tokenizer) as a checkpoint of CONFIGS[name]."""
+    config = copy.deepcopy(CONFIGS[name])
+    if layout == "paddle":
+        tensors = pt_to_paddle(tensors, ErnieModelConfig.from_dict(config))
     from ..tokenizer import ErnieTokenizer
 
     tok = ErnieTokenizer.from_pretrained(out_dir)
@@ -107,16 +118,19 @@ def build_checkpoint(out_dir: Path, name: str = "tiny", layout: str = "pt", seed
     write_checkpoint(out_dir, config, tensors, max_shard_bytes=64 << 20 if name == "tiny" else 512 << 20,
                      generation_config={"eos_token_id": eos, "bos_token_id": tok.bos_token_id,
                                         "pad_token_id": tok.pad_token_id})
-    (out_dir / "BUILD").write_text(json.dumps({"name": name, "layout": layout, "seed": seed,
-                                               "version": BUILD_VERSION}))
-    return out_dir
 
 
-def ensure_tiny_model(path: Path | None = None) -> Path:
-    """Build the embedded model once (under a file lock, so parallel starters don't race)."""
+def ensure_tiny_model(path: Path | None = None, show_progress: bool = True) -> Path:
+    """Build the embedded model once (under a file lock, so parallel starters don't race).
+
+    Random init, fit to the demo chat set, write. The stamp names the dataset's hash, so editing
+    the data rebuilds the model; FIT.json records how the fit went.
+    """
+    from .fit import dataset_digest, fit_checkpoint, weights_digest
+
     path = Path(path or tiny_model_dir())
     stamp = path / "BUILD"
-    want = {"name": "tiny", "layout": "pt", "seed": 0, "version": BUILD_VERSION}
+    want = {"name": "tiny", "layout": "pt", "seed": 0, "version": BUILD_VERSION, "data": dataset_digest()}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +140,17 @@ def ensure_tiny_model(path: Path | None = None) -> Path:
             return path
         log.info("building the embedded tiny ERNIE-4.5 MoE model in %s", path)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tiny-"))
-        build_checkpoint(tmp, "tiny")
+        try:
+            build_checkpoint(tmp, "tiny")  # the random init, and the tokenizer the fit renders prompts with
+            tensors, fit = fit_checkpoint(tmp, show_progress=show_progress)
+            _write_weights(tmp, "tiny", "pt", tensors)
+            (tmp / "FIT.json").write_text(json.dumps(
+                {"steps": fit.steps, "final_loss": fit.losses[-1], "min_margin": fit.margin,
+                 "seconds": round(fit.seconds, 1), "weights_sha256": weights_digest(tensors)}, indent=2))
+            (tmp / "BUILD").write_text(json.dumps(want))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
