@@ -92,6 +92,8 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
                         calib_ids: list[list[int]] | None = None, show_progress: bool = False) -> Path:
     """Read model_dir (fp32/bf16, either dialect), write the quantized checkpoint to out_dir."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty: remove it or choose another --out")
     plan = QuantPlan.for_method(method)
     plan.kv_cache = "int8" if kv_cache_int8 else None
     model = load_model(model_dir, show_progress=show_progress)
@@ -133,12 +135,17 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
 
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = plan.to_config(prequantized=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir.with_name(out_dir.name + ".partial")  # renamed when complete: never a half checkpoint
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     for f in model_dir.iterdir():  # tokenizer, generation config, ...
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json",
                                                                          "config.json", "BUILD"):
-            shutil.copy2(f, out_dir / f.name)
-    write_checkpoint(out_dir, config, tensors, max_shard_bytes=512 << 20)
+            shutil.copy2(f, partial / f.name)
+    write_checkpoint(partial, config, tensors, max_shard_bytes=512 << 20)
+    if out_dir.exists():
+        out_dir.rmdir()
+    partial.rename(out_dir)
     return out_dir
 
 

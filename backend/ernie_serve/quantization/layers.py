@@ -53,19 +53,39 @@ def _unpack_int4_cols(packed: paddle.Tensor) -> paddle.Tensor:
     return paddle.utils.dlpack.from_dlpack(out.reshape(k2 * 2, n))
 
 
-def _wint2_cols(codes: paddle.Tensor, code_scale: paddle.Tensor, code_zp: paddle.Tensor) -> paddle.Tensor:
-    """uint8 CCQ codes [K//4, n] -> float32 fields [K, n] in [-32, 31] (formats.wint2_fields)."""
-    v = paddle.floor(codes.astype("float32") * code_scale + code_zp + 0.5)  # exact integers < 2^24
-    fields = []
-    for shift in (9, 6, 3, 0):
-        f = paddle.floor(v / float(1 << shift))
-        fields.append(f - paddle.floor(f / 64.0) * 64.0 - 32.0)
+_FP8_VALUES = fmt.fp8_e4m3_decode(np.arange(256, dtype=np.uint8))  # e4m3fn byte -> float32
+
+
+def _dequantize_fp8_cols(codes: paddle.Tensor, scale_inv: paddle.Tensor, n0: int, n1: int) -> paddle.Tensor:
+    """float32 W[:, n0:n1] (n0 a multiple of 128) from e4m3 codes and 128x128 block scales.
+
+    In NumPy through DLPack: a table lookup decodes, then each 128-row band is scaled in place by its
+    row of block scales; measured several times faster on CPU than building the full [K, n] scale
+    matrix with Paddle's repeat_interleave."""
+    b = fmt.FP8_BLOCK
+    u = np.from_dlpack(codes.view(paddle.uint8))[:, n0:n1]
+    w = np.take(_FP8_VALUES, u)
+    s = np.repeat(scale_inv.numpy()[:, n0 // b: -(-n1 // b)], b, axis=1)[:, : n1 - n0]
+    for kb in range(s.shape[0]):
+        w[kb * b:(kb + 1) * b] *= s[kb]
+    return paddle.utils.dlpack.from_dlpack(w)
+
+
+def _dequantize_wint2_cols(t: dict[str, paddle.Tensor], k: int, n0: int, n1: int) -> paddle.Tensor:
+    """float32 W[:, n0:n1] = field * local4[k // 64] * super_scales (formats.dequantize_wint2), in NumPy
+    through DLPack: integer shifts and one in-place scale per 64-row group instead of ~20 Paddle passes."""
+    codes = np.from_dlpack(t["quant_weight"])[:, n0:n1]
+    v = np.floor(codes * t["code_scale"].numpy()[n0:n1] + t["code_zp"].numpy()[n0:n1] + 0.5).astype(np.int32)
     kq, n = codes.shape
-    return paddle.stack(fields, axis=1).reshape([kq * 4, n])
-
-
-def _repeat_rows(s: paddle.Tensor, times: int, rows: int) -> paddle.Tensor:
-    return paddle.repeat_interleave(s, times, axis=0)[:rows]
+    w = np.empty((kq, 4, n), np.float32)
+    for i, shift in enumerate((9, 6, 3, 0)):
+        w[:, i] = ((v >> shift) & 63) - 32
+    ls = np.from_dlpack(t["weight_scale"])[:, n0:n1]
+    nib = np.stack([ls >> 4, ls & 0xF], axis=1).reshape(-1, n)[: k // fmt.WINT2_GROUP]
+    gs = nib * t["super_scales"].numpy()[n0:n1]  # [K // 64, n]
+    w = w.reshape(k // fmt.WINT2_GROUP, fmt.WINT2_GROUP, n)
+    w *= gs[:, None, :]
+    return paddle.utils.dlpack.from_dlpack(w.reshape(k, n))
 
 
 def _quantize_act_fp8(x: paddle.Tensor) -> paddle.Tensor:
@@ -226,23 +246,15 @@ class QuantLinear(nn.Layer):
     def dequantize(self, n0: int = 0, n1: int | None = None) -> paddle.Tensor:
         """float32 W[:, n0:n1] (n0 a multiple of 128 for block_wise_fp8)."""
         n1 = self.out_features if n1 is None else n1
-        t, k, m = self.tensors, self.in_features, self.method
+        t, m = self.tensors, self.method
+        if m == "block_wise_fp8":
+            return _dequantize_fp8_cols(t["quant_weight"], t["weight_scale_inv"], n0, n1)
+        if m == "wint2":
+            return _dequantize_wint2_cols(t, self.in_features, n0, n1)
         q = t["quant_weight"][:, n0:n1]
         if m == "wint8":
             return q.astype("float32") * t["weight_scale"][n0:n1]
-        if m in ("wint4", "w4a8"):
-            return _unpack_int4_cols(q) * t["weight_scale"][n0:n1]
-        if m == "block_wise_fp8":
-            b = fmt.FP8_BLOCK
-            s = t["weight_scale_inv"][:, n0 // b: -(-n1 // b)]
-            s = paddle.repeat_interleave(_repeat_rows(s, b, k), b, axis=1)[:, : n1 - n0]
-            return q.astype("float32") * s
-        fields = _wint2_cols(q, t["code_scale"][n0:n1], t["code_zp"][n0:n1])
-        ls = t["weight_scale"][:, n0:n1].astype("float32")
-        hi = paddle.floor(ls / 16.0)
-        nib = paddle.stack([hi, ls - hi * 16.0], axis=1).reshape([ls.shape[0] * 2, n1 - n0])
-        gs = nib[: k // fmt.WINT2_GROUP] * t["super_scales"][n0:n1]
-        return fields * _repeat_rows(gs, fmt.WINT2_GROUP, k)
+        return _unpack_int4_cols(q) * t["weight_scale"][n0:n1]
 
     def _quantize_input(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.method == "block_wise_fp8":
