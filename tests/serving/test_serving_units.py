@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ernie_serve.engine.async_engine import EngineDeadError, EngineOverloadedError
-from ernie_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ernie_serve.serving.control import AbortListener, send_abort
 from ernie_serve.serving.engine_model import EngineModel
 from ernie_serve.serving.errors import Cancelled, InvalidInput
@@ -64,6 +64,25 @@ def test_parser_overrides_come_from_request_parameters():
     assert req.reasoning_parser == "ernie-x1"
 
 
+def test_logprobs_come_from_sampling_parameters_or_trtllm_return_log_probs():
+    assert parse_request({"text_input": s("a")}).params.logprobs is None
+    req = parse_request({"text_input": s("a"), "sampling_parameters": s('{"logprobs": 3}')})
+    assert req.params.logprobs == 3
+    req = parse_request({"text_input": s("a"), "return_log_probs": np.array([[True]])})
+    assert req.params.logprobs == 0  # the sampled token only
+    req = parse_request({"text_input": s("a"), "return_log_probs": np.array([[True]]),
+                         "sampling_parameters": s('{"logprobs": 2}')})
+    assert req.params.logprobs == 2
+
+
+def test_skip_parsers_comes_from_an_input_or_a_request_parameter():
+    assert not parse_request({"text_input": s("a")}).skip_parsers
+    assert parse_request({"text_input": s("a"), "skip_parsers": np.array([[True]])}).skip_parsers
+    assert parse_request({"text_input": s("a")}, {"skip_parsers": True}).skip_parsers
+    with pytest.raises(InvalidInput, match="skip_parsers"):
+        parse_request({"text_input": s("a")}, {"skip_parsers": "yes"})
+
+
 # ------------------------------------------------------------------ preprocessing
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
@@ -83,6 +102,25 @@ def test_preprocessor_rejects_long_prompts_and_unknown_parsers(tokenizer):
     ids, payload = pre.encode(parse_request({"text_input": s("hello"), "max_tokens": i32(4)}))
     assert ids == tokenizer.encode("hello", add_special_tokens=True)
     assert payload["sampling"]["max_tokens"] == 4 and payload["meta"]["echo"] == "hello"
+
+
+def test_skip_parsers_turns_the_configured_parsers_off_for_one_request(tokenizer):
+    from ernie_serve.serving.preprocess import Preprocessor
+
+    pre = Preprocessor(tokenizer, 512, reasoning_parser="ernie-x1", tool_call_parser="ernie-x1")
+    _, payload = pre.encode(parse_request({"text_input": s("hello")}))
+    assert payload["meta"]["reasoning_parser"] == "ernie-x1"
+    _, payload = pre.encode(parse_request({"text_input": s("hello"), "skip_parsers": np.array([[True]])}))
+    assert payload["meta"]["reasoning_parser"] is None and payload["meta"]["tool_call_parser"] is None
+
+
+def test_n_above_1_is_refused_with_what_to_do_instead(tokenizer):
+    from ernie_serve.serving.preprocess import Preprocessor
+
+    with pytest.raises(InvalidInput) as info:
+        Preprocessor(tokenizer, 512).encode(parse_request({"text_input": s("a"),
+                                                           "sampling_parameters": s('{"n": 2}')}))
+    assert "n=1" in str(info.value) and "OpenAI shim" in str(info.value)
 
 
 def test_chat_request_renders_the_template(tokenizer):
@@ -161,6 +199,58 @@ def test_non_streaming_echo_prepends_the_prompt(tokenizer):
     post = Postprocessor(tokenizer)
     out = post.process(moe_response("k", 0, " world", finish="stop", meta={"echo": "hello", "max_tokens": 5}))
     assert text_of(out) == "hello world"
+
+
+def test_prompt_token_ids_on_the_first_response_only(tokenizer):
+    post = Postprocessor(tokenizer)
+    first = post.process(moe_response("k", 0, "a"))
+    later = post.process(moe_response("k", 1, "b", finish="stop"))
+    assert first["prompt_token_ids"].tolist() == [[5, 6, 7]] and later["prompt_token_ids"].shape == (1, 0)
+
+
+def test_logprobs_get_token_strings_and_bytes(tokenizer):
+    ids = tokenizer.encode("hello world")
+    entries = [{"token_id": t, "logprob": -0.5, "rank": 1,
+                "top_logprobs": [{"token_id": t, "logprob": -0.5}, {"token_id": ids[0], "logprob": -1.5}]}
+               for t in ids]
+    post = Postprocessor(tokenizer)
+    out = post.process(dict(moe_response("k", 0, " world", finish="stop"), logprobs=s(json.dumps(entries))))
+    got = json.loads(out["logprobs"][0, 0])
+    # the pieces' spaces are kept, so the tokens add up to the text
+    assert "".join(e["token"] for e in got).lstrip() == tokenizer.decode(ids) == "hello world"
+    assert all(e["bytes"] == list(e["token"].encode()) and e["logprob"] == -0.5 for e in got)
+    assert [t["token_id"] for t in got[0]["top_logprobs"]] == [ids[0], ids[0]]
+    assert all(isinstance(t["token"], str) for e in got for t in e["top_logprobs"])
+    # no logprobs asked for: an empty string, not an empty list
+    assert post.process(moe_response("j", 0, "x", finish="stop"))["logprobs"][0, 0] == b""
+
+
+def test_byte_fallback_token_text_is_its_byte(tokenizer):
+    from ernie_serve.serving.postprocess import TokenTexts
+
+    texts = TokenTexts(tokenizer)
+    byte_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.id_to_token(i) == "<0xE4>"]
+    if not byte_ids:
+        pytest.skip("this tokenizer has no byte-fallback pieces")
+    assert texts(byte_ids[0]) == ("\\xe4", [0xE4])
+
+
+def test_num_reasoning_tokens_is_cumulative_from_the_parser(tokenizer):
+    think_end = tokenizer.token_to_id("</think>")
+    meta = {"max_tokens": 100, "reasoning_parser": "ernie-x1", "is_chat": True}
+    post = Postprocessor(tokenizer)
+
+    def step(index, text, ids, finish=""):
+        r = moe_response("r", index, text, finish=finish, meta=meta)
+        r["token_ids"] = np.array([ids], np.int32)
+        return post.process(r)
+
+    a = step(0, "I think", [11, 12])
+    b = step(1, " more", [13])
+    c = step(2, "</think>\n<response>Hi", [think_end, 14, 15], finish="stop")
+    counts = [int(o["num_reasoning_tokens"][0, 0]) for o in (a, b, c)]
+    assert counts == [2, 3, 3], counts
+    assert post.process(moe_response("plain", 0, "x", finish="stop"))["num_reasoning_tokens"][0, 0] == 0
 
 
 # ------------------------------------------------------------------ engine model with a fake engine
@@ -243,6 +333,66 @@ def test_stream_sends_per_step_and_non_stream_sends_once():
     first = streaming.sent[0][0]
     assert json.loads(first["request_meta"][0, 0])["abort_address"].startswith("@")
     assert streaming.sent[1][0]["request_meta"][0, 0] == b"" and streaming.sent[1][0]["response_index"][0, 0] == 1
+    model.shutdown()
+
+
+def logprob_inputs(stream: bool, k: int):
+    return {"input_ids": np.array([[1, 2, 3]], np.int32),
+            "request_json": s(json.dumps({"sampling": {"max_tokens": 4, "logprobs": k}, "stream": stream, "meta": {}}))}
+
+
+def emit_with_logprobs(engine, rid, steps):
+    """steps: one list of (sampled id, {id: logprob}) per engine step; CompletionOutput.logprobs is cumulative."""
+    ids, cb = engine.callbacks[rid]
+    tokens, logprobs = [], []
+    for n, step in enumerate(steps):
+        for tid, cands in step:
+            tokens.append(tid)
+            logprobs.append({t: Logprob(v, r + 1) for r, (t, v) in enumerate(sorted(cands.items(), key=lambda kv: -kv[1]))})
+        last = n == len(steps) - 1
+        comp = CompletionOutput(0, "", list(tokens), finish_reason="length" if last else None,
+                                logprobs=[dict(d) for d in logprobs], text_delta="t",
+                                token_ids_delta=[t for t, _ in step])
+        cb(RequestOutput(rid, None, ids, [comp], last, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2)), None)
+
+
+STEPS = [[(7, {7: -0.1, 8: -2.0, 9: -3.0})], [(8, {8: -0.7, 7: -0.9, 5: -4.0}), (9, {9: -5.0, 1: -0.2, 2: -0.3})]]
+
+
+def test_engine_sends_the_new_tokens_logprobs_each_step_best_k_alternatives():
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    sink = Sink()
+    model.submit(logprob_inputs(True, 2), sink, "lp")
+    emit_with_logprobs(engine, next(iter(engine.callbacks)), STEPS)
+    assert sink.done.wait(2)
+    per_step = [json.loads(o["logprobs"][0, 0]) for o, _ in sink.sent]
+    assert [[e["token_id"] for e in step] for step in per_step] == [[7], [8, 9]]
+    assert [t["token_id"] for t in per_step[0][0]["top_logprobs"]] == [7, 8]
+    last = per_step[1][1]  # the sampled token is not among the best 2: its logprob and rank still come
+    assert last["logprob"] == -5.0 and last["rank"] == 3 and [t["token_id"] for t in last["top_logprobs"]] == [1, 2]
+    model.shutdown()
+
+
+def test_non_streaming_gets_every_tokens_logprobs_once():
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    sink = Sink()
+    model.submit(logprob_inputs(False, 0), sink, "lp")
+    emit_with_logprobs(engine, next(iter(engine.callbacks)), STEPS)
+    assert sink.done.wait(2) and len(sink.sent) == 1
+    entries = json.loads(sink.sent[0][0]["logprobs"][0, 0])
+    assert [e["token_id"] for e in entries] == [7, 8, 9] and all(e["top_logprobs"] == [] for e in entries)
+    model.shutdown()
+
+
+def test_no_logprobs_asked_for_sends_an_empty_string():
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    sink = Sink()
+    model.submit(engine_inputs(True), sink, "x")
+    engine.emit(next(iter(engine.callbacks)), "y", finished=True, reason="length")
+    assert sink.done.wait(2) and sink.sent[0][0]["logprobs"][0, 0] == b""
     model.shutdown()
 
 

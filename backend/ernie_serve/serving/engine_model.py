@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import uuid
@@ -45,11 +46,14 @@ class _Live:
     stream: bool
     meta: str
     prompt_ids: list[int]
+    num_logprobs: int | None = None  # SamplingParams.logprobs: None = no logprobs output
     index: int = 0
+    logprobs_sent: int = 0
     cancelled: bool = False
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
 
 
 def _str_tensor(value: str) -> np.ndarray:
@@ -62,6 +66,29 @@ def _int_tensor(values: list[int]) -> np.ndarray:
 
 def _scalar(value: int) -> np.ndarray:
     return np.array([[value]], dtype=np.int32)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -inf
+
+
+def new_logprob_entries(live: _Live, comp) -> list[dict]:
+    """The logprobs of the tokens generated since the last call, best `num_logprobs` alternatives each.
+
+    CompletionOutput.logprobs holds every token so far ({token_id: Logprob}, the sampled token always
+    in it, ranked or not); the token strings are added by the detokenizer, which has the tokenizer.
+    """
+    if live.num_logprobs is None or not comp.logprobs:
+        return []
+    start, live.logprobs_sent = live.logprobs_sent, len(comp.logprobs)
+    entries = []
+    for tid, cands in zip(comp.token_ids[start:], comp.logprobs[start:]):
+        sampled = cands.get(tid)
+        top = sorted(cands.items(), key=lambda kv: -kv[1].logprob)[: live.num_logprobs]
+        entries.append({"token_id": int(tid), "logprob": _finite(sampled.logprob) if sampled else -9999.0,
+                        "rank": sampled.rank if sampled else None,
+                        "top_logprobs": [{"token_id": int(t), "logprob": _finite(lp.logprob)} for t, lp in top]})
+    return entries
 
 
 def decode_engine_inputs(inputs: dict[str, np.ndarray]) -> tuple[list[int], dict[str, Any]]:
@@ -114,7 +141,7 @@ class EngineModel:
             meta = dict(req.get("meta") or {})
             meta["abort_address"] = self.aborts.public_address
             live = _Live(key, sink, bool(req.get("stream", meta.get("stream", False))),
-                         json.dumps(meta, ensure_ascii=False), ids)
+                         json.dumps(meta, ensure_ascii=False), ids, params.logprobs)
             with self._lock:
                 self._live[key] = live
             try:
@@ -167,16 +194,21 @@ class EngineModel:
             if out.finished:
                 self._outbox.put((live.sink, None, ("CANCELLED", "request cancelled")))
             return
+        logprobs = new_logprob_entries(live, comp)
         if not live.stream:
             live.token_ids.extend(comp.token_ids_delta)
             live.text.append(comp.text_delta)
+            live.logprobs.extend(logprobs)
             if not out.finished:
                 return
-            self._outbox.put((live.sink, self._tensors(live, out, live.token_ids, "".join(live.text)), None))
+            self._outbox.put((live.sink, self._tensors(live, out, live.token_ids, "".join(live.text), live.logprobs),
+                              None))
             return
-        self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids_delta), comp.text_delta), None))
+        self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids_delta), comp.text_delta, logprobs),
+                          None))
 
-    def _tensors(self, live: _Live, out: RequestOutput, token_ids: list[int], text: str) -> tuple[dict, bool]:
+    def _tensors(self, live: _Live, out: RequestOutput, token_ids: list[int], text: str,
+                 logprobs: list[dict]) -> tuple[dict, bool]:
         first = live.index == 0
         comp = out.outputs[0]
         outputs = {
@@ -191,6 +223,9 @@ class EngineModel:
             # The detokenizer builds its per-request state from the first response only.
             "request_meta": _str_tensor(live.meta if first else ""),
             "prompt_ids": _int_tensor(live.prompt_ids if first else []),
+            # JSON list, one entry per token in token_ids; "" when the request asked for no logprobs
+            "logprobs": _str_tensor("" if live.num_logprobs is None
+                                    else json.dumps(logprobs, separators=(",", ":"))),
         }
         live.index += 1
         return outputs, out.finished

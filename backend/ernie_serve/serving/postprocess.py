@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,10 @@ from .errors import Cancelled, InvalidInput, ServingError
 
 log = logging.getLogger(__name__)
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "finish_reason", "num_input_tokens",
-                "num_output_tokens", "num_cached_tokens", "output_ids")
+                "num_output_tokens", "num_cached_tokens", "output_ids", "logprobs", "num_reasoning_tokens",
+                "prompt_token_ids")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SP_SPACE = "\u2581"
 
 
 class OrderError(ServingError):
@@ -73,9 +77,54 @@ def _out_int(value: int) -> np.ndarray:
     return np.array([[value]], dtype=np.int32)
 
 
+def _ids_out(ids: list[int]) -> np.ndarray:
+    return np.array([ids], dtype=np.int32).reshape(1, len(ids))
+
+
+class TokenTexts:
+    """Token id -> (text, UTF-8 bytes) for logprobs, cached.
+
+    From the piece, not from decode([id]): SentencePiece drops a lone token's leading space, but in the
+    middle of a text "▁the" is " the", which is what the streamed text has. A byte-fallback piece is its
+    one byte (a fragment of a UTF-8 character, shown backslash-escaped; `bytes` is exact).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            try:
+                piece = self.tokenizer.id_to_token(token_id)
+            except (ValueError, IndexError):
+                piece = None
+            if piece is None:
+                hit = (f"token_id:{token_id}", [])
+            elif (m := _BYTE_PIECE.fullmatch(piece)) is not None:
+                raw = bytes([int(m.group(1), 16)])
+                hit = (raw.decode("utf-8", "backslashreplace"), list(raw))
+            else:
+                text = piece.replace(_SP_SPACE, " ")
+                hit = (text, list(text.encode("utf-8")))
+            if len(self._cache) < 200_000:
+                self._cache[token_id] = hit
+        return hit
+
+    def fill(self, entries: list[dict]) -> list[dict]:
+        """ernie_moe's logprob entries (ids only) with "token" and "bytes" added, alternatives too."""
+        for e in entries:
+            e["token"], e["bytes"] = self(int(e["token_id"]))
+            for t in e.get("top_logprobs") or []:
+                t["token"], t["bytes"] = self(int(t["token_id"]))
+        return entries
+
+
 class Postprocessor:
     def __init__(self, tokenizer, ttl: float = 600.0):
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self.ttl = ttl
         self._states: dict[str, _State] = {}
         self._aborted: dict[str, float] = {}  # keys already sent an abort, so it is sent once
@@ -171,7 +220,22 @@ class Postprocessor:
             "num_output_tokens": _out_int(num_output),
             "num_cached_tokens": _out_int(_int(inputs, "num_cached_tokens")),
             "output_ids": np.array([token_ids], dtype=np.int32).reshape(1, len(token_ids)),
+            "logprobs": _out_str(self._logprobs(inputs)),
+            # cumulative, as num_output_tokens is; 0 without a reasoning parser
+            "num_reasoning_tokens": _out_int(state.parser.num_reasoning_tokens if state.parser is not None else 0),
+            # ernie_moe sends the prompt on the first response only (so does this output)
+            "prompt_token_ids": _ids_out(_ids(inputs, "prompt_ids")),
         }
+
+    def _logprobs(self, inputs: dict[str, np.ndarray]) -> str:
+        raw = _str(inputs, "logprobs")
+        if not raw:
+            return ""
+        try:
+            entries = json.loads(raw)
+        except json.JSONDecodeError:
+            raise InvalidInput("logprobs", "is not valid JSON") from None
+        return json.dumps(self.token_texts.fill(entries), ensure_ascii=False, separators=(",", ":"))
 
     def _sweep(self, now: float) -> None:
         if now - self._last_sweep < min(10.0, self.ttl):

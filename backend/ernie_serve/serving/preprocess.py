@@ -42,10 +42,14 @@ class Preprocessor:
     def encode(self, req: GenerateRequest) -> tuple[list[int], dict[str, Any]]:
         """Prompt ids and the request JSON for ernie_moe (sampling params + what the detokenizer needs)."""
         if req.params.n != 1:
-            raise InvalidInput("n", f"the Triton pipeline returns one sequence per request; got n={req.params.n} "
-                                    "(send n requests instead)")
-        reasoning = req.reasoning_parser or self.reasoning_parser
-        tool = req.tool_call_parser or self.tool_call_parser
+            raise InvalidInput("n", f"the Triton ensemble returns one sequence per request, got n={req.params.n}: "
+                                    "send n requests with n=1 (prefix caching shares the prompt between them), "
+                                    "or use the OpenAI shim (ernie-openai), which does that for n > 1")
+        if req.skip_parsers:
+            reasoning = tool = None
+        else:
+            reasoning = req.reasoning_parser or self.reasoning_parser
+            tool = req.tool_call_parser or self.tool_call_parser
         for kind, name in (("reasoning_parser", reasoning), ("tool_call_parser", tool)):
             if name:
                 self._check_parser(kind, name)
@@ -78,6 +82,7 @@ class Preprocessor:
             "enable_thinking": enable_thinking if isinstance(enable_thinking, bool) else None,
             "max_tokens": req.params.max_tokens,
             "skip_special_tokens": req.params.skip_special_tokens,
+            "logprobs": req.params.logprobs,
         }
         return ids, {"sampling": asdict(req.params), "stream": req.stream, "meta": meta}
 

@@ -25,11 +25,13 @@ SCALAR_SAMPLING_INPUTS = {
 }
 INT_FIELDS = {"max_tokens", "top_k", "seed", "min_tokens"}
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
-               "return_finish_reason")
+               "return_finish_reason", "return_log_probs", "skip_parsers")
 JSON_INPUTS = ("sampling_parameters", "messages", "tools", "chat_template_kwargs")
 STRING_LIST_INPUTS = {"stop_words": "stop", "bad_words": "bad_words"}
 # request parameters (HTTP JSON keys that are not inputs, gRPC parameters) this layer reads
 PARSER_PARAMETERS = ("reasoning_parser", "tool_call_parser")
+# BOOL inputs that may also come as request parameters (HTTP JSON keys of an ensemble without the input)
+FLAG_PARAMETERS = ("skip_parsers",)
 
 
 @dataclass
@@ -43,6 +45,8 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
     reasoning_parser: str | None = None  # per-request override of the configured parser
     tool_call_parser: str | None = None
+    # Raw text out: no reasoning / tool-call parsing (OpenAI /v1/completions), markers like </think> kept.
+    skip_parsers: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -151,6 +155,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
     for name in BOOL_INPUTS:
         v = _one(inputs, name)
         flags[name] = bool(v) if v is not None else False
+    for name in FLAG_PARAMETERS:
+        v = parameters.get(name)
+        if v is not None:
+            if not isinstance(v, bool):
+                raise InvalidInput(name, f"must be a boolean, got {type(v).__name__}")
+            flags[name] = flags[name] or v
 
     sampling: dict[str, Any] = _json(inputs, "sampling_parameters", dict) or {}
     if "max_completion_tokens" in sampling:  # OpenAI spelling; parsers.md: it wins over max_tokens
@@ -165,6 +175,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
         words = _string_list(inputs, name)
         if words:
             sampling[field_name] = words
+    if flags["return_log_probs"] and sampling.get("logprobs") is None:
+        # TensorRT-LLM's switch: the sampled token's logprob only (sampling_parameters {"logprobs": k} adds top k).
+        sampling["logprobs"] = 0
     try:
         params = SamplingParams.from_dict(sampling)
     except ValueError as e:
@@ -180,7 +193,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
         overrides[name] = v or None
     return GenerateRequest(params=params, prompt=prompt, messages=messages, tools=tools or None,
                            chat_template_kwargs=kwargs, stream=flags["stream"],
-                           exclude_input_in_output=flags["exclude_input_in_output"], **overrides)
+                           exclude_input_in_output=flags["exclude_input_in_output"],
+                           skip_parsers=flags["skip_parsers"], **overrides)
 
 
 def _field_of(message: str, sampling: dict) -> str:
