@@ -17,7 +17,8 @@ _IN = [("text_input", "TYPE_STRING", [1]), ("max_tokens", "TYPE_INT32", [1]), ("
        ("seed", "TYPE_UINT64", [1]), ("stop_words", "TYPE_STRING", [-1]), ("bad_words", "TYPE_STRING", [-1]),
        ("exclude_input_in_output", "TYPE_BOOL", [1]), ("return_num_input_tokens", "TYPE_BOOL", [1]),
        ("return_num_output_tokens", "TYPE_BOOL", [1]), ("sampling_parameters", "TYPE_STRING", [1]),
-       ("messages", "TYPE_STRING", [1]), ("tools", "TYPE_STRING", [1]), ("chat_template_kwargs", "TYPE_STRING", [1])]
+       ("messages", "TYPE_STRING", [1]), ("tools", "TYPE_STRING", [1]), ("chat_template_kwargs", "TYPE_STRING", [1]),
+       ("skip_parsers", "TYPE_BOOL", [1])]
 
 
 def ensemble_config(max_batch_size: int = 0, drop: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> dict:
@@ -109,8 +110,10 @@ class FakeCall:
 
 
 class FakeTritonClient:
-    def __init__(self, config: dict | None = None, available: bool = True, step_delay: float = 0.0):
+    def __init__(self, config: dict | None = None, available: bool = True, step_delay: float = 0.0,
+                 num_reasoning_tokens: int | None = None):
         self.config = config or ensemble_config()
+        self.num_reasoning_tokens = num_reasoning_tokens  # sent as that output when set
         self.available = available
         self.step_delay = step_delay
         self.requests: list[dict[str, np.ndarray]] = []
@@ -158,12 +161,18 @@ class FakeTritonClient:
         cached = 8 if prompt in self.seen_prompts else 0
         self.seen_prompts.add(prompt)
         counts = dict(num_input_tokens=n_in, num_cached_tokens=cached)
+        if self.num_reasoning_tokens is not None:
+            counts["num_reasoning_tokens"] = self.num_reasoning_tokens
+        raw = "skip_parsers" in t and bool(t["skip_parsers"].reshape(-1)[0])
         if "invalid" in prompt:
             yield InferenceServerException("max_tokens must be an integer >= 1, got 0")
             return
+        first = {"prompt_token_ids": list(range(1, n_in + 1))}  # the ensemble sends the prompt once
         if "think" in prompt:
-            yield _out(text_output="", reasoning_content="let me think", output_ids=[900, 901],
-                       num_output_tokens=2, **counts)
+            step = dict(text_output="let me think</think>") if raw else dict(text_output="",
+                                                                             reasoning_content="let me think")
+            yield _out(**step, output_ids=[900, 901], num_output_tokens=2, **counts, **first)
+            first = {}
         if tools and "weather" in prompt:
             yield _out(text_output="", tool_calls=json.dumps([{"index": 0, "id": "chatcmpl-tool-1", "type": "function",
                                                                 "function": {"name": "get_weather"}}]),
@@ -192,4 +201,5 @@ class FakeTritonClient:
                                                  [:max(sp["logprobs"], 0)]}])
             last = i == max_tokens - base - 1
             yield _out(text_output=piece, output_ids=[tid], num_output_tokens=base + i + 1,
-                       **({"finish_reason": "length"} if last else {}), **counts, **extra)
+                       **({"finish_reason": "length"} if last else {}), **counts, **extra, **first)
+            first = {}

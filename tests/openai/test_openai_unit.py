@@ -111,6 +111,29 @@ def test_reasoning_content_is_separate_in_message_and_delta(shim):
     assert (reasoning, content) == ("let me think", " w0 w7")
 
 
+def test_reasoning_tokens_come_from_the_ensembles_count_when_it_sends_one(shim):
+    client, _, _ = shim(FakeTritonClient(num_reasoning_tokens=5))
+    r = client.chat.completions.create(model="ernie", messages=[{"role": "user", "content": "think first"}],
+                                       max_tokens=4)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 5  # not the shim's estimate (2)
+
+
+def test_completions_ask_for_raw_text_and_keep_the_markers(shim):
+    client, _, fake = shim()
+    c = client.completions.create(model="ernie", prompt="think first", max_tokens=4)
+    assert _sent(fake)["skip_parsers"] is True
+    assert c.choices[0].text == "let me think</think> w0 w7"
+    client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1)
+    assert "skip_parsers" not in _sent(fake)  # chat keeps the parsers
+
+
+def test_skip_parsers_is_left_out_for_an_ensemble_without_it(shim):
+    client, _, fake = shim(FakeTritonClient(ensemble_config(drop=("skip_parsers",))))
+    c = client.completions.create(model="ernie", prompt="think first", max_tokens=4)
+    assert "skip_parsers" not in _sent(fake)
+    assert c.choices[0].text == "let me think w0 w7"  # the split parts joined back
+
+
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
                                                  "parameters": {"type": "object",
                                                                 "properties": {"city": {"type": "string"}}}}}
@@ -279,6 +302,28 @@ def test_return_token_ids(shim):
     r = client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=2,
                                        extra_body={"return_token_ids": True})
     assert r.choices[0].message.completion_token_ids == [0, 7]
+    assert r.choices[0].message.prompt_token_ids == [1, 2]
+    c = client.completions.create(model="ernie", prompt="one two three", max_tokens=2,
+                                  extra_body={"return_token_ids": True})
+    assert c.choices[0].prompt_token_ids == [1, 2, 3] and c.choices[0].completion_token_ids == [0, 7]
+    chunks = list(client.completions.create(model="ernie", prompt="one two three", max_tokens=2, stream=True,
+                                            extra_body={"return_token_ids": True}))
+    firsts = [getattr(ch.choices[0], "prompt_token_ids", None) for ch in chunks]
+    assert firsts[0] == [1, 2, 3] and all(f is None for f in firsts[1:])
+    assert [t for ch in chunks for t in (getattr(ch.choices[0], "completion_token_ids", None) or [])] == [0, 7]
+    chunks = list(client.chat.completions.create(model="ernie", messages=CHAT, max_tokens=2, stream=True,
+                                                 extra_body={"return_token_ids": True}))
+    assert getattr(chunks[0].choices[0].delta, "prompt_token_ids", None) == [1, 2]
+
+
+def test_logprob_bytes_from_the_server_are_kept():
+    from ernie_client.openai.responses import chat_logprobs
+
+    entries = parse_logprobs([{"token_id": 3, "token": "\\xe4", "bytes": [228], "logprob": -0.1,
+                               "top_logprobs": [{"token_id": 3, "token": "\\xe4", "bytes": [228], "logprob": -0.1},
+                                                {"token_id": 4, "token": "a", "logprob": -3.0}]}], [3])
+    out = chat_logprobs(entries, 2)["content"][0]
+    assert out["bytes"] == [228] and [t["bytes"] for t in out["top_logprobs"]] == [[228], [97]]
 
 
 # ---------------------------------------------------------------------------- errors

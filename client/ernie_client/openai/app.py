@@ -285,7 +285,7 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
             return R.sse(obj)
 
         async def events(gen: Generation, first) -> AsyncIterator[str]:
-            started = set()
+            started, ids_started = set(), set()
             offsets = {j.index: len(echo.get(j.index, "")) for j in jobs}
             async for i, step in _steps(gen, first, states, "/v1/completions", metrics, gen.started):
                 s = states[i]
@@ -301,8 +301,12 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
                     offsets[i] += sum(len(e.token) for e in step.logprobs)
                 if text or lp or s.ended:
                     c = {"index": i, "text": text, "logprobs": lp, "finish_reason": s.finish_reason}
-                    if req.return_token_ids and step is not None:
-                        c["completion_token_ids"] = step.token_ids
+                    if req.return_token_ids:
+                        if i not in ids_started:  # the choice's first chunk
+                            ids_started.add(i)
+                            c["prompt_token_ids"] = s.prompt_token_ids
+                        if step is not None:
+                            c["completion_token_ids"] = step.token_ids
                     yield chunk(c)
             if req.include_usage:
                 yield R.sse({"id": rid, "object": "text_completion", "created": created,

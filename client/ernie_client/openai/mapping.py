@@ -102,5 +102,7 @@ def completion_jobs(req: CompletionRequest) -> list[Job]:
     for p, prompt in enumerate(req.prompt_list()):
         for j in range(req.n):
             i = p * req.n + j
-            jobs.append(Job(i, dict(_with_seed(base, req.seed, j), text_input=prompt), prompt_text=prompt))
+            # skip_parsers: a completion is the model's raw text (</think> and all), never split into reasoning
+            jobs.append(Job(i, dict(_with_seed(base, req.seed, j), text_input=prompt, skip_parsers=True),
+                            prompt_text=prompt))
     return jobs

@@ -30,10 +30,14 @@ def _bytes(token: str) -> list[int]:
 
 
 def chat_logprobs(entries: list[TokenLogprob], k: int) -> dict:
-    return {"content": [{
-        "token": e.token, "logprob": _finite(e.logprob), "bytes": _bytes(e.token),
-        "top_logprobs": [{"token": t, "logprob": _finite(lp), "bytes": _bytes(t)} for _, t, lp in e.top[:k]],
-    } for e in entries]}
+    def top(e: TokenLogprob) -> list[dict]:
+        raw = e.top_bytes + [None] * (len(e.top) - len(e.top_bytes))
+        return [{"token": t, "logprob": _finite(lp), "bytes": b if b is not None else _bytes(t)}
+                for (_, t, lp), b in zip(e.top[:k], raw)]
+
+    return {"content": [{"token": e.token, "logprob": _finite(e.logprob),
+                         "bytes": e.bytes if e.bytes is not None else _bytes(e.token), "top_logprobs": top(e)}
+                        for e in entries]}
 
 
 def completion_logprobs(entries: list[TokenLogprob], k: int, offset: int = 0) -> dict:
@@ -77,7 +81,8 @@ def completion(rid: str, created: int, model: str, states: list[ChoiceState], ec
     choices = []
     for s in states:
         prefix = echo_prompts.get(s.index, "")
-        # A completion is raw text: if the server's reasoning parser split it, join it back.
+        # A completion is raw text: the shim asks for skip_parsers; an ensemble without that input may
+        # still have split it into reasoning and content, so join them back (a no-op otherwise).
         text = "".join(r + t for r, t in zip(s.reasoning, s.text))
         c = {"index": s.index, "text": prefix + text,
              "logprobs": completion_logprobs(s.logprobs, num_logprobs, len(prefix))

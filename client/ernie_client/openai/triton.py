@@ -27,7 +27,10 @@ _JSON_INPUTS = ("messages", "tools", "chat_template_kwargs", "sampling_parameter
 # Dedicated-tensor fields and their SamplingParams name, for ensembles that lack the tensor.
 _FOLDABLE = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "seed": "seed", "stop_words": "stop", "bad_words": "bad_words"}
-_OPTIONAL_FLAGS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens")
+# Dropped when the ensemble lacks them (skip_parsers: an older ensemble parses completions too; the shim
+# then rejoins reasoning and content, see responses.completion).
+_OPTIONAL_FLAGS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
+                   "skip_parsers")
 
 
 @dataclass
@@ -36,6 +39,8 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)  # best first
+    bytes: list[int] | None = None  # the server's (exact for a byte-fallback piece); else token's UTF-8
+    top_bytes: list[list[int] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -82,9 +87,11 @@ def parse_logprobs(raw: Any, token_ids: list[int]) -> list[TokenLogprob]:
     for k, entry in enumerate(raw or []):
         if "logprob" in entry:
             tid = int(entry.get("token_id", token_ids[k] if k < len(token_ids) else -1))
+            tops = entry.get("top_logprobs") or []
             top = [(int(t.get("token_id", -1)), _decoded_token(int(t.get("token_id", -1)), t.get("token")),
-                    float(t["logprob"])) for t in entry.get("top_logprobs") or []]
-            out.append(TokenLogprob(tid, _decoded_token(tid, entry.get("token")), float(entry["logprob"]), top))
+                    float(t["logprob"])) for t in tops]
+            out.append(TokenLogprob(tid, _decoded_token(tid, entry.get("token")), float(entry["logprob"]), top,
+                                    entry.get("bytes"), [t.get("bytes") for t in tops]))
             continue
         cands = {int(t): v for t, v in entry.items()}
         tid = token_ids[k] if k < len(token_ids) else min(cands, key=lambda t: cands[t].get("rank") or 0)
