@@ -52,7 +52,7 @@ def write_checkpoint(out_dir: Path, config: dict, tensors: dict[str, np.ndarray]
         shards[-1][name] = tensors[name]
         size += nbytes
     weight_map = {}
-    keep_fp32 = {n for n in tensors if n.endswith(("gate.weight", "e_score_correction_bias")) and ".mlp.gate" in n}
+    keep_fp32 = {n for n in tensors if n.endswith((".mlp.gate.weight", "e_score_correction_bias"))}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         low = {n for n in shard if bf16 and n not in keep_fp32 and shard[n].dtype == np.float32}
