@@ -13,8 +13,8 @@ from ernie_serve.engine.async_engine import EngineDeadError, EngineOverloadedErr
 from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ernie_serve.serving.control import AbortListener, send_abort
 from ernie_serve.serving.engine_model import EngineModel
-from ernie_serve.serving.errors import Cancelled, InvalidInput
-from ernie_serve.serving.postprocess import OrderError, Postprocessor
+from ernie_serve.serving.errors import InvalidInput
+from ernie_serve.serving.postprocess import OUTPUT_NAMES, OrderError, Postprocessor
 from ernie_serve.serving.repository import get_parameter, render_repository
 from ernie_serve.serving.request import parse_request
 
@@ -179,9 +179,12 @@ def test_cancelled_response_sends_one_abort_to_the_engine_instance(tokenizer):
         post = Postprocessor(tokenizer)
         meta = {"max_tokens": 10, "abort_address": listener.public_address}
         post.process(moe_response("k", 0, "a", meta=meta))
-        for index in (1, 2):
-            with pytest.raises(Cancelled):
-                post.process(moe_response("k", index, "b"), cancelled=True)
+        # answered with empty outputs, not an error: a failed ensemble step while ernie_moe still streams
+        # would leak the ensemble request in tritonserver 2.51
+        out = post.process(moe_response("k", 1, "b"), cancelled=True)
+        assert text_of(out) == "" and out["output_ids"].shape == (1, 0)
+        out = post.process(moe_response("k", 2, "c"))  # a later response of the aborted request: no OrderError
+        assert text_of(out) == "" and out["finish_reason"][0, 0] == b"" and set(out) == set(OUTPUT_NAMES)
         deadline = time.monotonic() + 2
         while not got and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -296,6 +299,10 @@ class Sink:
 
     def send_error(self, code, message):
         self.errors.append((code, message))
+        self.done.set()
+
+    def send_final(self):
+        self.sent.append((None, True))
         self.done.set()
 
     def is_cancelled(self):
@@ -414,7 +421,8 @@ def test_abort_by_key_over_the_control_socket():
     model.submit(engine_inputs(), sink, "d")
     key = next(iter(engine.callbacks))
     assert send_abort(model.aborts.public_address, key)
-    assert sink.done.wait(2) and sink.errors[0][0] == "CANCELLED"
+    # the detokenizer's abort: a bare FINAL, no CANCELLED error (see engine_model's docstring)
+    assert sink.done.wait(2) and sink.sent == [(None, True)] and not sink.errors
     model.shutdown()
 
 

@@ -11,8 +11,7 @@ import logging
 from typing import Any
 
 from . import pb as pbx
-from .control import send_abort
-from .errors import Cancelled, ServingError
+from .errors import ServingError
 
 log = logging.getLogger(__name__)
 TOKENIZER_OUTPUTS = ["input_ids", "request_json"]
@@ -31,7 +30,6 @@ class BlsPipeline:
         pb = self.pb
         sender = request.get_response_sender()
         final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        key, address = "", ""
         try:
             tok = pb.InferenceRequest(model_name=self.tokenizer_model, inputs=request.inputs(),
                                       requested_output_names=TOKENIZER_OUTPUTS,
@@ -49,15 +47,8 @@ class BlsPipeline:
                 if not resp.output_tensors():  # the engine's empty FINAL
                     continue
                 inputs = {t.name(): t.as_numpy() for t in resp.output_tensors()}
-                if not key:
-                    key = pbx_str(inputs, "request_key")
-                    address = self.post._meta(inputs).get("abort_address", "")
                 if request.is_cancelled():
-                    send_abort(address, key)
-                    try:
-                        self.post.process(inputs, cancelled=True)  # drops the state
-                    except Cancelled:
-                        pass
+                    self.post.process(inputs, cancelled=True)  # drops the state, tells the engine
                     sender.send(pbx.error_response(pb, "CANCELLED", "request cancelled"), flags=final)
                     return
                 outputs = self.post.process(inputs)

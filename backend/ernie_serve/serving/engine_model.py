@@ -6,6 +6,12 @@ step loop. Streaming requests get one response per step, non-streaming ones a si
 everything. Cancellation (is_cancelled() polled on a thread, or an abort from the detokenizer, see
 control.py) aborts the request in the engine, which frees its KV blocks; the request then gets
 CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
+
+An abort from the detokenizer ends with a bare FINAL instead of the CANCELLED error: the request
+belongs to an ensemble, and tritonserver 2.51's ensemble scheduler stops counting a request's step
+completions once any step has failed, so an error while other steps are still in flight leaves the
+ensemble request in flight forever (measured: every cancelled stream then held shutdown for the whole
+--exit-timeout-secs). The client that cancelled gets nothing either way.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ class ResponseSink(Protocol):
 
     def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
     def send_error(self, code: str, message: str) -> None: ...  # always the FINAL response
+    def send_final(self) -> None: ...  # a FINAL with no response
     def is_cancelled(self) -> bool: ...
 
 
@@ -50,6 +57,7 @@ class _Live:
     index: int = 0
     logprobs_sent: int = 0
     cancelled: bool = False
+    quiet: bool = False  # cancelled by the ensemble's own detokenizer: end with a bare FINAL
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -123,7 +131,7 @@ class EngineModel:
         self._sender.start()
         self._poller = threading.Thread(target=self._poll_cancelled, name="ernie-cancel-poll", daemon=True)
         self._poller.start()
-        self.aborts = AbortListener(self.abort)
+        self.aborts = AbortListener(lambda key: self.abort(key, quiet=True))
         if metrics is not None:
             self.engine.step_listeners.append(self._on_step)
             metrics.update(self.engine.stats(), force=True)
@@ -158,13 +166,15 @@ class EngineModel:
             log.exception("submit failed")
             sink.send_error("INTERNAL", f"{type(e).__name__}: {e}")
 
-    def abort(self, key: str) -> bool:
-        """Abort by request key (client cancellation); the request ends CANCELLED + FINAL."""
+    def abort(self, key: str, quiet: bool = False) -> bool:
+        """Abort by request key (client cancellation); the request ends CANCELLED + FINAL, or with a
+        bare FINAL when `quiet` (an abort from the detokenizer, see the module docstring)."""
         with self._lock:
             live = self._live.get(key)
             if live is None:
                 return False
             live.cancelled = True
+            live.quiet = quiet
         found = self.engine.abort(key)
         if self.metrics is not None:
             self.metrics.update(self.engine.stats(), force=True)
@@ -192,7 +202,7 @@ class EngineModel:
                 self.metrics.request_finished(comp.finish_reason, len(comp.token_ids), out.metrics)
         if live.cancelled or (out.finished and comp.finish_reason == "abort"):
             if out.finished:
-                self._outbox.put((live.sink, None, ("CANCELLED", "request cancelled")))
+                self._outbox.put((live.sink, None, None if live.quiet else ("CANCELLED", "request cancelled")))
             return
         logprobs = new_logprob_entries(live, comp)
         if not live.stream:
@@ -250,6 +260,8 @@ class EngineModel:
             try:
                 if error is not None:
                     sink.send_error(*error)
+                elif payload is None:
+                    sink.send_final()
                 else:
                     outputs, final = payload
                     sink.send(outputs, final)

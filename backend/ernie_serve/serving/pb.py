@@ -55,6 +55,9 @@ class DecoupledSink:
         self._sender.send(error_response(self._pb, code, message),
                           flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
+    def send_final(self) -> None:
+        self._sender.send(flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
     def is_cancelled(self) -> bool:
         return self._request.is_cancelled()
 

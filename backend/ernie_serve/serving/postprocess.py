@@ -8,6 +8,10 @@ them in order to a model with one instance and no dynamic batching; response_ind
 State lives in this process, keyed by the request key that ernie_moe puts on every response. It is
 dropped on the final response, on cancellation, and after `ttl` seconds without a response (a
 request whose producer died must not leak).
+
+A cancelled request is answered with empty outputs, not an error: ernie_moe is still streaming it
+(until the abort sent here reaches the engine), and in tritonserver 2.51 a failed ensemble step
+while another is in flight leaks the ensemble request (see engine_model.py). Nobody reads the answer.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import numpy as np
 from ..chat import finish_reason_for
 from ..parsers import ChatOutputParser
 from .control import send_abort
-from .errors import Cancelled, InvalidInput, ServingError
+from .errors import InvalidInput, ServingError
 
 log = logging.getLogger(__name__)
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "finish_reason", "num_input_tokens",
@@ -136,7 +140,8 @@ class Postprocessor:
         return len(self._states)
 
     def process(self, inputs: dict[str, np.ndarray], cancelled: bool = False) -> dict[str, np.ndarray]:
-        """One ernie_moe response in, one client response out; raises ServingError subclasses."""
+        """One ernie_moe response in, one client response out; raises ServingError subclasses.
+        A cancelled request (or a later response of one) gets empty outputs; see the module docstring."""
         key = _str(inputs, "request_key")
         if not key:
             raise InvalidInput("request_key", "missing: ernie_detokenizer consumes ernie_moe's outputs")
@@ -144,8 +149,9 @@ class Postprocessor:
         now = time.monotonic()
         with self._lock:
             self._sweep(now)
-            if cancelled:
+            if cancelled or (key in self._aborted and key not in self._states):
                 self._cancel(key, inputs, now)
+                return self.empty_outputs()
             if index == 0:
                 if key in self._states:
                     raise OrderError(f"request {key}: a second first response (response_index 0)")
@@ -173,7 +179,13 @@ class Postprocessor:
             meta = state.meta if state is not None else self._meta(inputs)
             send_abort(meta.get("abort_address", ""), key)
             self._aborted[key] = now
-        raise Cancelled(f"request {key} was cancelled")
+
+    @staticmethod
+    def empty_outputs() -> dict[str, np.ndarray]:
+        ints = ("num_input_tokens", "num_output_tokens", "num_cached_tokens", "num_reasoning_tokens")
+        lists = ("output_ids", "prompt_token_ids")
+        return {name: _out_int(0) if name in ints else _ids_out([]) if name in lists else _out_str("")
+                for name in OUTPUT_NAMES}
 
     @staticmethod
     def _meta(inputs: dict[str, np.ndarray]) -> dict[str, Any]:
