@@ -33,6 +33,9 @@ class Delta:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     num_cached_tokens: int | None = None
+    num_reasoning_tokens: int | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)  # on the first response only
+    logprobs: list[dict] = field(default_factory=list)  # one entry per id in output_ids, when asked for
     final: bool = False
 
 
@@ -46,12 +49,16 @@ class Result:
     num_input_tokens: int | None
     num_output_tokens: int | None
     num_responses: int
+    num_reasoning_tokens: int | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
 
 
 def build_inputs(text: str | None = None, messages: list[dict] | None = None, tools: list[dict] | None = None,
                  chat_template_kwargs: dict | None = None, sampling_parameters: dict | None = None,
                  stop: list[str] | None = None, bad_words: list[str] | None = None, stream: bool = True,
-                 exclude_input_in_output: bool = True, protocol: str = "grpc", **scalars: Any) -> list:
+                 exclude_input_in_output: bool = True, protocol: str = "grpc", return_log_probs: bool | None = None,
+                 skip_parsers: bool | None = None, **scalars: Any) -> list:
     """InferInputs with the batch dimension the ensemble declares ([1, ...])."""
     if protocol == "grpc":
         from tritonclient.grpc import InferInput
@@ -85,6 +92,9 @@ def build_inputs(text: str | None = None, messages: list[dict] | None = None, to
              "return_num_input_tokens": True, "return_num_output_tokens": True}
     for name in _FLAGS:
         add(name, "BOOL", np.array([[flags[name]]], dtype=bool))
+    for name, value in (("return_log_probs", return_log_probs), ("skip_parsers", skip_parsers)):
+        if value is not None:
+            add(name, "BOOL", np.array([[value]], dtype=bool))
     return inputs
 
 
@@ -100,13 +110,17 @@ def parse_result(result: Any, final: bool = False) -> Delta:
         a = result.as_numpy(name)
         return None if a is None or a.size == 0 else int(a.reshape(-1)[0])
 
-    ids = result.as_numpy("output_ids")
-    calls = s("tool_calls")
+    def ids(name: str) -> list[int]:
+        a = result.as_numpy(name)
+        return [] if a is None else a.reshape(-1).tolist()
+
+    calls, logprobs = s("tool_calls"), s("logprobs")
     return Delta(text=s("text_output"), reasoning=s("reasoning_content"),
                  tool_calls=json.loads(calls) if calls else [], finish_reason=s("finish_reason") or None,
-                 output_ids=[] if ids is None else ids.reshape(-1).tolist(),
-                 num_input_tokens=i("num_input_tokens"), num_output_tokens=i("num_output_tokens"),
-                 num_cached_tokens=i("num_cached_tokens"), final=final)
+                 output_ids=ids("output_ids"), num_input_tokens=i("num_input_tokens"),
+                 num_output_tokens=i("num_output_tokens"), num_cached_tokens=i("num_cached_tokens"),
+                 num_reasoning_tokens=i("num_reasoning_tokens"), prompt_token_ids=ids("prompt_token_ids"),
+                 logprobs=json.loads(logprobs) if logprobs else [], final=final)
 
 
 def stream_generate(url: str = "localhost:8001", model: str = "ernie", timeout: float = 600.0,
@@ -146,4 +160,5 @@ def generate(url: str = "localhost:8001", model: str = "ernie", **kwargs: Any) -
                   [c for d in deltas for c in d.tool_calls], next((d.finish_reason for d in reversed(deltas)
                                                                    if d.finish_reason), None),
                   [t for d in deltas for t in d.output_ids], last.num_input_tokens, last.num_output_tokens,
-                  len(deltas))
+                  len(deltas), last.num_reasoning_tokens, deltas[0].prompt_token_ids if deltas else [],
+                  [e for d in deltas for e in d.logprobs])
