@@ -148,14 +148,40 @@ def test_sse_stream_ends_with_done(shim):
 
 def test_usage_equals_the_engine_counts(client, triton):
     prompt = "The sea is wide and"
-    r = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=10, temperature=0)
+    r = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"return_token_ids": True})
     direct = httpx.post(f"http://{triton.http_url}/v2/models/ernie/generate", timeout=60, json={
         "text_input": prompt, "max_tokens": 10, "temperature": 0.0, "exclude_input_in_output": True,
-        "return_num_input_tokens": True, "return_num_output_tokens": True}).json()
-    # text_input requests also go through the reasoning parser; a completion joins the parts back
-    assert r.choices[0].text == direct["reasoning_content"] + direct["text_output"]
-    assert r.usage.prompt_tokens == direct["num_input_tokens"]
+        "return_num_input_tokens": True, "return_num_output_tokens": True, "skip_parsers": True}).json()
+    # a completion is the raw text: the shim asks for skip_parsers
+    assert r.choices[0].text == direct["text_output"] and direct["reasoning_content"] == ""
+    assert r.usage.prompt_tokens == direct["num_input_tokens"] == len(direct["prompt_token_ids"])
     assert r.usage.completion_tokens == direct["num_output_tokens"]
+    assert r.choices[0].prompt_token_ids == direct["prompt_token_ids"]
+    assert r.choices[0].completion_token_ids == direct["output_ids"]
+
+
+def test_reasoning_tokens_are_the_parsers_count(client, triton):
+    r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=80, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    direct = httpx.post(f"http://{triton.http_url}/v2/models/ernie/generate", timeout=60, json={
+        "messages": json.dumps(CHAT), "max_tokens": 80, "temperature": 0.0}).json()
+    assert r.usage.completion_tokens_details.reasoning_tokens == direct["num_reasoning_tokens"] > 0
+    assert r.choices[0].message.prompt_token_ids == direct["prompt_token_ids"]
+    assert r.choices[0].message.completion_token_ids == direct["output_ids"]
+    assert len(r.choices[0].message.prompt_token_ids) == r.usage.prompt_tokens
+
+
+def test_completions_keep_the_reasoning_markers(client):
+    from ernie_serve.chat import render_chat_prompt
+    from ernie_serve.demo.tiny_model import ensure_tiny_model
+    from ernie_serve.tokenizer import ErnieTokenizer
+
+    prompt, _ = render_chat_prompt(ErnieTokenizer.from_pretrained(ensure_tiny_model()), CHAT)
+    chat = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=80, temperature=0)
+    text = client.completions.create(model="ernie-tiny", prompt=prompt, max_tokens=80, temperature=0).choices[0].text
+    assert "</think>" in text and "<response>" in text
+    assert text.split("</think>")[0] == chat.choices[0].message.reasoning_content
 
 
 def test_many_concurrent_streams(shim, client):
@@ -217,19 +243,27 @@ def test_seed_makes_sampling_reproducible(client):
     assert a == b
 
 
-def test_logprobs(client, triton):
-    import tritonclient.http as httpclient
-
-    outputs = {o["name"] for o in httpclient.InferenceServerClient(triton.http_url).get_model_config("ernie")["output"]}
-    try:
-        r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=4, temperature=0,
-                                           logprobs=True, top_logprobs=2)
-    except openai.BadRequestError as e:
-        assert "logprobs" not in outputs and e.response.json()["error"]["param"] == "logprobs"
-        pytest.xfail("the ernie ensemble has no 'logprobs' output yet; the shim answers a clear 400")
+def test_logprobs(client):
+    r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens
+    assert len(content) == r.usage.completion_tokens == 4
     assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
+    assert all(c.token == c.top_logprobs[0].token and c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    chunks = list(client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=4, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+    c = client.completions.create(model="ernie-tiny", prompt="The sea is wide and", max_tokens=5, temperature=0,
+                                  logprobs=1)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    # (the tokens add up to the text unless one is a special token or a UTF-8 fragment, as here)
+    assert all(lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    assert all(len(top) == 1 and list(top.values())[0] == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
 def test_cached_tokens_on_a_repeated_long_prompt(client):

@@ -140,8 +140,9 @@ def decode_response(result) -> StepOutput:
                       num_input_tokens=one("num_input_tokens"), num_output_tokens=one("num_output_tokens"),
                       num_cached_tokens=one("num_cached_tokens"),
                       num_reasoning_tokens=one("num_reasoning_tokens"),
-                      prompt_token_ids=ints("prompt_token_ids") if arr("prompt_token_ids") is not None
-                      else ints("input_ids"))
+                      # the ensemble sends the prompt on the first response only (empty afterwards)
+                      prompt_token_ids=(ints("prompt_token_ids") if arr("prompt_token_ids") is not None
+                                        else ints("input_ids")) or None)
     calls = as_json("tool_calls")
     step.tool_calls = calls if isinstance(calls, list) else []
     lp = as_json("logprobs")
