@@ -1,4 +1,5 @@
-"""CPU reference layers for quantized weights, in Paddle.
+"""CPU reference layers for quantized weights, in Paddle (tiles are dequantized partly in NumPy through
+zero-copy DLPack views, where that was measured faster; the matmuls are Paddle's).
 
 Weights stay resident in their quantized form; forward dequantizes one column tile at a time (so a
 [K, N] fp32 copy of a big matrix never exists) and runs an fp32 matmul, the only matmul Paddle CPU has.
@@ -221,6 +222,11 @@ class QuantLinear(nn.Layer):
         for name, tensor in out.items():
             self.register_buffer(name, tensor)
         self.tensors = out
+        if method == "w4a8":  # one static scale per matrix; read once, not on every forward
+            a = np.asarray(tensors["activation_scale"], np.float32).reshape(-1)
+            if a.size != 1:
+                raise ValueError(f"w4a8 activation_scale must be one value per matrix, got shape {list(a.shape)}")
+            self.act_scale = float(a[0])
 
     def export(self) -> dict[str, np.ndarray]:
         """The held tensors as checkpoint arrays (fp8 codes as ml_dtypes float8_e4m3fn)."""
@@ -260,7 +266,7 @@ class QuantLinear(nn.Layer):
         if self.method == "block_wise_fp8":
             return _quantize_act_fp8(x)
         if self.method == "w4a8":
-            return _quantize_act_int8(x, float(self.tensors["activation_scale"]))
+            return _quantize_act_int8(x, self.act_scale)
         return x
 
     def _tile_matmul(self, xq: paddle.Tensor, n0: int, n1: int) -> paddle.Tensor:
@@ -282,7 +288,7 @@ class QuantLinear(nn.Layer):
                 for n0 in range(0, self.out_features, self.tile_n)]
         y = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
         if self.method == "w4a8":  # integer-valued operands: the fp32 matmul equals the int32 one
-            y = y * float(self.tensors["activation_scale"])
+            y = y * self.act_scale
         return y
 
 
