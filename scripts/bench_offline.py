@@ -34,12 +34,13 @@ PEERS = {"hf": ROOT / ".peers/hf/bin/python", "vllm": ROOT / ".peers/vllm/bin/py
 
 
 def bench_checkpoint() -> Path:
-    from ernie_serve.demo.tiny_model import build_checkpoint
+    from ernie_serve.demo.tiny_model import RANDOM_INIT_VERSION, build_checkpoint
     from ernie_serve.paths import models_dir
 
     path = models_dir() / "bench-ernie-moe"
     stamp = path / "BUILD"
-    if not stamp.exists() or json.loads(stamp.read_text()).get("name") != "bench":
+    built = json.loads(stamp.read_text()) if stamp.exists() else {}
+    if built.get("name") != "bench" or built.get("init") != RANDOM_INIT_VERSION:
         print(f"[bench] writing the benchmark checkpoint to {path} (random weights, seed 0)", flush=True)
         build_checkpoint(path, "bench")
     return path

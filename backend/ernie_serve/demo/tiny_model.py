@@ -27,6 +27,7 @@ from .tokenizer_builder import build_tokenizer
 
 log = logging.getLogger(__name__)
 BUILD_VERSION = 3  # bump when the recipe changes, so stale local builds are rebuilt
+RANDOM_INIT_VERSION = 2  # bump when random_weights changes (benchmark checkpoints are rebuilt)
 
 _BASE = {
     "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_act": "silu",
@@ -58,8 +59,12 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
-    t = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab_size, h), dtype=np.float32),
-         "model.norm.weight": norm(h)}
+    embed = rng.standard_normal((cfg.vocab_size, h), dtype=np.float32)
+    if cfg.tie_word_embeddings:
+        # With a tied head, unit-scale embeddings make h . e_x ~ |e_x|^2 = H dominate every other logit,
+        # and greedy decoding repeats the last token; at 1/sqrt(H) the layers decide the next token.
+        embed /= np.sqrt(h)
+    t = {"model.embed_tokens.weight": embed, "model.norm.weight": norm(h)}
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = 4.0 * lin(cfg.vocab_size, h)  # peaked, varied next-token choices
     for i in range(cfg.num_hidden_layers):
@@ -102,7 +107,7 @@ def build_checkpoint(out_dir: Path, name: str = "tiny", layout: str = "pt", seed
     build_tokenizer(out_dir, vocab_size=config["vocab_size"] if name == "tiny" else 4096)
     _write_weights(out_dir, name, layout, weights if weights is not None else random_weights(config, seed))
     (out_dir / "BUILD").write_text(json.dumps({"name": name, "layout": layout, "seed": seed,
-                                               "version": BUILD_VERSION}))
+                                               "version": BUILD_VERSION, "init": RANDOM_INIT_VERSION}))
     return out_dir
 
 
