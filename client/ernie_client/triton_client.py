@@ -132,6 +132,7 @@ def stream_generate(url: str = "localhost:8001", model: str = "ernie", timeout: 
     client = client or grpcclient.InferenceServerClient(url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
+    final = False
     try:
         kwargs.setdefault("stream", True)
         client.async_stream_infer(model, build_inputs(**kwargs), request_id=request_id or uuid.uuid4().hex,
@@ -147,7 +148,10 @@ def stream_generate(url: str = "localhost:8001", model: str = "ernie", timeout: 
             if final:
                 return
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancel only a request that is still running: tritonserver 2.51 keeps the ensemble referenced
+        # ("1 live model") after a cancel that arrives when the request has already finished, and then
+        # waits its whole exit timeout at shutdown (measured).
+        client.stop_stream(cancel_requests=not final)
         if own:
             client.close()
 

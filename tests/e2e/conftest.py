@@ -1,6 +1,8 @@
 """One tritonserver for every e2e test, started through the launcher's Python API on free ports."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 # Small enough to keep the suite fast on 2 cores, large enough for 16 concurrent streams.
@@ -19,8 +21,13 @@ def triton_server():
         server.cleanup()
         raise
     yield server
+    t0 = time.monotonic()
     server.stop()
+    seconds = time.monotonic() - t0
+    log = "\n".join(line for line in server.log_tail(400).splitlines() if "Timeout" in line or "unloaded" in line)
     server.cleanup()
+    # idle by now (every test closed its streams, cancelled ones included): no exit-timeout wait
+    assert seconds < 12, f"an idle tritonserver took {seconds:.1f}s to stop:\n{log}"
 
 
 @pytest.fixture(scope="session")

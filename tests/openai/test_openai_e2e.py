@@ -54,8 +54,12 @@ def triton():
         server.cleanup()
         pytest.fail(f"tritonserver did not start: {e}")
     yield server
+    t0 = time.monotonic()
     server.stop()
+    seconds = time.monotonic() - t0
     server.cleanup()
+    # every request has ended (disconnects and timeouts cancelled theirs): no exit-timeout wait
+    assert seconds < 12, f"an idle tritonserver took {seconds:.1f}s to stop"
 
 
 @pytest.fixture(scope="module")

@@ -201,6 +201,7 @@ class TritonBackend:
         self._client = None
         self._spec: EnsembleSpec | None = None
         self._spec_lock = asyncio.Lock()
+        self._closing: set[asyncio.Task] = set()  # finished streams being closed by the server
 
     def _get_client(self):
         if self._client is None:
@@ -208,6 +209,8 @@ class TritonBackend:
         return self._client
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
         if self._client is not None:
             await self._client.close()
             self._client = None
@@ -310,9 +313,32 @@ class TritonBackend:
                 if finished:
                     break
         finally:
-            done.set()
-            # Unfinished: the gRPC cancel reaches Triton, which cancels the request in the engine (its KV
-            # blocks are freed). Finished: nothing is left to cancel; this just closes the stream now.
+            done.set()  # ends the request side, so a finished stream closes by itself
+            if finished:
+                # Not cancelled: in tritonserver 2.51 a cancel that reaches a finished request leaves the
+                # ensemble referenced ("1 live model") and holds shutdown for the whole exit timeout.
+                task = asyncio.ensure_future(_close_when_done(call))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            else:
+                # The gRPC cancel reaches Triton, which cancels the request in the engine (its KV blocks
+                # are freed).
+                call.cancel()
+
+
+async def _close_when_done(call, timeout: float = 10.0) -> None:
+    """Read a finished stream to its end (Triton closes it once the request side has ended)."""
+    ended = False
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                await call.__anext__()
+    except StopAsyncIteration:
+        ended = True
+    except Exception:  # noqa: BLE001 - a timeout or a broken stream: cancel it after all
+        pass
+    finally:
+        if not ended:
             call.cancel()
 
 
