@@ -70,14 +70,16 @@ def run_ours(model: Path, workload_path: Path, out: Path, threads: int) -> None:
 
     llm.engine.step = timed_step
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=w.ignore_eos) for r in w.requests]
+    cpu0 = common.process_tree_cpu_s()
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in w.requests], sampling_params=params,
                         use_tqdm=True)
     elapsed = time.perf_counter() - t0
+    cpu_s = common.process_tree_cpu_s() - cpu0
     lat = np.array([dt for _, dt in step_times]) * 1000
     import paddle
 
-    common.write_result(out, "ours", w, [o.outputs[0].token_ids for o in outs], elapsed,
+    common.write_result(out, "ours", w, [o.outputs[0].token_ids for o in outs], elapsed, cpu_s,
                         {"paddle": paddle.__version__},
                         {"steps": len(step_times), "step_ms_p50": round(float(np.percentile(lat, 50)), 1),
                          "step_ms_p90": round(float(np.percentile(lat, 90)), 1),
@@ -96,6 +98,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="uniform,mixed")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--out", type=Path, default=ROOT / "out")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: print the table from the result files already in --out")
     ap.add_argument("--_run-ours", nargs=3, metavar=("MODEL", "WORKLOAD", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     threads = len(common.cpu_list())
@@ -110,10 +114,15 @@ def main() -> None:
     for wname in args.workloads.split(","):
         spec = WORKLOADS[wname]
         wpath = args.out / f"workload_{wname}.json"
-        wpath.write_text(json.dumps(make_workload(vocab_size=32000, max_num_seqs=args.max_num_seqs,
-                                                  ignore_eos=True, seed=0, **spec)))
+        if not args.report_only:
+            wpath.write_text(json.dumps(make_workload(vocab_size=32000, max_num_seqs=args.max_num_seqs,
+                                                      ignore_eos=True, seed=0, **spec)))
         for system in systems:
             rpath = args.out / f"result_{wname}_{system}.json"
+            if args.report_only:
+                if rpath.exists():
+                    results.setdefault(wname, {})[system] = json.loads(rpath.read_text())
+                continue
             if system == "ours":
                 cmd = [sys.executable, __file__, "--_run-ours", str(model), str(wpath), str(rpath)]
             elif PEERS[system].exists():

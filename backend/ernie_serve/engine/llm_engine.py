@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .._env import use_all_cpu_threads
 from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
 from ..model.kv_cache import PagedKVCache
@@ -56,6 +57,7 @@ def read_eos_token_ids(model_dir: Path, tokenizer: ErnieTokenizer | None, model_
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.cpu_threads = use_all_cpu_threads()
         model_dir = resolve_model_dir(config)
         self.model_dir = model_dir
         self.tokenizer = None if config.skip_tokenizer_init else ErnieTokenizer.from_pretrained(config.tokenizer or model_dir)
@@ -79,9 +81,9 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         log.info("engine ready: %s, %d KV blocks of %d tokens (%d on the CPU tier), max_num_seqs=%d, "
-                 "max_num_batched_tokens=%d, prefix caching %s", model_dir, num_blocks, config.block_size,
-                 num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                 "on" if config.enable_prefix_caching else "off")
+                 "max_num_batched_tokens=%d, prefix caching %s, %d CPU threads", model_dir, num_blocks,
+                 config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                 "on" if config.enable_prefix_caching else "off", self.cpu_threads)
 
     # ---------------------------------------------------------------- sizing
     def _size_kv_pool(self) -> tuple[int, int]:
