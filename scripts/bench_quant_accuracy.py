@@ -29,9 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 
+from ernie_serve import LLM, SamplingParams  # noqa: E402  (first: it sets the MKL/threads env paddle reads)
 import paddle  # noqa: E402
-
-from ernie_serve import LLM, SamplingParams  # noqa: E402
 from ernie_serve.model.attention import AttentionMetadata  # noqa: E402
 from ernie_serve.quantization.checkpoint import quantize_checkpoint  # noqa: E402
 from ernie_serve.quantization.layers import weight_memory_report  # noqa: E402

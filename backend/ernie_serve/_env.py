@@ -9,9 +9,11 @@ sets it to 1 at import), so an engine would use one core of many; `use_all_cpu_t
 that for the process that runs the model, unless the user chose OMP_NUM_THREADS themselves.
 """
 import os
+import sys
 
 os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
-_USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
+# If paddle came first, the 1 in OMP_NUM_THREADS is paddle's own default, not the user's choice.
+_USER_OMP_THREADS = None if "paddle" in sys.modules else os.environ.get("OMP_NUM_THREADS")
 
 
 def use_all_cpu_threads() -> int:
