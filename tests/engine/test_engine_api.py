@@ -154,3 +154,15 @@ def test_kv_transfer_prefill_to_decode_engine(tiny_model_dir, engine):
     out = run(decode, [])["t"].outputs[0].token_ids
     assert out == ref
     assert_no_leaks(decode)
+
+
+def test_kv_transfer_that_already_finishes_returns_its_final_output(tiny_model_dir, engine):
+    prefill = make_engine(tiny_model_dir, splitwise_role="prefill")
+    decode = make_engine(tiny_model_dir, splitwise_role="decode")
+    prefill.add_request("one", _ids(13, 30), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), hold_kv=True)
+    first = run(prefill, [])["one"].outputs[0].token_ids
+    out = decode.add_prefilled_request(prefill.export_kv("one"), SamplingParams(temperature=0, max_tokens=1))
+    assert out is not None and out.finished and out.outputs[0].token_ids == first
+    assert not decode.has_unfinished_requests()
+    assert_no_leaks(decode)
+    assert_no_leaks(prefill)

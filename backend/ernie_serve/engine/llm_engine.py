@@ -148,7 +148,7 @@ class LLMEngine:
         for req in group:
             if not req.is_finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._make_output(request_id, group, {r.request_id: ([], "") for r in group}, finalize=True)
+        return self._make_output(request_id, group, {r.request_id: ([], "") for r in group})
 
     # ---------------------------------------------------------------- prefill/decode disaggregation
     def export_kv(self, request_id: str) -> KVTransfer:
@@ -163,8 +163,11 @@ class LLMEngine:
         self.kv.free(request)
         return transfer
 
-    def add_prefilled_request(self, transfer: KVTransfer, sampling_params: SamplingParams) -> None:
-        """Continue a request whose prompt KV was computed elsewhere (decode role)."""
+    def add_prefilled_request(self, transfer: KVTransfer, sampling_params: SamplingParams) -> RequestOutput | None:
+        """Continue a request whose prompt KV was computed elsewhere (decode role).
+
+        Returns the final output right away when the transferred tokens already finish it (e.g. the
+        first token was EOS); otherwise its outputs come from step() like any other request's."""
         if transfer.block_size != self.config.block_size:
             raise ValueError(f"KV transfer block_size {transfer.block_size} != this engine's {self.config.block_size}")
         if sampling_params.n != 1:
@@ -181,10 +184,13 @@ class LLMEngine:
         self.runner.cache.write_blocks(req.block_ids, transfer.data)
         req.num_computed_tokens = transfer.num_computed_tokens
         req.num_cached_tokens = 0
-        self._append_tokens(req, transfer.output_token_ids, [None] * len(transfer.output_token_ids), time.monotonic())
-        if not req.is_finished:
-            req.status = RequestStatus.RUNNING
-            self.scheduler.running.append(req)
+        new = self._append_tokens(req, transfer.output_token_ids, [None] * len(transfer.output_token_ids),
+                                  time.monotonic())
+        if req.is_finished:
+            return self._make_output(req.request_id, [req], {req.request_id: new})
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        return None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -279,7 +285,7 @@ class LLMEngine:
                 self.held_kv[req.request_id] = req
         return added, text
 
-    def _make_output(self, ext_id: str, group: list[Request], deltas: dict, finalize: bool = False) -> RequestOutput:
+    def _make_output(self, ext_id: str, group: list[Request], deltas: dict) -> RequestOutput:
         comps = []
         for req in group:
             state = self.texts[req.request_id]
