@@ -10,6 +10,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+from ernie_serve.chat import finish_reason_for  # the one finish_reason rule (parsers.md), shared with Triton
+
 from .errors import OpenAIError
 from .mapping import Job
 from .triton import StepOutput, TokenLogprob, TritonBackend
@@ -82,12 +84,8 @@ class ChoiceState:
         """parsers.md: "length" at max_tokens (even over tool calls), else "tool_calls" if any, else the engine's."""
         if not self.ended:
             return None
-        reason = self.engine_finish_reason or "stop"
-        if reason == "length" or (self.max_tokens is not None and self.completion_tokens >= self.max_tokens):
-            return "length"
-        if self.tool_calls and reason in ("stop", "tool_calls"):
-            return "tool_calls"
-        return reason
+        return finish_reason_for(self.completion_tokens, self.max_tokens, self.engine_finish_reason or "stop",
+                                 bool(self.tool_calls))
 
     def full_tool_calls(self) -> list[dict]:
         return [self.tool_calls[i] for i in sorted(self.tool_calls)]
