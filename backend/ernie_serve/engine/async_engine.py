@@ -1,12 +1,11 @@
 """Thread-safe engine front for servers: the step loop runs on its own thread; callers submit,
-stream and abort from any thread (Triton's execute, its response thread, asyncio handlers).
+stream and abort from any thread (Triton's execute, its cancellation watcher, the offline tests).
 
 Every accepted request gets exactly one final output: finished, aborted, or failed because the
 engine died (then `error` is set on the output and the front refuses new work).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -94,24 +93,6 @@ class AsyncEngine:
         try:
             while not finished:
                 out, err = q.get()
-                if err is not None:
-                    raise err
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    async def astream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
-        """Async iterator of outputs for asyncio servers; cancellation aborts the request."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        self.add_request(request_id, prompt_token_ids, params,
-                         lambda out, err: loop.call_soon_threadsafe(q.put_nowait, (out, err)))
-        finished = False
-        try:
-            while not finished:
-                out, err = await q.get()
                 if err is not None:
                     raise err
                 finished = out.finished
