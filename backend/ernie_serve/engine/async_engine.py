@@ -2,7 +2,8 @@
 stream and abort from any thread (Triton's execute, its cancellation watcher, the offline tests).
 
 Every accepted request gets exactly one final output: finished, aborted, or failed because the
-engine died (then `error` is set on the output and the front refuses new work).
+engine died (then the callback gets that output with an EngineDeadError, and the front refuses
+new work).
 """
 from __future__ import annotations
 

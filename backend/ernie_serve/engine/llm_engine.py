@@ -25,6 +25,7 @@ from .model_runner import ModelRunner, ModelRunnerOutput
 from .output_processor import TextState
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode import SpecStats, draft_limit, make_proposer
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -73,6 +74,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, num_host_blocks, config.sampling_class)
+        self.proposer = make_proposer(config.speculative_config)
+        self.spec_stats = SpecStats()
         self.requests: dict[str, list[Request]] = {}  # external id -> its n sequences
         self.texts: dict[str, TextState] = {}
         self.held_kv: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export
@@ -225,6 +228,10 @@ class LLMEngine:
             accepted = 0
             while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
                 accepted += 1
+            if drafts:
+                self.spec_stats.num_drafts += 1
+                self.spec_stats.num_draft_tokens += len(drafts)
+                self.spec_stats.num_accepted_tokens += accepted
             req.num_computed_tokens += s.num_tokens - (len(drafts) - accepted)
             req.spec_token_ids = []
             self.kv.cache_computed_blocks(req)
@@ -234,11 +241,20 @@ class LLMEngine:
             for child in forks:
                 self._start_fork(req, child, result, now, changed)
             req.forks = []
+        if self.proposer is not None:
+            self._propose_drafts()
         outputs = []
         for ext_id, deltas in changed.items():
             group = self.requests[ext_id]
             outputs.append(self._make_output(ext_id, group, deltas))
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every running request that is decoding (prompt fully computed)."""
+        for req in self.scheduler.running:
+            if req.num_computed_tokens == req.num_tokens - 1 and not req.spec_token_ids:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids,
+                                                           draft_limit(req, self.config.max_model_len))
 
     def _start_fork(self, parent: Request, child: Request, result: ModelRunnerOutput, now: float, changed) -> None:
         if self.kv.fork(parent, child):
@@ -320,6 +336,9 @@ class LLMEngine:
             "prefix_cache_hit_tokens": s.hit_tokens, "prefix_cache_hit_rate": s.hit_rate,
             "prefix_cache_device_hit_tokens": s.device_hit_tokens, "prefix_cache_host_hit_tokens": s.host_hit_tokens,
             "num_steps": self.num_steps, "prompt_tokens": self.num_prompt_tokens,
+            "spec_draft_tokens": self.spec_stats.num_draft_tokens,
+            "spec_accepted_tokens": self.spec_stats.num_accepted_tokens,
+            "spec_acceptance_rate": self.spec_stats.acceptance_rate,
             "generation_tokens": self.num_generation_tokens,
         }
 
