@@ -32,4 +32,4 @@ else
   echo "[setup] .venv is up to date"
 fi
 echo "[setup] building the embedded tiny model (skipped when already built)"
-"$venv/bin/python" -c "from ernie_serve.demo.tiny_model import ensure_tiny_model; print('[setup] tiny model:', ensure_tiny_model())"
+"$venv/bin/python" -W ignore -c "from ernie_serve.demo.tiny_model import ensure_tiny_model; print('[setup] tiny model:', ensure_tiny_model())"
