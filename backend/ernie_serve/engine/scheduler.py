@@ -56,15 +56,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk_limit = self.config.prefill_chunk_limit
-        scheduled_ids: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -87,7 +82,6 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, n, spec))
-                scheduled_ids.add(id(req))
                 budget -= n
                 i += 1
                 continue
