@@ -25,8 +25,9 @@ COPY model_repository model_repository
 COPY scripts scripts
 # The image's python backend runs the system python3, so install into it (no venv). The nvidia-pytriton
 # extra is not needed here: the image has tritonserver at /opt/tritonserver/bin (on PATH).
-RUN python3 -m pip install -e ".[kernels]" \
- && python3 -c "import paddle; paddle.utils.run_check()" || true
+RUN python3 -m pip install -e ".[kernels]"
+# No GPU is visible during `docker build`, so this check may only warn; it must not hide a failed install.
+RUN python3 -c "import paddle; paddle.utils.run_check()" || echo "paddle run_check needs a GPU at run time"
 
 # Where locally built demo models go when no --model is given.
 ENV ERNIE_MODELS_DIR=/opt/ernie/.cache/models
