@@ -69,15 +69,20 @@ class EngineMetrics:
         self._healthy.set(1)
         self._last_totals: dict[str, float] = {}
         self._last_update = 0.0
+        self._was_idle = True
 
     def update(self, stats: dict, force: bool = False) -> None:
         """Called after each engine step (and after aborts) with engine.stats()."""
         now = time.monotonic()
         idle = not stats.get("num_running") and not stats.get("num_waiting")
         with self._lock:
-            if not (force or idle or now - self._last_update >= self.min_interval):
+            # The throttle never hides a transition between idle and busy: a scrape right after a
+            # request starts (or ends) must see it, however soon after the previous update it came.
+            changed = idle != self._was_idle
+            if not (force or idle or changed or now - self._last_update >= self.min_interval):
                 return
             self._last_update = now
+            self._was_idle = idle
             for key, (kind, metric) in self._stat.items():
                 value = float(stats.get(key) or 0)
                 if kind == "GAUGE":
