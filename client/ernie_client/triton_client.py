@@ -98,28 +98,46 @@ def build_inputs(text: str | None = None, messages: list[dict] | None = None, to
     return inputs
 
 
+class ResponseTensors:
+    """The ensemble's output tensors of one tritonclient result (gRPC or HTTP), read as Python values.
+
+    An output the model does not have reads as empty, so clients work against older ensembles too.
+    """
+
+    def __init__(self, result: Any):
+        self._result = result
+
+    def array(self, name: str) -> np.ndarray | None:
+        try:
+            return self._result.as_numpy(name)
+        except Exception:  # noqa: BLE001 - HTTP results raise for an output that is not there
+            return None
+
+    def text(self, name: str) -> str:
+        a = self.array(name)
+        if a is None or a.size == 0:
+            return ""
+        return "".join(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in a.reshape(-1))
+
+    def ints(self, name: str) -> list[int] | None:
+        a = self.array(name)
+        return None if a is None else [int(x) for x in a.reshape(-1)]
+
+    def one(self, name: str) -> int | None:
+        v = self.ints(name)
+        return v[0] if v else None
+
+
 def parse_result(result: Any, final: bool = False) -> Delta:
     """tritonclient InferResult -> Delta (works for the gRPC and HTTP result types)."""
-    def s(name: str) -> str:
-        a = result.as_numpy(name)
-        if a is None:
-            return ""
-        return "".join(x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in a.reshape(-1))
-
-    def i(name: str) -> int | None:
-        a = result.as_numpy(name)
-        return None if a is None or a.size == 0 else int(a.reshape(-1)[0])
-
-    def ids(name: str) -> list[int]:
-        a = result.as_numpy(name)
-        return [] if a is None else a.reshape(-1).tolist()
-
-    calls, logprobs = s("tool_calls"), s("logprobs")
-    return Delta(text=s("text_output"), reasoning=s("reasoning_content"),
-                 tool_calls=json.loads(calls) if calls else [], finish_reason=s("finish_reason") or None,
-                 output_ids=ids("output_ids"), num_input_tokens=i("num_input_tokens"),
-                 num_output_tokens=i("num_output_tokens"), num_cached_tokens=i("num_cached_tokens"),
-                 num_reasoning_tokens=i("num_reasoning_tokens"), prompt_token_ids=ids("prompt_token_ids"),
+    r = ResponseTensors(result)
+    calls, logprobs = r.text("tool_calls"), r.text("logprobs")
+    return Delta(text=r.text("text_output"), reasoning=r.text("reasoning_content"),
+                 tool_calls=json.loads(calls) if calls else [], finish_reason=r.text("finish_reason") or None,
+                 output_ids=r.ints("output_ids") or [], num_input_tokens=r.one("num_input_tokens"),
+                 num_output_tokens=r.one("num_output_tokens"), num_cached_tokens=r.one("num_cached_tokens"),
+                 num_reasoning_tokens=r.one("num_reasoning_tokens"),
+                 prompt_token_ids=r.ints("prompt_token_ids") or [],
                  logprobs=json.loads(logprobs) if logprobs else [], final=final)
 
 

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
+from ..triton_client import ResponseTensors
 from .errors import OpenAIError
 
 log = logging.getLogger(__name__)
@@ -105,28 +106,10 @@ def parse_logprobs(raw: Any, token_ids: list[int]) -> list[TokenLogprob]:
 
 def decode_response(result) -> StepOutput:
     """tritonclient InferResult -> StepOutput; every output is optional."""
-    def arr(name):
-        try:
-            return result.as_numpy(name)
-        except Exception:  # noqa: BLE001 - an output the ensemble does not have
-            return None
-
-    def text(name) -> str:
-        a = arr(name)
-        if a is None or a.size == 0:
-            return ""
-        return "".join(x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in a.reshape(-1))
-
-    def ints(name) -> list[int] | None:
-        a = arr(name)
-        return None if a is None else [int(x) for x in a.reshape(-1)]
-
-    def one(name) -> int | None:
-        v = ints(name)
-        return v[0] if v else None
+    r = ResponseTensors(result)
 
     def as_json(name):
-        s = text(name)
+        s = r.text(name)
         if not s:
             return None
         try:
@@ -135,14 +118,14 @@ def decode_response(result) -> StepOutput:
             log.warning("output %s is not JSON: %.200s", name, s)
             return None
 
-    step = StepOutput(text=text("text_output"), reasoning=text("reasoning_content"),
-                      finish_reason=text("finish_reason") or None, token_ids=ints("output_ids") or [],
-                      num_input_tokens=one("num_input_tokens"), num_output_tokens=one("num_output_tokens"),
-                      num_cached_tokens=one("num_cached_tokens"),
-                      num_reasoning_tokens=one("num_reasoning_tokens"),
+    step = StepOutput(text=r.text("text_output"), reasoning=r.text("reasoning_content"),
+                      finish_reason=r.text("finish_reason") or None, token_ids=r.ints("output_ids") or [],
+                      num_input_tokens=r.one("num_input_tokens"), num_output_tokens=r.one("num_output_tokens"),
+                      num_cached_tokens=r.one("num_cached_tokens"),
+                      num_reasoning_tokens=r.one("num_reasoning_tokens"),
                       # the ensemble sends the prompt on the first response only (empty afterwards)
-                      prompt_token_ids=(ints("prompt_token_ids") if arr("prompt_token_ids") is not None
-                                        else ints("input_ids")) or None)
+                      prompt_token_ids=(r.ints("prompt_token_ids") if r.array("prompt_token_ids") is not None
+                                        else r.ints("input_ids")) or None)
     calls = as_json("tool_calls")
     step.tool_calls = calls if isinstance(calls, list) else []
     lp = as_json("logprobs")
