@@ -171,7 +171,7 @@ class KVCacheManager:
                        prefix_hits: list[tuple[str, int, int]] | None = None) -> bool:
         """Make the request's blocks cover num_computed_tokens + num_new_tokens; False if the pool is short.
 
-        With prefix_hits (first scheduling only) the hit blocks join the request and its
+        With prefix_hits (at admission, from lookup_prefix) the hit blocks join the request and its
         num_computed_tokens moves past them.
         """
         hits = prefix_hits or []
@@ -188,19 +188,22 @@ class KVCacheManager:
                 req.block_ids.append(ident)
             else:
                 req.block_ids.append(self.pool.swap_in(h))
-        if hits or req.num_cached_tokens < 0:
-            self._record_hit(req, hits)
+        if prefix_hits is not None:  # an admission looked the prefix up
+            self._record_lookup(req, hits)
         req.num_computed_tokens += n_hit_tokens
         req.block_ids.extend(self.pool.allocate(need_new))
         return True
 
-    def _record_hit(self, req: Request, hits: list[tuple[str, int, int]]) -> None:
+    def _record_lookup(self, req: Request, hits: list[tuple[str, int, int]]) -> None:
+        """Every admission is one query (a recompute after preemption looks up again, and its hits save
+        real work), so hit_rate = hit_tokens / query_tokens stays a true ratio; the request reports
+        the hit of its first scheduling."""
         n = len(hits) * self.block_size
-        if req.num_cached_tokens < 0:  # first scheduling: count the query once per request
-            self.stats.queries += 1
-            self.stats.query_tokens += req.num_tokens
-            self.stats.hits += bool(hits)
+        if req.num_cached_tokens < 0:
             req.num_cached_tokens = n
+        self.stats.queries += 1
+        self.stats.query_tokens += req.num_tokens
+        self.stats.hits += bool(hits)
         self.stats.hit_tokens += n
         self.stats.device_hit_tokens += sum(self.block_size for t, _, _ in hits if t == "device")
         self.stats.host_hit_tokens += sum(self.block_size for t, _, _ in hits if t == "host")
