@@ -22,7 +22,6 @@ class ModelRunnerOutput:
     # Per request id: the sampled token for each sampling position (1, or 1 + drafts when verifying).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict | None]] = field(default_factory=dict)
-    hidden: paddle.Tensor | None = None  # final-normed hidden of the sampled rows (drafting heads read it)
 
 
 class ModelRunner:
@@ -92,7 +91,6 @@ class ModelRunner:
         for rid, tok, lp in zip(owners, result.token_ids.tolist(), result.logprobs):
             out.sampled.setdefault(rid, []).append(int(tok))
             out.logprobs.setdefault(rid, []).append(lp)
-        out.hidden = picked
         return out
 
 
