@@ -31,6 +31,11 @@ class EngineDeadError(RuntimeError):
     """The step loop failed; servers mark the model not ready and answer UNAVAILABLE."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request alone could not continue (e.g. its constraints left no token to sample); the engine
+    is healthy and keeps serving the others. Servers answer INTERNAL naming the cause, readiness unchanged."""
+
+
 @dataclass
 class _Pending:
     callback: OutputCallback
