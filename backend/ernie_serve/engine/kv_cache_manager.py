@@ -80,6 +80,8 @@ class BlockPool:
         if h in self.host_cached:
             return
         if not self.host_free:
+            if not self.host_cached:  # every slot is claimed by a swap-in in progress: drop the block
+                return
             _, slot = self.host_cached.popitem(last=False)
             self.host_free.append(slot)
         slot = self.host_free.pop()
@@ -104,14 +106,21 @@ class BlockPool:
             self.cached[h] = bid
             self.block_hash[bid] = h
 
-    def swap_in(self, h: int) -> int:
-        """Bring a host-tier block back into a fresh device block (referenced once)."""
-        slot = self.host_cached.pop(h)
-        (bid,) = self.allocate(1)
-        self.ops.append(KVOp("swap_in", slot, bid))
-        self.host_free.append(slot)
-        self.register(bid, h)
-        return bid
+    def swap_in(self, hashes: list[int]) -> list[int]:
+        """Bring host-tier blocks back into fresh device blocks (each referenced once).
+
+        Every slot is claimed before the first allocation: an allocation evicts a cached device block
+        to the host tier, and with the tier full that would push out the LRU slot, possibly one of
+        these. The swap-outs those evictions record come first in `ops`, so a reused device block is
+        read out before its swapped-in data lands on it.
+        """
+        slots = [self.host_cached.pop(h) for h in hashes]
+        bids = self.allocate(len(hashes))
+        for h, slot, bid in zip(hashes, slots, bids):
+            self.ops.append(KVOp("swap_in", slot, bid))
+            self.host_free.append(slot)
+            self.register(bid, h)
+        return bids
 
     def take_ops(self) -> list[KVOp]:
         ops, self.ops = self.ops, []
@@ -182,12 +191,13 @@ class KVCacheManager:
         need_swap = sum(1 for tier, _, _ in hits if tier == "host")
         if need_new + need_swap > self.pool.num_free - reuse_free:
             return False
-        for tier, ident, h in hits:
+        # Touch every device hit before allocating anything (vLLM v1's order): a free cached hit is the
+        # next eviction candidate, and a swap-in's allocation would otherwise take it from under us.
+        for tier, bid, _ in hits:
             if tier == "device":
-                self.pool.touch(ident)
-                req.block_ids.append(ident)
-            else:
-                req.block_ids.append(self.pool.swap_in(h))
+                self.pool.touch(bid)
+        swapped = iter(self.pool.swap_in([h for tier, _, h in hits if tier == "host"]))
+        req.block_ids.extend(bid if tier == "device" else next(swapped) for tier, bid, _ in hits)
         if prefix_hits is not None:  # an admission looked the prefix up
             self._record_lookup(req, hits)
         req.num_computed_tokens += n_hit_tokens
