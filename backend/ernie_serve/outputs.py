@@ -17,7 +17,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "tool_calls" (chat)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "tool_calls" (chat)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -52,3 +52,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the request failed alone (finish_reason "error")

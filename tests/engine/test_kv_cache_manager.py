@@ -174,7 +174,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     assert child.block_ids[:2] == parent.block_ids[:2] and child.block_ids[2] != parent.block_ids[2]
     sim.assert_kv_matches(child)
     assert_invariants(kv, [parent, child])
-    child.output_token_ids.append(7)  # diverging tokens land in the child's own partial block
+    child.append_output(7)  # diverging tokens land in the child's own partial block
     assert kv.allocate_slots(child, 1)
     sim.compute(child, 1)
     sim.assert_kv_matches(parent)
@@ -220,12 +220,10 @@ def test_random_operations_keep_the_invariants(seed):
                 waiting.insert(0, req)
         elif op < 0.75 and live:  # a decode step: sample a token, grow by one slot
             req = rng.choice(live)
-            req.output_token_ids.append(rng.randint(1, 6))
             if kv.allocate_slots(req, 1):
+                req.append_output(rng.randint(1, 6))
                 sim.apply_ops()
                 sim.compute(req, 1)
-            else:
-                req.output_token_ids.pop()
         elif op < 0.85 and live:  # finish or abort
             req = live.pop(rng.randrange(len(live)))
             kv.free(req)
@@ -238,8 +236,6 @@ def test_random_operations_keep_the_invariants(seed):
             parent = rng.choice(live)
             counter += 1
             child = make_request(f"r{counter}", parent.all_token_ids)
-            child.output_token_ids = []
-            child.prompt_token_ids = list(parent.all_token_ids)
             if kv.fork(parent, child):
                 sim.apply_ops()
                 live.append(child)

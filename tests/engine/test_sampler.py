@@ -316,10 +316,13 @@ def test_method_names() -> None:
         Sampler("topk_topp")
 
 
-def test_rows_whose_every_token_is_masked_are_an_error() -> None:
-    logits = np.array([[1.0, NEG_INF]], dtype=np.float32)
-    with pytest.raises(ValueError, match="no token left"):
-        Sampler()(logits, make_batch([SamplingParams()], bad_words=[[[0]]]))
+def test_a_row_whose_every_token_is_masked_fails_alone() -> None:
+    logits = np.array([[1.0, NEG_INF], [1.0, 3.0], [np.nan, np.nan]], dtype=np.float32)
+    params = [SamplingParams(logprobs=1), SamplingParams(temperature=0, logprobs=1), SamplingParams()]
+    out = Sampler()(logits, make_batch(params, bad_words=[[[0]], [], []]))
+    assert sorted(out.errors) == [0, 2] and "no token left" in out.errors[0]
+    assert out.token_ids[1] == 1 and out.logprobs[1] is not None
+    assert out.logprobs[0] is None
 
 
 def test_batch_lists_must_match_the_logits_rows() -> None:

@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +22,11 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
-from .model_runner import ModelRunner, ModelRunnerOutput
+from .model_runner import ModelRunner
 from .output_processor import TextState
 from .request import Request, RequestStatus
-from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode import SpecStats, draft_limit, make_proposer
+from .scheduler import RequestUpdate, Scheduler
+from .spec_decode import draft_limit, make_proposer
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -33,6 +34,15 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 class EngineCapacityError(RuntimeError):
     """The KV pool cannot take what was asked right now (e.g. a transferred sequence)."""
+
+
+@dataclass
+class RequestGroup:
+    """A validated request, ready to queue: its n sequences and their text states. Built without touching
+    engine state, so a server front can build it (and refuse bad input) off the step thread."""
+    request_id: str
+    requests: list[Request]
+    texts: list[TextState]
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
@@ -75,7 +85,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, num_host_blocks, config.sampling_class)
         self.proposer = make_proposer(config.speculative_config)
-        self.spec_stats = SpecStats()
+        self.num_output_ids = len(self.tokenizer) if self.tokenizer else self.model_config.vocab_size
         self.requests: dict[str, list[Request]] = {}  # external id -> its n sequences
         self.texts: dict[str, TextState] = {}
         self.held_kv: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export
@@ -91,7 +101,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- sizing
     def _size_kv_pool(self) -> tuple[int, int]:
         c, m = self.config, self.model_config
-        per_block = PagedKVCache.bytes_per_block(m.num_hidden_layers, c.block_size, m.num_key_value_heads, m.head_dim)
+        shape = (m.num_hidden_layers, c.block_size, m.num_key_value_heads, m.head_dim)
+        c8 = getattr(self.model, "kv_cache_quant", None) is not None
+        per_block = PagedKVCache.bytes_per_block(*shape, int8=c8)
         if c.num_gpu_blocks_override:
             num = c.num_gpu_blocks_override
         else:
@@ -100,48 +112,68 @@ class LLMEngine:
         if num < min_blocks:
             raise ValueError(f"KV pool of {num} blocks cannot hold one max_model_len={c.max_model_len} sequence "
                              f"({min_blocks} blocks of {c.block_size}); raise kv_cache_memory or lower max_model_len")
-        host = int((c.swap_space or 0) * (1 << 30) // per_block)
+        # the CPU tier holds blocks as float32 whatever the device cache's format
+        host = int((c.swap_space or 0) * (1 << 30) // PagedKVCache.bytes_per_block(*shape))
         return num, host
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     prompt: str | None = None, hold_kv: bool = False) -> None:
         """Validate and queue; raises ValueError (naming the field) for anything that cannot run."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.add_request_group(self.make_request_group(request_id, prompt_token_ids, sampling_params, hold_kv))
+
+    def make_request_group(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                           hold_kv: bool = False) -> RequestGroup:
+        """Validate a request against this engine and build its sequences; touches no engine state."""
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.model_config.vocab_size}), "
-                             f"got {min(ids)}..{max(ids)}")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
         limit = self.config.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {limit}: "
                              f"it must leave room for at least one generated token")
-        if sampling_params.logprobs is not None and sampling_params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {sampling_params.logprobs}")
-        max_tokens = min(sampling_params.max_tokens or limit, limit - len(ids))
-        if self.tokenizer is None and (sampling_params.stop or sampling_params.bad_words):
+        p = sampling_params
+        if p.logprobs is not None and not self.config.enable_logprob:
+            raise ValueError("logprobs are off on this server: start it with --enable-logprob")
+        if p.logprobs is not None and p.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {p.logprobs}")
+        bad_stop = [t for t in p.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad_stop[:3]}")
+        banned_early = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        if p.min_tokens > 0 and len(banned_early) >= self.num_output_ids and \
+                banned_early >= set(range(self.num_output_ids)):
+            raise ValueError(f"min_tokens={p.min_tokens} with stop_token_ids covering every one of the "
+                             f"{self.num_output_ids} tokens leaves nothing to generate")
+        if self.tokenizer is None and (p.stop or p.bad_words):
             raise ValueError("stop and bad_words need text: this engine runs with skip_tokenizer_init")
-        bad_words = [self.tokenizer.encode(w) for w in sampling_params.bad_words]
+        bad_words = [w for w in (self.tokenizer.encode(w) for w in p.bad_words) if w] if p.bad_words else []
+        max_tokens = min(p.max_tokens or limit, limit - len(ids))
         group = []
-        for i in range(sampling_params.n):
-            rid = request_id if sampling_params.n == 1 else f"{request_id}#{i}"
-            seed = sampling_params.seed
+        for i in range(p.n):
+            rid = request_id if p.n == 1 else f"{request_id}#{i}"
+            seed = p.seed
             rng = np.random.default_rng([seed, i] if seed is not None else [self.config.seed, next(self._seed_counter), 1])
-            req = Request(rid, list(ids), sampling_params, self.eos_token_ids, max_tokens,
-                          parent_id=request_id if sampling_params.n > 1 else None, index=i, generator=rng,
-                          bad_words_ids=[w for w in bad_words if w], hold_kv=hold_kv)
-            self.texts[rid] = TextState(self.tokenizer, req)
-            group.append(req)
-        leader = group[0]
-        leader.forks = group[1:]
+            group.append(Request(rid, list(ids), p, self.eos_token_ids, max_tokens,
+                                 parent_id=request_id if p.n > 1 else None, index=i, generator=rng,
+                                 bad_words_ids=bad_words, hold_kv=hold_kv))
+        return RequestGroup(request_id, group, [TextState(self.tokenizer, r) for r in group])
+
+    def add_request_group(self, group: RequestGroup) -> None:
+        if group.request_id in self.requests:
+            raise ValueError(f"request_id {group.request_id!r} is already in use")
+        leader = group.requests[0]
+        leader.forks = group.requests[1:]
         for child in leader.forks:
             child.status = RequestStatus.WAITING_FOR_FORK
-        self.requests[request_id] = group
+        self.requests[group.request_id] = group.requests
+        for req, text in zip(group.requests, group.texts):
+            self.texts[req.request_id] = text
         self.scheduler.add(leader)
-        self.num_prompt_tokens += len(ids)
+        self.num_prompt_tokens += leader.num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool. Returns its final output."""
@@ -163,7 +195,7 @@ class LLMEngine:
         data = self.runner.cache.read_blocks(request.block_ids[:n])
         transfer = KVTransfer(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                               request.num_computed_tokens, self.config.block_size, data)
-        self.kv.free(request)
+        self.scheduler.release_held(request)
         return transfer
 
     def add_prefilled_request(self, transfer: KVTransfer, sampling_params: SamplingParams) -> RequestOutput | None:
@@ -175,25 +207,21 @@ class LLMEngine:
             raise ValueError(f"KV transfer block_size {transfer.block_size} != this engine's {self.config.block_size}")
         if sampling_params.n != 1:
             raise ValueError("n must be 1 for a prefilled request")
-        self.add_request(transfer.request_id, transfer.prompt_token_ids, sampling_params)
-        req = self.requests[transfer.request_id][0]
-        self.scheduler.waiting.remove(req)
-        n = transfer.data.shape[2]
-        if self.kv.num_free_blocks < n:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            del self.requests[transfer.request_id]
-            raise EngineCapacityError(f"no room for {n} transferred KV blocks ({self.kv.num_free_blocks} free)")
-        req.block_ids = self.kv.pool.allocate(n)
+        group = self.make_request_group(transfer.request_id, transfer.prompt_token_ids, sampling_params)
+        if transfer.request_id in self.requests:
+            raise ValueError(f"request_id {transfer.request_id!r} is already in use")
+        (req,) = group.requests
+        if not self.scheduler.add_running(req, transfer.num_computed_tokens):
+            raise EngineCapacityError(f"no room for {transfer.data.shape[2]} transferred KV blocks "
+                                      f"({self.kv.num_free_blocks} free)")
+        self.requests[transfer.request_id] = group.requests
+        self.texts[transfer.request_id] = group.texts[0]
+        self.num_prompt_tokens += req.num_prompt_tokens
         self.runner.cache.write_blocks(req.block_ids, transfer.data)
-        req.num_computed_tokens = transfer.num_computed_tokens
-        req.num_cached_tokens = 0
-        new = self._append_tokens(req, transfer.output_token_ids, [None] * len(transfer.output_token_ids),
-                                  time.monotonic())
-        if req.is_finished:
-            return self._make_output(req.request_id, [req], {req.request_id: new})
-        req.status = RequestStatus.RUNNING
-        self.scheduler.running.append(req)
-        return None
+        tokens = transfer.output_token_ids
+        new = self.scheduler.append_tokens(req, tokens, [None] * len(tokens))
+        out = self._outputs([RequestUpdate(req, new)], time.monotonic())
+        return out[0] if req.is_finished else None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -212,94 +240,52 @@ class LLMEngine:
             s.request.num_computed_tokens_total += s.num_tokens
         result = self.runner.execute(so)
         self.num_steps += 1
-        return self._postprocess(so, result)
-
-    def _postprocess(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
-        changed: dict[str, dict[str, tuple[list[int], str]]] = {}
-        now = time.monotonic()
-        for s in so.scheduled:
-            req = s.request
-            sampled = result.sampled.get(req.request_id)
-            if sampled is None:  # a prefill chunk that does not reach the end of the prompt yet
-                req.num_computed_tokens += s.num_tokens
-                self.kv.cache_computed_blocks(req)
-                continue
-            drafts = req.spec_token_ids[: s.num_spec_tokens]
-            accepted = 0
-            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-                accepted += 1
-            if drafts:
-                self.spec_stats.num_drafts += 1
-                self.spec_stats.num_draft_tokens += len(drafts)
-                self.spec_stats.num_accepted_tokens += accepted
-            req.num_computed_tokens += s.num_tokens - (len(drafts) - accepted)
-            req.spec_token_ids = []
-            self.kv.cache_computed_blocks(req)
-            forks = req.forks if req.forks and not req.output_token_ids else []
-            new = self._append_tokens(req, sampled[: accepted + 1], result.logprobs[req.request_id], now)
-            changed.setdefault(req.external_id, {})[req.request_id] = new
-            for child in forks:
-                self._start_fork(req, child, result, now, changed)
-            req.forks = []
+        updates = self.scheduler.update_from_output(so, result)
         if self.proposer is not None:
-            self._propose_drafts()
+            self.scheduler.set_drafts(self._propose_drafts())
+        return self._outputs(updates, time.monotonic())
+
+    def _propose_drafts(self) -> dict[Request, list[int]]:
+        """Drafts for every running request that is decoding (prompt fully computed)."""
+        limit = self.config.max_model_len
+        return {req: self.proposer.propose(req.all_token_ids, draft_limit(req, limit))
+                for req in self.scheduler.running
+                if req.num_computed_tokens == req.num_tokens - 1 and not req.spec_token_ids}
+
+    def _outputs(self, updates: list[RequestUpdate], now: float) -> list[RequestOutput]:
+        """New text (stop strings are matched here, on text) and one RequestOutput per changed request.
+
+        A failure while handling one request's output (its detokenizer, say) fails that request alone.
+        """
+        changed: dict[str, dict[str, tuple[list[int], str]]] = {}
+        for u in updates:
+            req = u.request
+            text = ""
+            if u.new_token_ids and req.first_token_time is None:
+                req.first_token_time = now
+            self.num_generation_tokens += len(u.new_token_ids)
+            try:
+                text, stop = self.texts[req.request_id].append(
+                    u.new_token_ids, final=req.is_finished,
+                    check_stops=req.num_output_tokens >= req.sampling_params.min_tokens)
+                if stop is not None:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+            except Exception as e:  # noqa: BLE001 - pinned on this request: it fails, the engine goes on
+                log.exception("output processing failed for request %s", req.request_id)
+                req.error = f"output processing failed: {type(e).__name__}: {e}"
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            if req.hold_kv and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                self.held_kv[req.request_id] = req
+            changed.setdefault(req.external_id, {})[req.request_id] = (u.new_token_ids, text)
         outputs = []
         for ext_id, deltas in changed.items():
             group = self.requests[ext_id]
+            if any(r.status is RequestStatus.FINISHED_ERROR for r in group):  # n > 1: one failed, all end
+                for r in group:
+                    if not r.is_finished:
+                        self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
             outputs.append(self._make_output(ext_id, group, deltas))
         return outputs
-
-    def _propose_drafts(self) -> None:
-        """Drafts for every running request that is decoding (prompt fully computed)."""
-        for req in self.scheduler.running:
-            if req.num_computed_tokens == req.num_tokens - 1 and not req.spec_token_ids:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids,
-                                                           draft_limit(req, self.config.max_model_len))
-
-    def _start_fork(self, parent: Request, child: Request, result: ModelRunnerOutput, now: float, changed) -> None:
-        if self.kv.fork(parent, child):
-            child.status = RequestStatus.RUNNING
-            self.scheduler.running.append(child)
-        else:  # no block for the partial copy: it recomputes the prompt like a preempted request
-            child.status = RequestStatus.WAITING
-            self.scheduler.waiting.appendleft(child)
-        new = self._append_tokens(child, result.sampled[child.request_id], result.logprobs[child.request_id], now)
-        changed.setdefault(child.external_id, {})[child.request_id] = new
-        if child.is_finished:
-            self.scheduler.finish(child, child.status)
-
-    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list, now: float) -> tuple[list[int], str]:
-        """Append sampled tokens, applying every stop rule; returns (new ids, new text)."""
-        p = req.sampling_params
-        added = []
-        if req.first_token_time is None:
-            req.first_token_time = now
-        for tok, lp in zip(tokens, logprobs):
-            req.output_token_ids.append(tok)
-            added.append(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
-            n = req.num_output_tokens
-            if n >= p.min_tokens:
-                if not p.ignore_eos and tok in req.eos_token_ids:
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
-                    break
-                if tok in p.stop_token_ids:
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-                    break
-            if n >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-                req.status = RequestStatus.FINISHED_LENGTH
-                break
-        self.num_generation_tokens += len(added)
-        text, stop = self.texts[req.request_id].append(added, final=req.is_finished,
-                                                       check_stops=req.num_output_tokens >= p.min_tokens)
-        if stop is not None:
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        if req.is_finished:
-            self.scheduler.finish(req, req.status)
-            if req.hold_kv:
-                self.held_kv[req.request_id] = req
-        return added, text
 
     def _make_output(self, ext_id: str, group: list[Request], deltas: dict) -> RequestOutput:
         comps = []
@@ -318,7 +304,8 @@ class LLMEngine:
         metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
                                  time.monotonic() if finished else None, sum(r.num_preemptions for r in group))
         out = RequestOutput(ext_id, None, leader.prompt_token_ids, comps, finished,
-                            max(leader.num_cached_tokens, 0), metrics)
+                            max(leader.num_cached_tokens, 0), metrics,
+                            error=next((r.error for r in group if r.error is not None), None))
         if finished:
             del self.requests[ext_id]
             for r in group:
@@ -336,9 +323,9 @@ class LLMEngine:
             "prefix_cache_hit_tokens": s.hit_tokens, "prefix_cache_hit_rate": s.hit_rate,
             "prefix_cache_device_hit_tokens": s.device_hit_tokens, "prefix_cache_host_hit_tokens": s.host_hit_tokens,
             "num_steps": self.num_steps, "prompt_tokens": self.num_prompt_tokens,
-            "spec_draft_tokens": self.spec_stats.num_draft_tokens,
-            "spec_accepted_tokens": self.spec_stats.num_accepted_tokens,
-            "spec_acceptance_rate": self.spec_stats.acceptance_rate,
+            "spec_draft_tokens": self.scheduler.spec.num_draft_tokens,
+            "spec_accepted_tokens": self.scheduler.spec.num_accepted_tokens,
+            "spec_acceptance_rate": self.scheduler.spec.acceptance_rate,
             "generation_tokens": self.num_generation_tokens,
         }
 

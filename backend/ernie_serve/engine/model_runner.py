@@ -22,6 +22,7 @@ class ModelRunnerOutput:
     # Per request id: the sampled token for each sampling position (1, or 1 + drafts when verifying).
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict | None]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step, and why
 
 
 class ModelRunner:
@@ -55,7 +56,8 @@ class ModelRunner:
         for s in order:
             r = s.request
             start, n = r.num_computed_tokens, s.num_tokens
-            ids.extend(r.all_token_ids[start : start + n - s.num_spec_tokens] + r.spec_token_ids[: s.num_spec_tokens])
+            ids.extend(r.all_token_ids[start : start + n - s.num_spec_tokens])
+            ids.extend(r.spec_token_ids[: s.num_spec_tokens])
             pos = np.arange(start, start + n)
             positions.append(pos)
             table = np.asarray(r.block_ids, dtype=np.int64)
@@ -91,6 +93,8 @@ class ModelRunner:
         for rid, tok, lp in zip(owners, result.token_ids.tolist(), result.logprobs):
             out.sampled.setdefault(rid, []).append(int(tok))
             out.logprobs.setdefault(rid, []).append(lp)
+        for row, why in result.errors.items():
+            out.errors.setdefault(owners[row], why)
         return out
 
 

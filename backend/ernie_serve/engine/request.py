@@ -23,10 +23,15 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed (Request.error says why); the engine goes on
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                       RequestStatus.FINISHED_ERROR})
 
 
 @dataclass(eq=False)
@@ -39,7 +44,6 @@ class Request:
     parent_id: str | None = None  # set for the n > 1 siblings: the id the caller knows
     index: int = 0  # position among the parent's n outputs
     arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until scheduled
     block_ids: list[int] = field(default_factory=list)
@@ -56,6 +60,18 @@ class Request:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     hold_kv: bool = False  # keep blocks after finishing until export_kv (prefill role)
     num_computed_tokens_total: int = 0  # all tokens this request ever ran through the model (counts recompute)
+    error: str | None = None  # why it ended with FINISHED_ERROR
+    # prompt + output as one list, appended in place: the KV manager and the model runner read it every
+    # step, so rebuilding it per call would make each step's Python work grow with the sequence length.
+    all_token_ids: list[int] = field(init=False, repr=False)
+    output_token_ids: list[int] = field(init=False, default_factory=list)  # append via append_output
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def external_id(self) -> str:
@@ -67,15 +83,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

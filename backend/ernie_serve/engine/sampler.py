@@ -14,7 +14,7 @@ intersection; that is what lets the rejection method find it without sorting.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -29,6 +29,8 @@ SAMPLING_METHODS = {"base": "base", "base_non_truncated": "base", "air": "base",
 # the base method sorts a row's SORT_WINDOW most probable tokens instead of its whole vocabulary
 # when they provably hold every token that survives its filters (a peaked distribution's usual case)
 SORT_WINDOW = 1024
+NO_TOKEN_LEFT = ("no token left to sample: every logit is -inf or NaN after penalties, bad_words and the "
+                 "min_tokens mask of eos/stop_token_ids")
 
 
 @dataclass
@@ -48,6 +50,9 @@ class SamplerOutput:
     # per row when params.logprobs is not None: {token_id: (logprob, rank)} for the sampled token and the
     # top-`logprobs` tokens, from the raw log-softmax; rank = 1 + number of tokens strictly more likely
     logprobs: list[dict[int, tuple[float, int]] | None]
+    # rows that could not be sampled, with the reason; their token is meaningless and their request fails
+    # alone (the other rows of the batch are sampled as usual)
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -64,9 +69,8 @@ class Sampler:
         apply_penalties(work, batch)
         apply_token_masks(work, batch)
         dead = ~np.isfinite(work.max(axis=1)) if work.size else np.zeros(0, bool)
-        if dead.any():
-            raise ValueError(f"rows {np.flatnonzero(dead).tolist()} have no token left with a finite logit "
-                             "after penalties, bad_words and min_tokens masks")
+        errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
+        work[dead] = 0.0  # sampled only to keep the batch's shape
 
         params = batch.params
         greedy = np.array([p.temperature < GREEDY_EPSILON for p in params], dtype=bool)
@@ -86,7 +90,10 @@ class Sampler:
             top_p[top_p >= 1.0] = 1.0
             draw = _sample_sorted if self.method == "base" else _sample_rejection
             token_ids[rows] = draw(probs, top_k, top_p, min_p, gens)
-        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw, token_ids, params))
+        logprobs = _logprobs(raw, token_ids, params)
+        for r in errors:
+            logprobs[r] = None
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
 
 
 def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> None:

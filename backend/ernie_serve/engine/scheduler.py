@@ -6,15 +6,25 @@ pool cannot hold a request's new tokens, the most recently admitted running requ
 (LIFO): its blocks go back to the pool (and stay in the prefix cache), its KV is recomputed
 later from prompt + output so far. Waiting requests are admitted only in steps without a
 preemption, prefix-cache hits first, up to max_num_seqs.
+
+The scheduler owns every request's queue state: `update_from_output` applies a step's results
+(computed tokens, draft acceptance, appended tokens, the token-level stop rules, n > 1 forks, freeing),
+as vLLM v1's Scheduler.update_from_output and nano-vllm's postprocess do; `finish` ends a request for a
+reason decided outside it (an abort, a stop string matched on text, a failure).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from .kv_cache_manager import KVCacheManager, KVOp
 from .request import Request, RequestStatus
+from .spec_decode import SpecStats
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -45,6 +55,13 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class RequestUpdate:
+    """What one step added to a request that sampled: its new tokens (their logprobs are on the request)."""
+    request: Request
+    new_token_ids: list[int]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
@@ -52,9 +69,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec = SpecStats()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def add_running(self, req: Request, num_computed_tokens: int) -> bool:
+        """A request whose first num_computed_tokens have KV computed elsewhere (prefill/decode
+        disaggregation) joins as running, with blocks for them; False if the pool is short."""
+        if not self.kv.allocate_slots(req, num_computed_tokens):
+            return False
+        req.num_computed_tokens = num_computed_tokens
+        req.num_cached_tokens = 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return True
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -126,12 +155,107 @@ class Scheduler:
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Remove a request wherever it is and free its blocks (finished or aborted)."""
+    # ------------------------------------------------------------ after the forward pass
+    def update_from_output(self, so: SchedulerOutput, out: "ModelRunnerOutput") -> list[RequestUpdate]:
+        """Apply one step's results; returns the requests that sampled (forked children included)."""
+        updates = []
+        for s in so.scheduled:
+            req = s.request
+            error = out.errors.get(req.request_id)
+            if error is not None:
+                req.error = error
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                for child in req.forks:
+                    child.error = error
+                    self.finish(child, RequestStatus.FINISHED_ERROR)
+                updates.append(RequestUpdate(req, []))
+                continue
+            sampled = out.sampled.get(req.request_id)
+            if sampled is None:  # a prefill chunk that does not reach the end of the prompt yet
+                req.num_computed_tokens += s.num_tokens
+                self.kv.cache_computed_blocks(req)
+                continue
+            drafts = req.spec_token_ids[: s.num_spec_tokens]
+            accepted = 0
+            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+                accepted += 1
+            if drafts:
+                self.spec.num_drafts += 1
+                self.spec.num_draft_tokens += len(drafts)
+                self.spec.num_accepted_tokens += accepted
+            req.spec_token_ids = []
+            forks, req.forks = (req.forks if not req.output_token_ids else []), []
+            new = self.append_tokens(req, sampled[: accepted + 1], out.logprobs[req.request_id])
+            # Every token but the newest has its KV now. Rejected drafts (and tokens cut off by a stop)
+            # were written to the cache too; they are not part of the sequence, and later tokens overwrite them.
+            req.num_computed_tokens = req.num_tokens - 1
+            if not req.is_finished:
+                self.kv.cache_computed_blocks(req)
+            updates.append(RequestUpdate(req, new))
+            for child in forks:
+                child_error = out.errors.get(child.request_id)
+                if child_error is not None:
+                    child.error = child_error
+                    self.finish(child, RequestStatus.FINISHED_ERROR)
+                    updates.append(RequestUpdate(child, []))
+                    continue
+                self._start_fork(req, child)
+                updates.append(RequestUpdate(child, self.append_tokens(child, out.sampled[child.request_id],
+                                                                 out.logprobs[child.request_id])))
+        return updates
+
+    def set_drafts(self, drafts: dict[Request, list[int]]) -> None:
+        """Speculative tokens to verify next step (from a proposer, for decoding requests)."""
+        for req, tokens in drafts.items():
+            req.spec_token_ids = list(tokens)
+
+    def _start_fork(self, parent: Request, child: Request) -> None:
+        if self.kv.fork(parent, child):
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:  # no block for the partial copy: it recomputes the prompt like a preempted request
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+
+    def append_tokens(self, req: Request, tokens: list[int], logprobs: list) -> list[int]:
+        """Append sampled tokens under the token-level stop rules (eos, stop_token_ids, max_tokens,
+        max_model_len); tokens after a stop are dropped. Returns the tokens kept."""
+        p = req.sampling_params
+        added: list[int] = []
+        for tok, lp in zip(tokens, logprobs):
+            req.append_output(tok)
+            added.append(tok)
+            if lp is not None:
+                req.logprobs.append(lp)
+            n = req.num_output_tokens
+            if n >= p.min_tokens:
+                if not p.ignore_eos and tok in req.eos_token_ids:
+                    self.finish(req, RequestStatus.FINISHED_STOPPED)
+                    break
+                if tok in p.stop_token_ids:
+                    self.finish(req, RequestStatus.FINISHED_STOPPED, tok)
+                    break
+            if n >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+                break
+        return added
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End a request wherever it is and free its blocks (a prefill-role request that completes
+        keeps them for export until release_held). On a request that already finished (a stop string
+        found in the text of its last tokens) only the reason changes."""
+        already = req.is_finished
         req.status = status
+        req.stop_reason = stop_reason
+        if already:
+            return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if not (req.hold_kv and status is not RequestStatus.FINISHED_ABORTED):
+        if not (req.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)):
             self.kv.free(req)
+
+    def release_held(self, req: Request) -> None:
+        """Free the blocks of a finished hold_kv request once its KV has been exported."""
+        self.kv.free(req)
