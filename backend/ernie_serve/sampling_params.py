@@ -1,12 +1,26 @@
-"""Per-request generation settings, named and defaulted as in vLLM / FastDeploy."""
+"""Per-request generation settings, named and defaulted as in vLLM / FastDeploy.
+
+Every field is checked here, once, for type and range, so nothing a client sends can fail later in the
+engine: the limits keep each value inside the type it is narrowed to downstream (the ensemble's INT32 /
+UINT64 tensors, the sampler's int64 top-k and float32 arithmetic).
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+from numbers import Integral, Real
 from typing import Any
+
+import numpy as np
 
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 5  # FD_MAX_STOP_SEQS_NUM
 GREEDY_EPSILON = 1e-5
+INT32_MAX = 2**31 - 1   # max_tokens / top_k / min_tokens / token-id tensors are INT32
+UINT64_MAX = 2**64 - 1  # the seed tensor is UINT64
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler divides logits by temperature in float32
+# Wide enough for any real use, narrow enough that a float32 logit times or over it stays finite.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass
@@ -31,13 +45,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
-        if self.top_k in (-1, None):  # vLLM spells "off" as -1
-            self.top_k = 0
         self.validate()
 
     @property
@@ -45,39 +52,37 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
     def validate(self) -> None:
-        """Raise ValueError naming the field, so servers can answer 400 / INVALID_ARG with it."""
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        """Check every field and store it in its canonical Python type (int, float, bool, list).
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                bad(name, "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+        Raises ValueError whose message starts with the field's name and states the limit, so servers
+        can answer 400 / INVALID_ARG with it.
+        """
+        self.n = _integer("n", self.n, 1, INT32_MAX)
+        self.temperature = _real("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        self.top_p = _real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.top_k = _integer("top_k", 0 if self.top_k in (-1, None) else self.top_k, 0, INT32_MAX,
+                              hint=" (0 or -1 disables it)")
+        self.min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed, 0, UINT64_MAX)
+        if self.max_tokens is not None:
+            self.max_tokens = _integer("max_tokens", self.max_tokens, 1, INT32_MAX,
+                                       hint=" (or null: up to max_model_len)")
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self.stop = _strings("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
         if len(self.stop) > MAX_STOP_SEQUENCES:
-            bad("stop", f"may hold at most {MAX_STOP_SEQUENCES} strings")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+            raise ValueError(f"stop may hold at most {MAX_STOP_SEQUENCES} strings, got {len(self.stop)}")
+        self.bad_words = _strings("bad_words", self.bad_words)
+        self.stop_token_ids = _integers("stop_token_ids", self.stop_token_ids, 0, INT32_MAX)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            setattr(self, name, _flag(name, getattr(self, name)))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
@@ -86,7 +91,71 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown sampling field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: short, and never a 10**5000-digit int (Python refuses to print it)."""
+    if isinstance(value, Integral) and not isinstance(value, bool) and abs(int(value)).bit_length() > 256:
+        return f"an integer of {abs(int(value)).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _integer(name: str, value: Any, low: int, high: int, hint: str = "") -> int:
+    """An exact integer in [low, high]: no bools, no strings, floats only when integral."""
+    if isinstance(value, Real) and not isinstance(value, (bool, Integral)) and math.isfinite(value) \
+            and float(value).is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, Integral) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}]{hint}, got {_show(value)}")
+    return int(value)
+
+
+def _real(name: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    """A finite number in [low, high] ((low, high] with low_open); NaN and infinities are refused."""
+    ok = isinstance(value, Real) and not isinstance(value, bool)
+    if ok:
         try:
-            return cls(**d)
-        except TypeError as e:
-            raise ValueError(str(e)) from e
+            number = float(value)
+        except OverflowError:  # an int too large for a float
+            ok = False
+        else:
+            ok = math.isfinite(number) and (low < number if low_open else low <= number) and number <= high
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number in {bounds}, got {_show(value)}")
+    return number
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):  # np.bool_: a value from a BOOL tensor
+        raise ValueError(f"{name} must be true or false, got {_show(value)}")
+    return bool(value)
+
+
+def _items(name: str, value: Any, what: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of {what}, got {_show(value)}")
+    return list(value)
+
+
+def _strings(name: str, value: Any) -> list[str]:
+    """Non-empty strings that are valid Unicode (a JSON "\\ud800" escape decodes to a lone surrogate,
+    which no tokenizer or UTF-8 encoder accepts)."""
+    items = _items(name, value, "non-empty strings")
+    for i, s in enumerate(items):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"{name} must be a list of non-empty strings, item {i} is {_show(s)}")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{name} item {i} is not valid Unicode text: a lone surrogate at index {e.start}") \
+                from None
+    return items
+
+
+def _integers(name: str, value: Any, low: int, high: int) -> list[int]:
+    return [_integer(f"{name}[{i}]", v, low, high) for i, v in enumerate(_items(name, value, "integers"))]

@@ -23,7 +23,6 @@ SCALAR_SAMPLING_INPUTS = {
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
-INT_FIELDS = {"max_tokens", "top_k", "seed", "min_tokens"}
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_num_input_tokens", "return_num_output_tokens",
                "return_finish_reason", "return_log_probs", "skip_parsers")
 JSON_INPUTS = ("sampling_parameters", "messages", "tools", "chat_template_kwargs")
@@ -96,9 +95,18 @@ def _json(inputs: dict[str, np.ndarray], name: str, kind: type) -> Any:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidInput(name, f"is not valid JSON ({e.msg} at position {e.pos})") from None
+    except ValueError as e:  # e.g. an integer literal past Python's 4300-digit conversion limit
+        raise InvalidInput(name, f"is not valid JSON ({e})") from None
     if not isinstance(value, kind):
         want = "a JSON object" if kind is dict else "a JSON array"
         raise InvalidInput(name, f"must be {want}, got {type(value).__name__}")
+    try:
+        # A JSON "\ud800" escape without its pair decodes to a lone surrogate, which no tokenizer,
+        # UTF-8 encoder or Triton error message can carry further.
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(name, "holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair); "
+                                 "send valid Unicode text") from None
     return value
 
 
@@ -113,16 +121,6 @@ def _string_list(inputs: dict[str, np.ndarray], name: str) -> list[str] | None:
         arr = arr[0]
     words = [_text(v, name) for v in arr.reshape(-1)]
     return [w for w in words if w]  # TRT-LLM clients pad the list with empty strings
-
-
-def _number(value: Any, name: str, field_name: str) -> Any:
-    if isinstance(value, (np.bool_, bool)):
-        raise InvalidInput(name, "must be a number, got a boolean")
-    if field_name in INT_FIELDS:
-        if isinstance(value, (np.floating, float)) and not float(value).is_integer():
-            raise InvalidInput(name, f"must be an integer, got {value}")
-        return int(value)
-    return float(value)
 
 
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | None = None) -> GenerateRequest:
@@ -169,8 +167,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
             sampling["max_tokens"] = value
     for name, field_name in SCALAR_SAMPLING_INPUTS.items():
         v = _one(inputs, name)
-        if v is not None:
-            sampling[field_name] = _number(v, name, field_name)
+        if v is not None:  # a numpy scalar of the declared dtype; SamplingParams checks its range
+            sampling[field_name] = v
     for name, field_name in STRING_LIST_INPUTS.items():
         words = _string_list(inputs, name)
         if words:
@@ -182,8 +180,6 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
         params = SamplingParams.from_dict(sampling)
     except ValueError as e:
         raise InvalidInput(_field_of(str(e), sampling), str(e)) from None
-    except TypeError as e:  # e.g. a string where a number belongs, inside sampling_parameters
-        raise InvalidInput("sampling_parameters", str(e)) from None
 
     overrides = {}
     for name in PARSER_PARAMETERS:
@@ -198,6 +194,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
 
 
 def _field_of(message: str, sampling: dict) -> str:
-    """SamplingParams messages start with the field name; fall back to the JSON input's name."""
-    head = message.split(" ", 1)[0]
+    """SamplingParams messages start with the field name (`stop_token_ids[3] must ...`); fall back to
+    the JSON input's name."""
+    head = message.split(" ", 1)[0].split("[", 1)[0]
     return head if head in sampling or head in SamplingParams.__dataclass_fields__ else "sampling_parameters"
