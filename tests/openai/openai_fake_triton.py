@@ -21,10 +21,13 @@ _IN = [("text_input", "TYPE_STRING", [1]), ("max_tokens", "TYPE_INT32", [1]), ("
        ("skip_parsers", "TYPE_BOOL", [1])]
 
 
-def ensemble_config(max_batch_size: int = 0, drop: tuple[str, ...] = (), outputs: tuple[str, ...] = ()) -> dict:
-    """The ensemble config as get_model_config(as_json=True) returns it; no `outputs`: none declared."""
+def ensemble_config(max_batch_size: int = 0, drop: tuple[str, ...] = (), outputs: tuple[str, ...] = (),
+                    dtypes: dict[str, str] | None = None) -> dict:
+    """The ensemble config as get_model_config(as_json=True) returns it; no `outputs`: none declared;
+    `dtypes` overrides inputs' data types (an ensemble with narrower tensors)."""
+    dtypes = dtypes or {}
     return {"config": {"name": "ernie", "max_batch_size": max_batch_size,
-                       "input": [{"name": n, "data_type": t, "dims": [str(d) for d in dims]}
+                       "input": [{"name": n, "data_type": dtypes.get(n, t), "dims": [str(d) for d in dims]}
                                  for n, t, dims in _IN if n not in drop],
                        "output": [{"name": n, "data_type": "TYPE_STRING", "dims": ["1"]} for n in outputs]}}
 
@@ -166,6 +169,10 @@ class FakeTritonClient:
         raw = "skip_parsers" in t and bool(t["skip_parsers"].reshape(-1)[0])
         if "invalid" in prompt:
             yield InferenceServerException("max_tokens must be an integer >= 1, got 0")
+            return
+        if "overloaded" in prompt:  # what ernie_moe answers past --max-waiting-requests, through the ensemble
+            yield InferenceServerException("in ensemble 'ernie', overloaded: 2 requests already waiting "
+                                           "(max_waiting_requests=2)")
             return
         first = {"prompt_token_ids": list(range(1, n_in + 1))}  # the ensemble sends the prompt once
         if "think" in prompt:

@@ -276,8 +276,11 @@ def test_triton_error_messages_name_the_openai_field():
     assert (e.status, e.param) == (400, "prompt")
     e = triton_error(InferenceServerException("in ensemble 'ernie', stop: may hold at most 5 strings"), "ernie")
     assert (e.status, e.param) == (400, "stop")
+    e = triton_error(InferenceServerException("in ensemble 'ernie', stop_token_ids[2] must be an integer in "
+                                              "[0, 2147483647], got -1"), "ernie")
+    assert (e.status, e.param) == (400, "stop_token_ids")
     e = triton_error(InferenceServerException("overloaded: 9 requests already waiting"), "ernie")
-    assert e.status == 503
+    assert e.status == 429
     e = triton_error(InferenceServerException("failed to connect to all addresses",
                                               status="StatusCode.UNAVAILABLE"), "ernie")
     assert e.status == 503
@@ -394,12 +397,108 @@ def test_over_max_concurrency_is_429(shim):
                       json={"model": "ernie", "prompt": "x", "max_tokens": 50, "stream": True}) as r:
         lines = r.iter_lines()  # keep a reference: a collected iterator closes the connection
         next(lines)
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model="ernie", prompt="y", max_tokens=1)
+        assert e.value.response.headers["retry-after"] == "1"
     deadline = time.monotonic() + 10
     while fake.running and time.monotonic() < deadline:
         time.sleep(0.05)
     client.completions.create(model="ernie", prompt="y", max_tokens=1)  # the slot came back
+
+
+def test_overloaded_engine_is_429_with_retry_after(shim):
+    """Past --max-waiting-requests the engine refuses ("overloaded"): the client should back off and retry."""
+    _, running, _ = shim()
+    for stream in (False, True):
+        r = httpx.post(running.url + "/v1/completions", timeout=20,
+                       json={"model": "ernie", "prompt": "overloaded now", "max_tokens": 2, "stream": stream})
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
+        assert "max_waiting_requests" in r.json()["error"]["message"]
+
+
+OUT_OF_RANGE = [
+    ({"max_tokens": 4294967297}, "max_tokens"),  # would wrap to 1 in an INT32 tensor
+    ({"max_tokens": 2147483648}, "max_tokens"),  # would wrap to -2147483648
+    ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+    ({"top_k": 3000000000}, "top_k"),            # would wrap to -1294967296
+    ({"top_k": 10**29}, "top_k"),                # numpy: OverflowError, a 500 before
+    ({"min_tokens": 10**29}, "min_tokens"),
+    ({"stop_token_ids": [5, 10**29]}, "stop_token_ids[1]"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ({"seed": 10**29}, "seed"),
+    ({"repetition_penalty": 1e29}, "repetition_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("body,param", OUT_OF_RANGE, ids=[p for _, p in OUT_OF_RANGE])
+def test_integers_are_range_checked_before_narrowing_to_int32(shim, body, param):
+    _, running, fake = shim()
+    r = httpx.post(running.url + "/v1/chat/completions", json={"model": "ernie", "messages": CHAT, **body},
+                   timeout=20)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert fake.requests == []
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "presence_penalty"])
+def test_nan_and_infinity_are_400_naming_the_field(shim, field, literal):
+    _, running, fake = shim()
+    body = '{"model": "ernie", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (field, literal)
+    r = httpx.post(running.url + "/v1/chat/completions", content=body.encode(), timeout=20,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert fake.requests == []
+
+
+LONE_SURROGATES = [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop": ["x", "\\udc00"]}',
+     "stop[1]"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"chat_template_kwargs": {"\\ud83d": true}}', "chat_template_kwargs"),
+    ("/v1/completions", '{"prompt": "tail \\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", LONE_SURROGATES, ids=[p for _, _, p in LONE_SURROGATES])
+def test_lone_surrogates_are_400_naming_where(shim, path, body, param):
+    _, running, fake = shim()
+    r = httpx.post(running.url + path, content=body.encode(), timeout=20, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"]
+    assert fake.requests == []
+    # a surrogate *pair* is an ordinary character
+    ok = httpx.post(running.url + "/v1/completions", content='{"prompt": "\\ud83d\\ude00", "max_tokens": 1}'.encode(),
+                    timeout=20, headers={"content-type": "application/json"})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("body", ['{"prompt": "x", "max_tokens": %s}' % ("9" * 5000),
+                                  '{"prompt": "x", "user": %s}' % ("[" * 100_000 + "]" * 100_000)],
+                         ids=["5000-digit-number", "nested-100000-deep"])
+def test_bodies_python_json_cannot_hold_are_400(shim, body):
+    _, running, fake = shim()
+    r = httpx.post(running.url + "/v1/completions", content=body.encode(), timeout=20,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "not valid JSON" in r.json()["error"]["message"]
+    assert fake.requests == []
+
+
+def test_an_integer_the_ensembles_tensor_cannot_hold_is_400_not_wrapped(shim):
+    """An ensemble whose seed tensor is INT32: the shim's own seed limit (int64) is not enough."""
+    _, running, fake = shim(FakeTritonClient(ensemble_config(dtypes={"seed": "TYPE_INT32"})))
+    r = httpx.post(running.url + "/v1/completions", json={"model": "ernie", "prompt": "x", "seed": 2**40},
+                   timeout=20)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "seed" and "2147483647" in r.json()["error"]["message"]
+    assert fake.requests == []
 
 
 def test_triton_unavailable_is_503(shim):

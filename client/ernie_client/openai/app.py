@@ -20,7 +20,7 @@ from .errors import OpenAIError, bad_request
 from .generation import ChoiceState, Generation
 from .mapping import Job, chat_jobs, completion_jobs
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_path
 from .sse import SSEResponse
 from .triton import TritonBackend
 
@@ -80,10 +80,14 @@ async def _parse(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
         data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 4300+ digit number, deep nesting
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    where = lone_surrogate_path(data)
+    if where is not None:
+        raise bad_request(f"{where}: holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its "
+                          "pair); send valid Unicode text", where)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+RETRY_AFTER_SECONDS = 1
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -29,7 +31,11 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif self.status == 429:  # a full queue drains in about a request's time, never retry at once
+            headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -1,11 +1,12 @@
 """Request bodies of /v1/chat/completions and /v1/completions, as OpenAI (plus vLLM/FastDeploy extras) define them.
 
 Range checks live here so a bad field is a 400 naming it before anything reaches Triton. The limits
-mirror ernie_serve.SamplingParams (not imported: the shim must run without Paddle installed).
+mirror ernie_serve.SamplingParams (not imported: the shim must run without Paddle installed), and every
+integer is checked before it is narrowed to the ensemble's INT32 / UINT64 tensors.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -14,11 +15,17 @@ from .errors import bad_request
 MAX_LOGPROBS = 20          # ernie_serve.sampling_params.MAX_LOGPROBS
 MAX_STOP_SEQUENCES = 5     # FD_MAX_STOP_SEQS_NUM
 MAX_N = 16                 # choices per request; each is its own Triton request
+INT32_MAX = 2**31 - 1      # max_tokens, min_tokens, top_k and token ids travel as INT32
+# The seed tensor is UINT64; choice i sends seed + i, so seeds stay in int64 (vLLM's range) with room.
+SEED_LIMIT = 2**63
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # ernie_serve.sampling_params.REPETITION_PENALTY_RANGE
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Model(BaseModel):
-    # Unknown fields are ignored, as OpenAI, vLLM and FastDeploy do.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI, vLLM and FastDeploy do. NaN and infinities (Python's json
+    # reads the NaN / Infinity literals) are never a valid setting.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -67,20 +74,20 @@ class _GenerationFields(_Model):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     bad_words: list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -112,7 +119,7 @@ class ChatCompletionRequest(_GenerationFields):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -198,3 +205,33 @@ class CompletionRequest(_GenerationFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+def lone_surrogate_path(body: Any) -> str | None:
+    """Where the first string holding a lone UTF-16 surrogate is (`messages[0].content`), or None.
+
+    Python's json turns a "\\ud800" escape without its pair into such a string; nothing downstream
+    (UTF-8, gRPC, the tokenizer) can carry it, so the request is refused at the door. Iterative: a
+    deeply nested body must not exhaust the stack.
+    """
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path or "request"
+        elif isinstance(value, dict):
+            if not all(_is_unicode(k) for k in value):
+                return path or "request"
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -147,11 +147,13 @@ def triton_error(exc: BaseException, model: str) -> OpenAIError:
     low = msg.lower()
     if "DEADLINE_EXCEEDED" in status:
         return OpenAIError(504, f"Triton did not answer in time: {msg}")
+    if "overloaded" in low:  # the engine's queue is full (--max-waiting-requests): back off and retry
+        return OpenAIError(429, f"the server is overloaded, retry later: {msg}", code="overloaded")
     if "UNAVAILABLE" in status or "failed to connect" in low or "connection refused" in low:
         return OpenAIError(503, f"Triton is unavailable: {msg}")
     if "NOT_FOUND" in status or ("unknown model" in low or "is not found" in low or "not ready" in low):
         return OpenAIError(503, f"Triton model {model!r} is not available: {msg}")
-    if "overloaded" in low or "unavailable" in low or "engine failed" in low or "not running" in low:
+    if "unavailable" in low or "engine failed" in low or "not running" in low:
         return OpenAIError(503, msg)
     if "cancelled" in low:
         return OpenAIError(503, f"Triton cancelled the request: {msg}")
@@ -168,9 +170,10 @@ _PARAM_NAMES = {"text_input": "prompt", "stop_words": "stop", "bad_words": "bad_
 
 
 def _param_of(message: str) -> str | None:
-    """The field an ernie_serve error names: its messages start with `field: ...` or `field must ...`."""
+    """The field an ernie_serve error names: its messages start with `field: ...` or `field must ...`
+    (`stop_token_ids[2] must ...` names stop_token_ids)."""
     message = re.sub(r"^in ensemble '[^']*', ", "", message)  # Triton's prefix for a failed ensemble step
-    head = message.split(":", 1)[0].split(" ", 1)[0].strip()
+    head = message.split(":", 1)[0].split(" ", 1)[0].split("[", 1)[0].strip()
     if not head.isidentifier():
         return None
     return _PARAM_NAMES.get(head, head) if (":" in message or " must " in message) else None
@@ -251,6 +254,7 @@ class TritonBackend:
             if dtype is np.object_:
                 arr = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in values], dtype=np.object_)
             else:
+                _check_fits(name, values, dtype)
                 arr = np.array(values, dtype=dtype)
             shape = [len(values)] if (dims and dims[-1] == -1) or len(values) > 1 else [1] * max(len(dims), 1)
             if spec.batched:
@@ -323,6 +327,19 @@ async def _close_when_done(call, timeout: float = 10.0) -> None:
     finally:
         if not ended:
             call.cancel()
+
+
+def _check_fits(name: str, values: list, dtype) -> None:
+    """Refuse (400) an integer the ensemble's tensor type cannot hold, instead of letting numpy wrap it
+    (top_k 3000000000 would reach Triton as -1294967296) or overflow."""
+    if not np.issubdtype(dtype, np.integer):
+        return
+    info = np.iinfo(dtype)
+    for v in values:
+        if not info.min <= v <= info.max:
+            param = _PARAM_NAMES.get(name, name)
+            raise OpenAIError(400, f"{param} must be in [{info.min}, {info.max}] (the Triton model's "
+                              f"{np.dtype(dtype).name} input {name!r}), got {v}", param)
 
 
 def _triton_dtype(arr: np.ndarray) -> str:
