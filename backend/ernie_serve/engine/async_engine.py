@@ -1,9 +1,14 @@
 """Thread-safe engine front for servers: the step loop runs on its own thread; callers submit,
 stream and abort from any thread (Triton's execute, its cancellation watcher, the offline tests).
 
-Every accepted request gets exactly one final output: finished, aborted, or failed because the
-engine died (then the callback gets that output with an EngineDeadError, and the front refuses
-new work).
+Callers never wait for a step. A request is validated on the caller's thread (bad input raises
+there, at once) and handed over through an input queue that the loop drains between steps, as vLLM's
+EngineCore does; aborts travel the same queue; stats are a snapshot the loop publishes after each
+step. The engine itself is only ever touched by the loop thread, so no lock is held across a forward.
+
+Every accepted request gets exactly one final output: finished, aborted, failed alone (its callback
+gets a RequestFailedError; the engine goes on), or failed because the engine died (EngineDeadError;
+the front then refuses new work).
 """
 from __future__ import annotations
 
@@ -11,16 +16,18 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..config import EngineConfig
-from ..outputs import RequestOutput
+from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, RequestGroup
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput, "Exception | None"], None]
+ABORT_WAIT_SECONDS = 30.0  # how long a closed stream waits for its abort to be acknowledged
 
 
 class EngineOverloadedError(RuntimeError):
@@ -40,17 +47,22 @@ class RequestFailedError(RuntimeError):
 class _Pending:
     callback: OutputCallback
     submitted: float
+    prompt_token_ids: list[int]
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None):
         self.config = config
         self.engine = engine or LLMEngine(config)
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        # Guards the hand-over state below; never held while the engine runs.
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[str, RequestGroup | str]] = deque()
         self._pending: dict[str, _Pending] = {}
+        self._num_queued = 0  # adds in the inbox, not yet seen by the scheduler
         self._stop = False
+        self._abort_all = False
         self.error: Exception | None = None
+        self._stats = self.engine.stats()
         self.step_listeners: list[Callable[[dict], None]] = []  # metrics hooks, called after each step
         self.log_interval_s = 10.0
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt tokens, generation tokens
@@ -69,30 +81,37 @@ class AsyncEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     callback: OutputCallback) -> None:
         """Queue a request; raises ValueError for bad input, EngineOverloadedError, EngineDeadError."""
-        with self._lock:
-            if self.error is not None or self._stop:
-                raise EngineDeadError(f"engine is not running: {self.error or 'shutting down'}")
-            if len(self.engine.scheduler.waiting) >= self.config.max_waiting_requests:
-                raise EngineOverloadedError(
-                    f"overloaded: {len(self.engine.scheduler.waiting)} requests already waiting "
-                    f"(max_waiting_requests={self.config.max_waiting_requests})")
-            self.engine.add_request(request_id, prompt_token_ids, params)
-            self._pending[request_id] = _Pending(callback, time.monotonic())
-            self._wake.notify()
+        self._check_running()
+        group = self.engine.make_request_group(request_id, prompt_token_ids, params)
+        with self._cond:
+            self._check_running()
+            if request_id in self._pending:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            waiting = self._stats["num_waiting"] + self._num_queued
+            if waiting >= self.config.max_waiting_requests:
+                raise EngineOverloadedError(f"overloaded: {waiting} requests already waiting "
+                                            f"(max_waiting_requests={self.config.max_waiting_requests})")
+            self._pending[request_id] = _Pending(callback, time.monotonic(), group.requests[0].prompt_token_ids)
+            self._inbox.append(("add", group))
+            self._num_queued += 1
+            self._cond.notify()
+
+    def _check_running(self) -> None:
+        if self.error is not None or self._stop:
+            raise EngineDeadError(f"engine is not running: {self.error or 'shutting down'}")
 
     def abort(self, request_id: str) -> bool:
-        """Abort and deliver the final (aborted) output to the request's callback; False if unknown."""
-        with self._lock:
-            pending = self._pending.pop(request_id, None)
-            if pending is None:
+        """Ask the loop to abort; the request's callback then gets its final (aborted) output, with its
+        KV blocks already freed. False if the request is unknown or already finished."""
+        with self._cond:
+            if request_id not in self._pending:
                 return False
-            out = self.engine.abort_request(request_id)
-        if out is not None:
-            _safe_call(pending.callback, out, None)
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
         return True
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
-        """Blocking iterator of outputs; closing it early aborts the request."""
+        """Blocking iterator of outputs; closing it early aborts the request and waits for the abort."""
         q: queue.Queue = queue.Queue()
         self.add_request(request_id, prompt_token_ids, params, lambda out, err: q.put((out, err)))
         finished = False
@@ -104,49 +123,96 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not finished and self.abort(request_id):
+                deadline = time.monotonic() + ABORT_WAIT_SECONDS
+                while time.monotonic() < deadline:
+                    try:
+                        out, err = q.get(timeout=max(0.0, deadline - time.monotonic()))
+                    except queue.Empty:
+                        break
+                    if err is not None or out.finished:
+                        break
 
     def stats(self) -> dict:
-        with self._lock:
-            return self.engine.stats()
+        """The engine's counters as of the last step (never waits for a running one)."""
+        with self._cond:
+            return dict(self._stats)
 
     # ------------------------------------------------------------ the loop
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                while not self._stop and not self.engine.has_unfinished_requests():
-                    self._wake.wait()
+            with self._cond:
+                while not (self._stop or self._inbox or self.engine.has_unfinished_requests()):
+                    self._cond.wait()
+                inbox, self._inbox = self._inbox, deque()
+                self._num_queued = 0
+                abort_all = self._abort_all
+            try:
+                outputs = self._drain(inbox, abort_all)
                 if self._stop and not self.engine.has_unfinished_requests():
+                    self._publish(outputs)
                     return
+                outputs += self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a fault no single request explains: the engine dies
+                log.exception("engine step failed; failing all requests")
+                self._die(e)
+                return
+            self._publish(outputs)
+            self._maybe_log()
+
+    def _drain(self, inbox: deque, abort_all: bool) -> list[RequestOutput]:
+        """Apply queued adds and aborts (loop thread). An add the engine refuses fails alone."""
+        outputs = []
+        for kind, item in inbox:
+            if kind == "add":
                 try:
-                    outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - any failure kills the engine, never hangs requests
-                    log.exception("engine step failed; failing all requests")
-                    self.error = e
-                    dead = list(self._pending.items())
-                    self._pending.clear()
-                    failed = [(p, self.engine.abort_request(rid)) for rid, p in dead]
-                    break
-                deliver = []
-                for out in outputs:
-                    p = self._pending.get(out.request_id)
-                    if p is not None:
-                        deliver.append((p.callback, out))
-                        if out.finished:
-                            del self._pending[out.request_id]
-                stats = self.engine.stats() if self.step_listeners else None
-                self._maybe_log()
-            for cb, out in deliver:
-                _safe_call(cb, out, None)
-            for listener in self.step_listeners:
-                _safe_call(listener, stats)
-        err = EngineDeadError(f"engine step failed: {self.error!r}")
-        for p, out in failed:
+                    self.engine.add_request_group(item)
+                except ValueError as e:
+                    outputs.append(_failed_output(item.request_id, item.requests[0].prompt_token_ids, str(e)))
+            else:
+                out = self.engine.abort_request(item)
+                if out is not None:
+                    outputs.append(out)
+        if abort_all:
+            outputs += [self.engine.abort_request(rid) for rid in list(self.engine.requests)]
+        return outputs
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Stats snapshot first (a caller woken by its final output sees the state after it), then outputs."""
+        stats = self.engine.stats()
+        deliver = []
+        with self._cond:
+            self._stats = stats
+            for out in outputs:
+                p = self._pending.get(out.request_id)
+                if p is None:
+                    continue
+                if out.finished:
+                    del self._pending[out.request_id]
+                deliver.append((p.callback, out))
+        for cb, out in deliver:
+            _safe_call(cb, out, RequestFailedError(out.error) if out.error is not None else None)
+        for listener in self.step_listeners:
+            _safe_call(listener, dict(stats))
+
+    def _die(self, e: Exception) -> None:
+        with self._cond:
+            self.error = e
+            dead = list(self._pending.items())
+            self._pending.clear()
+            self._inbox.clear()
+        err = EngineDeadError(f"engine step failed: {e!r}")
+        for rid, p in dead:
+            try:
+                out = self.engine.abort_request(rid) or _failed_output(rid, p.prompt_token_ids, str(err))
+            except Exception:  # noqa: BLE001 - the engine's state may be what broke
+                out = _failed_output(rid, p.prompt_token_ids, str(err))
             _safe_call(p.callback, out, err)
+        for listener in self.step_listeners:
+            _safe_call(listener, dict(self._stats))
 
     def _maybe_log(self) -> None:
-        """A vLLM-style status line every log_interval_s while there is work (lock held)."""
+        """A vLLM-style status line every log_interval_s while there is work (loop thread)."""
         now = time.monotonic()
         t0, p0, g0 = self._last_log
         if now - t0 < self.log_interval_s:
@@ -162,17 +228,22 @@ class AsyncEngine:
 
     def shutdown(self, drain: bool = True, timeout: float = 30.0) -> None:
         """Stop accepting work; let in-flight requests finish (drain) or abort them, then join."""
-        with self._lock:
+        with self._cond:
             self._stop = True
-            ids = [] if drain else list(self._pending)
-            self._wake.notify()
-        for rid in ids:
-            self.abort(rid)
+            self._abort_all = not drain
+            self._cond.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            for rid in list(self._pending):
-                self.abort(rid)
+            with self._cond:
+                self._abort_all = True
+                self._cond.notify()
             self._thread.join(5)
+
+
+def _failed_output(request_id: str, prompt_token_ids: list[int], error: str) -> RequestOutput:
+    return RequestOutput(request_id, None, list(prompt_token_ids),
+                         [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
+                         finished=True, error=error)
 
 
 def _safe_call(fn, *args) -> None:
