@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
+EXECUTION_BACKENDS = ("reference",)
+SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "max_ngram", "min_ngram"}
 
 
 @dataclass
@@ -20,8 +22,8 @@ class EngineConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None  # None: 8192 (FastDeploy V1 scheduler)
     block_size: int = 64
-    gpu_memory_utilization: float = 0.9
-    kv_cache_ratio: float = 0.75  # kept for flag compatibility; the V1 scheduler ignores it
+    gpu_memory_utilization: float = 0.9  # GPU KV sizing; only the default is accepted on the CPU path
+    kv_cache_ratio: float = 0.75  # FastDeploy's V0 scheduler; accepted only at its default (V1 has none)
     num_gpu_blocks_override: int | None = None
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: 1 GiB (CPU-only flag)
     enable_prefix_caching: bool = True
@@ -45,7 +47,8 @@ class EngineConfig:
     seed: int = 0
     max_waiting_requests: int = 1024
     disable_progress_bar: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    execution_backend: str = "reference"  # "reference": the Paddle CPU path (the GPU "kernels" path is not built)
+    use_cudagraph: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):
@@ -55,8 +58,6 @@ class EngineConfig:
         if not self.enable_chunked_prefill:
             # Without chunking a whole prompt must fit one step.
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
-        if self.splitwise_role == "decode":
-            self.enable_prefix_caching = False  # as FastDeploy: decode instances receive KV, never share it
         self.validate()
 
     def validate(self) -> None:
@@ -75,6 +76,57 @@ class EngineConfig:
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(self.swap_space is None or self.swap_space >= 0, "swap_space", "must be >= 0 GB")
         need(self.max_logprobs <= 20, "max_logprobs", "must be <= 20")
+        self._check_speculative()
+        self._refuse_unbuilt()
+
+    def _check_speculative(self) -> None:
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {spec!r}")
+        method = spec.get("method")
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method {method!r} is not available: supported: 'ngram' "
+                             f"('mtp' needs the model's MTP head, not implemented yet)")
+        unknown = sorted(set(spec) - SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; "
+                             f"known for 'ngram': {', '.join(sorted(SPECULATIVE_KEYS))}")
+        k = spec.get("num_speculative_tokens", 1)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 5:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 5], got {k!r}")
+        lo, hi = spec.get("min_ngram", 1), spec.get("max_ngram", 3)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ValueError(f"speculative_config needs integers 1 <= min_ngram <= max_ngram, got {lo!r}, {hi!r}")
+
+    def _refuse_unbuilt(self) -> None:
+        """FastDeploy flags this build does not implement yet: refused with what is supported, never ignored."""
+        def refuse(name: str, why: str) -> None:
+            raise ValueError(f"{name}={getattr(self, name)!r} is not supported: {why}")
+
+        if self.tensor_parallel_size != 1:
+            refuse("tensor_parallel_size", "this build runs one model copy in one process; only 1 is supported")
+        if self.data_parallel_size != 1:
+            refuse("data_parallel_size", "run data parallel replicas as Triton instances (--engine-instances N); "
+                                         "only 1 is supported here")
+        if self.enable_expert_parallel:
+            refuse("enable_expert_parallel", "expert parallelism needs several ranks; only False is supported")
+        if self.splitwise_role != "mixed":
+            refuse("splitwise_role", "prefill/decode disaggregation is not served yet; only 'mixed' is supported")
+        if self.gpu_memory_utilization != 0.9:
+            refuse("gpu_memory_utilization", "it sizes the KV pool on a GPU, and this engine runs on the CPU; size the "
+                                             "pool with kv_cache_memory (bytes) or num_gpu_blocks_override")
+        if self.kv_cache_ratio != 0.75:
+            refuse("kv_cache_ratio", "it belongs to FastDeploy's V0 scheduler; this V1 scheduler shares one block "
+                                     "pool between prefill and decode (only the default 0.75 is accepted)")
+        if self.load_choices != "default_v1":
+            refuse("load_choices", "there is one checkpoint loader; only 'default_v1' is supported")
+        if self.execution_backend not in EXECUTION_BACKENDS:
+            refuse("execution_backend", "the triton-lang 'kernels' backend is not wired into the engine yet; "
+                                        f"supported: {', '.join(EXECUTION_BACKENDS)}")
+        if self.use_cudagraph:
+            refuse("use_cudagraph", "CUDA graphs need the GPU kernels backend; only False is supported")
 
     @property
     def prefill_chunk_limit(self) -> int:

@@ -142,8 +142,8 @@ def test_several_tokens_per_step_verify_drafts(engine):
 
 def test_kv_transfer_prefill_to_decode_engine(tiny_model_dir, engine):
     ref = run(engine, [(0, "r", _ids(12, 45), GREEDY)])["r"].outputs[0].token_ids
-    prefill = make_engine(tiny_model_dir, splitwise_role="prefill")
-    decode = make_engine(tiny_model_dir, splitwise_role="decode")
+    prefill = make_engine(tiny_model_dir)
+    decode = make_engine(tiny_model_dir, enable_prefix_caching=False)
     prefill.add_request("t", _ids(12, 45), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), hold_kv=True)
     run(prefill, [])
     from ernie_serve.engine.kv_transfer import KVTransfer
@@ -157,8 +157,8 @@ def test_kv_transfer_prefill_to_decode_engine(tiny_model_dir, engine):
 
 
 def test_kv_transfer_that_already_finishes_returns_its_final_output(tiny_model_dir, engine):
-    prefill = make_engine(tiny_model_dir, splitwise_role="prefill")
-    decode = make_engine(tiny_model_dir, splitwise_role="decode")
+    prefill = make_engine(tiny_model_dir)
+    decode = make_engine(tiny_model_dir, enable_prefix_caching=False)
     prefill.add_request("one", _ids(13, 30), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), hold_kv=True)
     first = run(prefill, [])["one"].outputs[0].token_ids
     out = decode.add_prefilled_request(prefill.export_kv("one"), SamplingParams(temperature=0, max_tokens=1))

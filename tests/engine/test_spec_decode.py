@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from ernie_serve.config import EngineConfig
 from ernie_serve.engine.spec_decode import NgramProposer, make_proposer
 from ernie_serve.sampling_params import SamplingParams
 from ernie_serve.paths import demo_data_dir
@@ -22,9 +23,10 @@ def test_ngram_proposer_copies_what_followed_the_latest_match():
 
 def test_unknown_method_is_a_clear_error():
     with pytest.raises(ValueError, match="supported: 'ngram'"):
-        make_proposer({"method": "eagle", "num_speculative_tokens": 2})
+        EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        make_proposer({"method": "ngram", "num_speculative_tokens": 9})
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 9})
+    assert make_proposer(EngineConfig(speculative_config='{"method": "ngram"}').speculative_config).k == 1
 
 
 def _chat_prompts(engine, n=6):

@@ -37,8 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-to-console", action="store_true", help="tritonserver log to this terminal")
     e = p.add_argument_group("engine (FastDeploy flag names; rendered into config.pbtxt parameters)")
     for f in fields(EngineConfig):
-        if f.name == "extra":
-            continue
         flag = "--" + f.name.replace("_", "-")
         if "bool" in str(f.type):
             e.add_argument(flag, dest=f.name, nargs="?", const="true", default=None, metavar="BOOL")

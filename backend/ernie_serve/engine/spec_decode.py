@@ -45,15 +45,11 @@ class NgramProposer:
 
 
 def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
+    """The proposer of an EngineConfig's (already validated) speculative_config."""
     if not speculative_config:
         return None
-    method = speculative_config.get("method")
-    k = int(speculative_config.get("num_speculative_tokens", 1))
-    if method == "ngram":
-        return NgramProposer(k, int(speculative_config.get("max_ngram", 3)),
-                             int(speculative_config.get("min_ngram", 1)))
-    raise ValueError(f"speculative_config.method {method!r} is not available: supported: 'ngram' "
-                     f"('mtp' needs the model's MTP head, not implemented yet)")
+    return NgramProposer(speculative_config.get("num_speculative_tokens", 1),
+                         speculative_config.get("max_ngram", 3), speculative_config.get("min_ngram", 1))
 
 
 def draft_limit(req: Request, max_model_len: int) -> int:

@@ -63,7 +63,7 @@ def render_repository(src: Path, dst: Path, settings: dict[str, str], engine_ins
     if dst.exists():
         shutil.rmtree(dst)
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-    engine_fields = {f.name for f in fields(EngineConfig)} - {"extra"}
+    engine_fields = {f.name for f in fields(EngineConfig)}
     configs = {p.parent.name: p for p in dst.glob("*/config.pbtxt")}
     texts = {name: p.read_text() for name, p in configs.items()}
     for raw_key, value in settings.items():

@@ -1,0 +1,77 @@
+"""Every engine flag either works or is refused at start-up with a message saying what is supported."""
+from __future__ import annotations
+
+import pytest
+
+from ernie_serve.cli.serve import build_parser, main
+from ernie_serve.config import EngineConfig
+from ernie_serve.sampling_params import SamplingParams
+from engine_helpers import make_engine
+
+REFUSED = [
+    ("tensor_parallel_size", 8, "only 1 is supported"),
+    ("data_parallel_size", 2, "--engine-instances"),
+    ("enable_expert_parallel", True, "only False is supported"),
+    ("splitwise_role", "prefill", "only 'mixed' is supported"),
+    ("splitwise_role", "decode", "only 'mixed' is supported"),
+    ("gpu_memory_utilization", 0.5, "kv_cache_memory"),
+    ("kv_cache_ratio", 0.5, "V0 scheduler"),
+    ("load_choices", "default", "only 'default_v1'"),
+    ("execution_backend", "kernels", "supported: reference"),
+    ("use_cudagraph", True, "CUDA graphs"),
+]
+
+
+@pytest.mark.parametrize("name,value,hint", REFUSED, ids=[f"{n}={v}" for n, v, _ in REFUSED])
+def test_unbuilt_flags_are_refused_naming_the_flag_and_what_is_supported(name, value, hint):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**{name: value})
+    assert f"{name}={value!r} is not supported" in str(e.value) and hint in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--data-parallel-size", "--kv-cache-ratio"])
+def test_the_server_refuses_them_before_starting_anything(flag, capsys):
+    value = "0.5" if flag == "--kv-cache-ratio" else "8"
+    assert main([flag, value]) == 2
+    assert "is not supported" in capsys.readouterr().err
+
+
+def test_defaults_of_the_refused_flags_are_accepted():
+    EngineConfig(tensor_parallel_size=1, data_parallel_size=1, enable_expert_parallel=False, splitwise_role="mixed",
+                 gpu_memory_utilization=0.9, kv_cache_ratio=0.75, load_choices="default_v1",
+                 execution_backend="reference", use_cudagraph=False)
+
+
+def test_unknown_options_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="unknown engine option.*known: "):
+        EngineConfig.from_kwargs(tensor_paralel_size=2)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        EngineConfig.from_kwargs(extra={"anything": 1})  # no catch-all field swallows options
+
+
+def test_every_engine_field_is_a_server_flag():
+    flags = {a.dest for a in build_parser()._actions}
+    from dataclasses import fields
+
+    assert {f.name for f in fields(EngineConfig)} <= flags
+
+
+def test_enable_logprob_false_refuses_requests_that_ask_for_logprobs(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, enable_logprob=False)
+    with pytest.raises(ValueError, match="--enable-logprob"):
+        engine.add_request("x", [40, 41], SamplingParams(logprobs=2))
+    engine.add_request("y", [40, 41], SamplingParams(max_tokens=2))  # without logprobs it serves
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("spec,hint", [
+    ({"method": "mtp", "num_speculative_tokens": 1}, "supported: 'ngram'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "model": "/ckpt/mtp"}, "unknown key(s) model"),
+    ({"method": "ngram", "num_speculative_tokens": 9}, "in [1, 5]"),
+    ({"method": "ngram", "min_ngram": 3, "max_ngram": 2}, "min_ngram <= max_ngram"),
+])
+def test_speculative_config_is_checked_at_start_up(spec, hint):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(speculative_config=spec)
+    assert hint in str(e.value)
