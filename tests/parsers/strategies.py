@@ -27,12 +27,13 @@ FORMATS = [dict(), dict(separators=(",", ":")), dict(indent=2), dict(ensure_asci
 
 
 @st.composite
-def call_object(draw) -> str:
+def call_object(draw, require_arguments: bool = False) -> str:
     """One tool-call JSON object as a model might write it (any key order and formatting)."""
     fmt = draw(st.sampled_from(FORMATS))
     name = draw(st.sampled_from(["get_weather", "搜索", "f"]) | st.text(max_size=6))
     members = [("name", name)]
-    layout = draw(st.sampled_from(["name_first", "args_first", "no_args", "extra_key"]))
+    layouts = ["name_first", "args_first", "extra_key"] + ([] if require_arguments else ["no_args"])
+    layout = draw(st.sampled_from(layouts))
     if layout != "no_args":
         members.append(("arguments", draw(arguments)))
     if layout == "args_first":
@@ -48,22 +49,32 @@ def call_object(draw) -> str:
 
 
 @st.composite
-def tool_output(draw) -> str:
-    """reasoning? </think> ... <response>? ... tool-call blocks ... trailing text; last block maybe open."""
+def cut_off_block(draw, require_arguments: bool = False) -> str:
+    """A block the output ends inside (max_tokens): its start tag and a proper prefix of a call object."""
+    obj = draw(call_object(require_arguments))
+    return "<tool_call>" + draw(ws) + obj[:draw(st.integers(0, len(obj) - 1))]
+
+
+@st.composite
+def tool_output(draw, require_arguments: bool = False) -> str:
+    """reasoning? </think> ... <response>? ... tool-call blocks ... trailing text; the last block
+    maybe left open after its JSON, cut inside its end tag, or cut inside its JSON."""
     parts = []
     if draw(st.booleans()):
         parts.append(draw(plain) + "</think>" + draw(ws))
     parts.append(draw(plain))
     if draw(st.booleans()):
         parts.append("<response>" + draw(plain) + "</response>" + draw(ws))
-    blocks = [f"<tool_call>{draw(ws)}{draw(call_object())}{draw(ws)}</tool_call>"
+    blocks = [f"<tool_call>{draw(ws)}{draw(call_object(require_arguments))}{draw(ws)}</tool_call>"
               for _ in range(draw(st.integers(0, 3)))]
+    tail = draw(st.sampled_from(["closed", "closed", "open", "cut_end_tag", "cut_json"])) if blocks else "closed"
+    if tail == "cut_json":
+        blocks[-1] = draw(cut_off_block(require_arguments))
     parts.append(draw(ws).join(blocks))
-    tail = draw(st.sampled_from(["closed", "closed", "open", "cut_end_tag"])) if blocks else "closed"
     if tail == "closed":
         parts.append(draw(plain))
     elif tail == "open":
         parts[-1] = parts[-1][:-len("</tool_call>")]
-    else:
+    elif tail == "cut_end_tag":
         parts[-1] = parts[-1][:-len("call>")]
     return "".join(parts)

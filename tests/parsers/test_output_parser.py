@@ -14,7 +14,7 @@ def run(tok, rp, tp, prompt, text, tools=TOOLS, **kw):
     s = Streamed()
     for delta, ids in token_deltas(tok, text, list(range(len(text) + 1))):
         s.add(p.feed(delta, ids))
-    s.add(p.flush())
+    s.add(p.feed("", (), final=True))
     return p, s, p.finish()
 
 
@@ -69,10 +69,10 @@ def test_x1_status_comes_from_the_prompt(tok):
     assert ChatOutputParser(tok, "ernie-x1", None, [1001]).enable_thinking
 
 
-def test_flush_emits_a_held_marker_prefix(tok):
+def test_final_delta_emits_a_held_marker_prefix(tok):
     p = ChatOutputParser(tok, "ernie-x1", None, [])
     assert p.feed("a <", [1]).reasoning_content == "a "
-    assert p.flush().reasoning_content == "<"
+    assert p.feed("", (), final=True).reasoning_content == "<"
     assert p.finish().reasoning_content == "a <"
     with pytest.raises(RuntimeError):
         p.feed("x", [])

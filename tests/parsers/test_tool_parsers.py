@@ -1,11 +1,12 @@
-"""ernie-x1 and qwen3/hermes tool parsers: parsers.md's example and the FastDeploy bugs to avoid."""
+"""ernie-x1, qwen3/hermes and ernie-45-vl-thinking tool parsers: parsers.md's example, cut-off calls,
+the ernie-45-vl-thinking rules and the FastDeploy bugs to avoid."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from ernie_serve.parsers import ChatOutputParser, get_tool_parser, parse_complete
+from ernie_serve.parsers import ChatOutputParser, get_tool_parser, list_tool_parsers, parse_complete
 from parser_helpers import FakeTokenizer, Streamed, char_deltas, token_deltas
 
 EXAMPLE = ('\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"location": "San Francisco, CA", '
@@ -16,6 +17,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
 @pytest.fixture(params=["ernie-x1", "qwen3"])
 def tp(request, tok):
     return get_tool_parser(request.param)(tok)
+
+
+@pytest.fixture(params=list_tool_parsers())
+def any_tp(request, tok):
+    return get_tool_parser(request.param)(tok)
+
+
+def stream_output_parser(tok, tp_name, text, cuts=None, rp_name=None):
+    """Through ChatOutputParser, per-token deltas (or cut at `cuts`), the final flag on an empty last delta."""
+    out = ChatOutputParser(tok, rp_name, tp_name, [], TOOLS)
+    s = Streamed()
+    for delta, ids in token_deltas(tok, text, list(range(len(text) + 1)) if cuts is None else cuts):
+        s.add(out.feed(delta, ids))
+    s.add(out.feed("", (), final=True))
+    return s, out.finish()
 
 
 def stream_tool_parser(tp, tok, text, by_chars=False, cuts=None):
@@ -143,7 +159,7 @@ def test_malformed_before_the_name_streams_as_content_too(tok, text):
     s = Streamed()
     for delta, ids in token_deltas(tok, text, list(range(100))):
         s.add(out.feed(delta, ids))
-    s.add(out.flush())
+    s.add(out.feed("", (), final=True))
     assert s.content == text and not s.ids and not out.finish().tools_called
 
 
@@ -183,3 +199,96 @@ def test_delta_message_to_dict_omits_none():
     msg = DeltaMessage(tool_calls=[DeltaToolCall(0, function=DeltaFunctionCall(arguments='{"a'))])
     assert msg.to_dict() == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a'}}]}
     assert DeltaMessage(content="\n").to_dict() == {"content": "\n"}
+
+
+COMPLETE_CALL = '<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+
+
+def name_args(calls):
+    return [(c.function.name, c.function.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("cut_off", ["<tool_call>", "<tool_call>\n{", '<tool_call>{"name": "b',
+                                     '<tool_call>{"name": "b", "argu',
+                                     '<tool_call>{"name": "b", "arguments": {"y": [1, '])
+def test_complete_call_before_a_cut_off_one_is_kept(any_tp, tok, cut_off):
+    """Issue 10: the cut-off second call (max_tokens) used to drop the complete first one too."""
+    info = any_tp.extract_tool_calls(COMPLETE_CALL + cut_off)
+    assert info.tools_called and name_args(info.tool_calls) == [("a", '{"x": 1}')]
+    assert info.content == ("" if any_tp.calls_or_content else "\n")  # the cut-off block is not content
+    s, final = stream_output_parser(tok, any_tp.name, COMPLETE_CALL + cut_off)
+    assert final.tools_called and name_args(final.tool_calls) == [("a", '{"x": 1}')]
+    assert s.content == final.content == info.content
+    assert s.names[0] == "a" and s.args[0] == '{"x": 1}'
+
+
+def test_a_header_already_streamed_for_the_cut_off_call_is_left_out_of_the_result(tok):
+    s, final = stream_output_parser(tok, "ernie-x1", COMPLETE_CALL + '<tool_call>{"name": "b", "arguments": {"y"')
+    assert s.names == {0: "a", 1: "b"}  # the header of "b" went out before the output ended
+    assert [c.function.name for c in final.tool_calls] == ["a"] and final.tools_called
+
+
+def test_one_final_delta_gives_exactly_the_non_streaming_result(any_tp, tok):
+    """A non-streaming Triton request is one response: the cut-off call never appears in it."""
+    text = COMPLETE_CALL + '<tool_call>{"name": "b", "arguments": {"y"'
+    out = ChatOutputParser(tok, None, any_tp.name, [], TOOLS)
+    msg = out.feed(text, tok.encode(text), final=True)
+    assert [(d.index, d.function.name) for d in msg.tool_calls if d.id] == [(0, "a")]
+    assert {d.index for d in msg.tool_calls} == {0}
+    expected = parse_complete(tok, None, any_tp.name, [], text, TOOLS)
+    assert (msg.content or "") == expected.content and out.finish().tools_called == expected.tools_called
+
+
+def test_a_lone_cut_off_call_is_neither_a_call_nor_content(tok):
+    text = 'Sure.\n<tool_call>{"name": "f", "argu'
+    info = get_tool_parser("ernie-x1")(tok).extract_tool_calls(text)
+    assert not info.tools_called and info.tool_calls == [] and info.content == "Sure.\n"
+    s, final = stream_output_parser(tok, "ernie-x1", text)
+    assert s.content == final.content == "Sure.\n" and not final.tools_called
+
+
+def test_malformed_block_after_a_complete_one_still_falls_back_to_content(tp):
+    text = COMPLETE_CALL + '<tool_call>{"name": "b", "arguments": {"y": tru}}</tool_call>'
+    info = tp.extract_tool_calls(text)
+    assert not info.tools_called and info.content == text
+
+
+@pytest.fixture
+def vl(tok):
+    return get_tool_parser("ernie-45-vl-thinking")(tok)
+
+
+def test_vl_thinking_calls_right_after_the_reasoning_leave_no_content(vl, tok):
+    text = ('\n\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+            '<tool_call>{"arguments": {}, "name": "b"}</tool_call>\nDone.')
+    info = vl.extract_tool_calls(text)
+    assert info.tools_called and [c.function.name for c in info.tool_calls] == ["a", "b"] and info.content == ""
+    for cuts in (None, []):
+        s, final = stream_output_parser(tok, "ernie-45-vl-thinking", text, cuts)
+        assert s.content == "" and s.names == {0: "a", 1: "b"} and s.args == {0: '{"x": 1}', 1: "{}"}
+
+
+@pytest.mark.parametrize("text", ['Let me check.\n<tool_call>{"name": "a", "arguments": {}}</tool_call>',
+                                  ' <tool_call>{"name": "a", "arguments": {}}</tool_call>'])
+def test_vl_thinking_text_before_the_first_call_makes_it_all_content(vl, tok, text):
+    info = vl.extract_tool_calls(text)
+    assert not info.tools_called and info.content == text
+    s, final = stream_output_parser(tok, "ernie-45-vl-thinking", text)
+    assert s.content == text and not s.ids and not final.tools_called
+
+
+def test_vl_thinking_call_without_arguments_is_malformed(vl, tok):
+    text = '\n<tool_call>{"name": "ping"}</tool_call>'
+    info = vl.extract_tool_calls(text)
+    assert not info.tools_called and info.content == text
+    s, final = stream_output_parser(tok, "ernie-45-vl-thinking", text)
+    assert s.content == text and not s.ids  # the header waits for "arguments", so nothing was sent
+
+
+def test_vl_thinking_pipeline_after_reasoning(tok):
+    text = 'why</think>\n\n<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+    out = parse_complete(tok, "ernie-45-vl-thinking", "ernie-45-vl-thinking", [], text, TOOLS)
+    assert (out.reasoning_content, out.content, out.tools_called) == ("why", "", True)
+    s, final = stream_output_parser(tok, "ernie-45-vl-thinking", text, rp_name="ernie-45-vl-thinking")
+    assert (final.reasoning_content, final.content, final.tools_called) == ("why", "", True)
+    assert name_args(final.tool_calls) == [("a", '{"x": 1}')]

@@ -39,10 +39,7 @@ def test_token_by_token_through_the_detokenizer_equals_non_streaming(real_tok, t
     for tid in ids:
         msg = out.feed(detok.step([tid]), [tid])
         streamed.append(msg)
-    tail = detok.flush()
-    if tail:
-        out.feed(tail, [])
-    out.flush()
+    out.feed(detok.flush(), [], final=True)
     final = out.finish()
     full = real_tok.decode(ids)
     expected = parse_complete(real_tok, "ernie-x1", "ernie-x1", prompt, full, TOOLS)

@@ -147,6 +147,7 @@ class _ReasoningStream:
 
 class ToolCallStreamLike(Protocol):
     tools_called: bool
+    cut_off_index: int | None  # after flush(): a call whose header went out but whose block never ended
 
     def push(self, text: str) -> tuple[str, list]: ...
     def flush(self) -> tuple[str, list]: ...

@@ -5,8 +5,10 @@ Pipeline, the same for streaming and non-streaming:
     rest   --tool parser (if tools)--> tool calls | outside text
     outside text --reasoning parser content rule--> content
 (for ernie-x1 the content rule keeps only `<response>...</response>`; for the others it is identity).
-Each streaming stage holds back text only while it is ambiguous, so the concatenated deltas plus
-`flush()` equal `parse_complete` on the whole text.
+Each streaming stage holds back text only while it is ambiguous, so the concatenated deltas, the
+last one fed with final=True, equal `parse_complete` on the whole text. The one exception is a tool
+call the output ends inside (max_tokens) whose header went out before the final delta: a header
+cannot be taken back, but `finish()` leaves the call out, as non-streaming does.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def parse_complete(tokenizer: TokenizerLike, reasoning_parser: str | None, tool_
 
 
 class ChatOutputParser:
-    """Per-request streaming parser: feed() each detokenized delta, flush() at the end, finish()."""
+    """Per-request streaming parser: feed() each detokenized delta (final=True on the last), finish()."""
 
     parse_complete = staticmethod(parse_complete)
 
@@ -83,37 +85,35 @@ class ChatOutputParser:
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self._calls: dict[int, list] = {}  # index -> [id, name, argument fragments]
-        self._flushed = False
+        self._ended = False
 
     @property
     def enable_thinking(self) -> bool:
         """Whether this request starts in reasoning (parsers.md: model_status == think_start)."""
         return self.model_status == "think_start"
 
-    def feed(self, delta_text: str, delta_token_ids: Sequence[int] = ()) -> DeltaMessage | None:
-        if self._flushed:
-            raise RuntimeError("ChatOutputParser.feed() after flush()/finish(); use one parser per request")
-        if self._splitter is None:
-            return self._emit("", delta_text)
-        was = self._splitter.in_reasoning
-        reasoning, rest = self._splitter.push(delta_text)
-        self._count_reasoning_tokens(was, self._splitter.in_reasoning, list(delta_token_ids))
-        return self._emit(reasoning, rest)
-
-    def flush(self) -> DeltaMessage | None:
-        """End of generation: whatever was held back as possibly-a-marker, as one last delta."""
-        if self._flushed:
-            return None
-        reasoning, rest = self._splitter.flush() if self._splitter else ("", "")
-        if self._splitter is not None and self._splitter.in_reasoning is None:
-            self._undecided_tokens = 0
-        msg = self._emit(reasoning, rest, final=True)
-        self._flushed = True
-        return msg
+    def feed(self, delta_text: str, delta_token_ids: Sequence[int] = (), final: bool = False) -> DeltaMessage | None:
+        """One delta. final=True marks the end of generation: the message then also carries what was
+        held back as possibly-a-marker, and leaves out a tool call the output ended inside."""
+        if self._ended:
+            raise RuntimeError("ChatOutputParser.feed() after the final delta; use one parser per request")
+        reasoning, rest = "", delta_text
+        if self._splitter is not None:
+            was = self._splitter.in_reasoning
+            reasoning, rest = self._splitter.push(delta_text)
+            self._count_reasoning_tokens(was, self._splitter.in_reasoning, list(delta_token_ids))
+            if final:
+                held_reasoning, held_rest = self._splitter.flush()
+                reasoning, rest = reasoning + held_reasoning, rest + held_rest
+                if self._splitter.in_reasoning is None:
+                    self._undecided_tokens = 0
+        self._ended = final
+        return self._emit(reasoning, rest, final)
 
     def finish(self) -> ParsedOutput:
-        """The whole result; it is what the deltas added up to (flushes first if needed)."""
-        self.flush()
+        """The whole result, as parse_complete gives it (ends the output first if needed)."""
+        if not self._ended:
+            self.feed("", (), final=True)
         calls = [ToolCall(cid, "function", FunctionCall(name, "".join(args)))
                  for _, (cid, name, args) in sorted(self._calls.items())]
         return ParsedOutput("".join(self._reasoning) or None, "".join(self._content), calls, bool(calls))
@@ -133,7 +133,7 @@ class ChatOutputParser:
             cut = ids.index(self._think_end_id) if self._think_end_id in ids else len(ids)
             self.num_reasoning_tokens += cut
 
-    def _emit(self, reasoning: str, rest: str, final: bool = False) -> DeltaMessage | None:
+    def _emit(self, reasoning: str, rest: str, final: bool) -> DeltaMessage | None:
         calls: list[DeltaToolCall] = []
         outside = rest
         if self._tools is not None:
@@ -141,6 +141,10 @@ class ChatOutputParser:
             if final:
                 more, more_calls = self._tools.flush()
                 outside, calls = outside + more, calls + more_calls
+                cut = self._tools.cut_off_index
+                if cut is not None:  # a call that never finished: not part of the result
+                    calls = [d for d in calls if d.index != cut]
+                    self._calls.pop(cut, None)
         content = self._filter.push(outside)
         if final:
             content += self._filter.flush()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..chat import finish_reason_for
-from ..parsers import ChatOutputParser
+from ..parsers import ChatOutputParser, DeltaMessage
 from .control import send_abort
 from .errors import InvalidInput, ServingError
 
@@ -209,12 +209,9 @@ class Postprocessor:
         token_ids = _ids(inputs, "token_ids")
         reasoning, content, calls = "", text, []
         if state.parser is not None:
-            deltas = [state.parser.feed(text, token_ids)]
-            if engine_reason is not None:
-                deltas.append(state.parser.flush())
-            reasoning = "".join(d.reasoning_content or "" for d in deltas if d is not None)
-            content = "".join(d.content or "" for d in deltas if d is not None)
-            calls = [c.to_dict() for d in deltas if d is not None for c in d.tool_calls]
+            delta = state.parser.feed(text, token_ids, final=engine_reason is not None) or DeltaMessage()
+            reasoning, content = delta.reasoning_content or "", delta.content or ""
+            calls = [c.to_dict() for c in delta.tool_calls]
         num_output = _int(inputs, "num_output_tokens")
         finish = ""
         if engine_reason is not None:
