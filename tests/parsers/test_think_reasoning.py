@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ernie_serve.parsers import get_reasoning_parser
-from parser_helpers import FakeTokenizer
+from ernie_serve.parsers import ChatOutputParser, get_reasoning_parser
+from parser_helpers import FakeTokenizer, Streamed, char_deltas
 
 
 @pytest.fixture(params=["ernie-45-vl", "qwen3"])
@@ -40,6 +40,25 @@ def test_vl_thinking_defaults_to_an_open_think(tok):
     rp = get_reasoning_parser("ernie-45-vl-thinking")(tok)
     assert rp.get_model_status([]) == "think_start"
     assert rp.extract_reasoning_content("why\n</think>\n\nbecause", "think_start") == ("why\n", "\n\nbecause")
+
+
+@pytest.mark.parametrize("text, content", [
+    ('why</think>\n\n<tool_call>{"name": "f"}</tool_call>', ""),
+    ("why</think><tool_call>", ""),
+    ('why</think>\nSure. <tool_call>{"name": "f"}</tool_call>', '\nSure. <tool_call>{"name": "f"}</tool_call>'),
+    ("why</think>\n\n<tool_", "\n\n<tool_"),
+    ("why</think>\n\n", "\n\n"),
+])
+def test_vl_thinking_content_is_empty_when_a_tool_call_follows_the_reasoning(tok, text, content):
+    """FastDeploy's ernie-45-vl-thinking: the model answers or calls tools; a call region is not content."""
+    assert get_reasoning_parser("ernie-45-vl-thinking")(tok).extract_reasoning_content(text, "think_start") == \
+        ("why", content)
+    out = ChatOutputParser(tok, "ernie-45-vl-thinking", None, [])
+    s = Streamed()
+    for delta, ids in char_deltas(tok, text, list(range(len(text)))):
+        s.add(out.feed(delta, ids))
+    s.add(out.feed("", (), final=True))
+    assert (s.reasoning, s.content) == ("why", content)
 
 
 def test_streaming(rp, tok):

@@ -5,6 +5,8 @@ is swallowed too); "auto": reasoning only if the output itself starts with `<thi
 "think_end": no reasoning. Deciding from the output's first characters (not from whether a
 `</think>` shows up later) is what lets streaming and non-streaming agree.
 No `</think>` at all after reasoning started -> everything is reasoning, content "".
+ernie-45-vl-thinking, as FastDeploy's parser of that name: when the text after the reasoning is a
+tool-call region (`<tool_call>` with only newlines before it), the content is "".
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from .base import ReasoningParser, TokenizerLike, held_len, marker_ids
 from .registry import register_reasoning_parser
 
 THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START = "<tool_call>"
 
 
 class ThinkTagReasoningParser(ReasoningParser):
@@ -98,9 +101,42 @@ class Ernie45VLReasoningParser(ThinkTagReasoningParser):
 
 @register_reasoning_parser("ernie-45-vl-thinking")
 class Ernie45VLThinkingReasoningParser(ThinkTagReasoningParser):
-    """The thinking model's template opens `<think>` in the prompt."""
+    """The thinking model's template opens `<think>` in the prompt; it answers or calls tools, not both."""
     name = "ernie-45-vl-thinking"
     default_status = "think_start"
+
+    def content_from_rest(self, rest: str, model_status: str) -> str:
+        return "" if rest.lstrip("\n").startswith(TOOL_CALL_START) else rest
+
+    def new_content_filter(self, model_status: str) -> "_ToolRegionFilter":
+        return _ToolRegionFilter()
+
+
+class _ToolRegionFilter:
+    """Streaming content_from_rest: leading newlines are held until the text shows whether a
+    `<tool_call>` comes first (then nothing is content) or not (then everything is)."""
+
+    def __init__(self) -> None:
+        self.state = "undecided"  # -> "content" | "tool_calls"
+        self.buf = ""
+
+    def push(self, text: str) -> str:
+        if self.state != "undecided":
+            return text if self.state == "content" else ""
+        buf = self.buf + text
+        body = buf.lstrip("\n")
+        if body.startswith(TOOL_CALL_START):
+            self.state, self.buf = "tool_calls", ""
+            return ""
+        if TOOL_CALL_START.startswith(body):
+            self.buf = buf
+            return ""
+        self.state, self.buf = "content", ""
+        return buf
+
+    def flush(self) -> str:
+        held, self.buf = self.buf, ""
+        return held
 
 
 @register_reasoning_parser("qwen3")
