@@ -1,7 +1,9 @@
 """Registries: `-` names, `_`/case-insensitive lookup, clear errors, plugins from a file."""
 from __future__ import annotations
 
+import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -11,9 +13,27 @@ from ernie_serve.parsers import (ReasoningParser, ToolParser, get_reasoning_pars
 from ernie_serve.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
 def test_builtin_names():
+    """FastDeploy's names: both kinds for ernie-x1 and ernie-45-vl-thinking; ernie-45-vl only reasons."""
     assert {"ernie-x1", "ernie-45-vl", "ernie-45-vl-thinking", "qwen3"} <= set(list_reasoning_parsers())
-    assert {"ernie-x1", "qwen3", "hermes"} <= set(list_tool_parsers())
+    assert {"ernie-x1", "ernie-45-vl-thinking", "qwen3", "hermes"} <= set(list_tool_parsers())
+
+
+def test_every_parser_name_the_readme_lists_is_registered():
+    listed: dict[str, set[str]] = {"--reasoning-parser": set(), "--tool-call-parser": set()}
+    for line in README.read_text().splitlines():
+        cells = line.split("|")
+        if not line.startswith("|") or len(cells) < 4:
+            continue
+        for flag, names in listed.items():
+            if f"`{flag}`" in cells[1]:
+                names.update(re.findall(r"`([a-z0-9_-]+)`", cells[3]))
+    assert listed["--reasoning-parser"] and listed["--tool-call-parser"], "README has no parser rows"
+    assert listed["--reasoning-parser"] <= set(list_reasoning_parsers())
+    assert listed["--tool-call-parser"] <= set(list_tool_parsers())
 
 
 def test_lookup_normalizes_underscore_and_case():
