@@ -158,6 +158,7 @@ def stream_generate(url: str = "localhost:8001", model: str = "ernie", timeout: 
         while True:
             result, error = q.get(timeout=timeout)
             if error is not None:
+                final = True  # an error is the request's final response: it is not cancelled (see below)
                 raise error
             params = result.get_response().parameters
             final = params["triton_final_response"].bool_param if "triton_final_response" in params else False

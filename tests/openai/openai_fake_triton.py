@@ -107,6 +107,9 @@ class FakeCall:
     def cancel(self):
         if self._steps is not None and not self._done:
             self.client.cancelled += 1  # cancelled while the "engine" still held the request
+        elif self._done:
+            # tritonserver 2.51 keeps the ensemble "live" after a cancel of an ended request (triton.py)
+            self.client.cancelled_after_final += 1
         self._finish()
         self.cancelled = True
         return True
@@ -121,6 +124,7 @@ class FakeTritonClient:
         self.step_delay = step_delay
         self.requests: list[dict[str, np.ndarray]] = []
         self.cancelled = 0
+        self.cancelled_after_final = 0
         self.running = 0
         self.seen_prompts: set[str] = set()
 

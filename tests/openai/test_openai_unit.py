@@ -417,6 +417,20 @@ def test_overloaded_engine_is_429_with_retry_after(shim):
         assert "max_waiting_requests" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("prompt,status", [("invalid please", 400), ("overloaded now", 429)])
+def test_a_triton_error_ends_its_stream_without_a_cancel(shim, prompt, status):
+    """An error is the request's final response; a cancel after it held tritonserver 2.51's shutdown for its
+    whole exit timeout (measured: 20 overloaded requests through the shim, then a 15.8 s stop)."""
+    _, running, fake = shim()
+    r = httpx.post(running.url + "/v1/completions", json={"model": "ernie", "prompt": prompt, "max_tokens": 2},
+                   timeout=20)
+    assert r.status_code == status, r.text
+    deadline = time.monotonic() + 10
+    while fake.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake.cancelled == 0 and fake.cancelled_after_final == 0
+
+
 OUT_OF_RANGE = [
     ({"max_tokens": 4294967297}, "max_tokens"),  # would wrap to 1 in an INT32 tensor
     ({"max_tokens": 2147483648}, "max_tokens"),  # would wrap to -2147483648

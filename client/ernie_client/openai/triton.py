@@ -292,6 +292,9 @@ class TritonBackend:
                 except Exception as e:  # noqa: BLE001 - grpc.aio.AioRpcError and friends
                     raise triton_error(e, self.model_name) from e
                 if error is not None:
+                    # An error ends the ensemble's request (it is its final response): cancelling it now
+                    # would be the cancel-after-finish below that holds tritonserver's shutdown.
+                    finished = True
                     raise triton_error(error, self.model_name)
                 step = decode_response(result)
                 if step.finish_reason is not None:
