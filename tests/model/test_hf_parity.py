@@ -34,6 +34,10 @@ CONFIGS = {
                                              moe_layer_start_index=2, moe_layer_end_index=2),
     "dense_tied_headdim": dict(BASE, tie_word_embeddings=True, head_dim=32),
     "dense_untied": dict(BASE, tie_word_embeddings=False),
+    # one KV head: what each rank of ERNIE-4.5-300B holds at tensor-parallel 8
+    "moe_one_kv_head": dict(MOE, num_key_value_heads=1, tie_word_embeddings=True, moe_num_shared_experts=1,
+                            moe_layer_start_index=1, moe_layer_end_index=2),
+    "dense_one_kv_head_headdim": dict(BASE, num_key_value_heads=1, tie_word_embeddings=False, head_dim=24),
 }
 
 
@@ -113,3 +117,19 @@ def test_greedy_tokens_match_transformers_generate(checkpoint):
             ref = hf.generate(torch.tensor(p)[None], max_new_tokens=32, min_new_tokens=32, do_sample=False,
                               pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref, name
+
+
+def test_long_prompt_matches_transformers_through_tiles_and_chunked_prefill(checkpoint):
+    """1100 tokens: several query and KV tiles without a cache, and 384-token chunks over the paged cache."""
+    name, d, hf = checkpoint
+    ids = _prompt(4, 1100)
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)[None]).logits[0].numpy()
+        ref_tokens = hf.generate(torch.tensor(ids)[None], max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+    ours = _our_logits(d, ids)
+    assert np.abs(ours - ref).max() <= 1e-4 * np.abs(ref).max(), name
+    llm = LLM(model=str(d), max_model_len=2048, block_size=16, max_num_batched_tokens=384, disable_progress_bar=True)
+    out = llm.generate(prompt_token_ids=[ids.tolist()],
+                       sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == ref_tokens, name
