@@ -1,37 +1,51 @@
-"""The abort channel from the detokenizer back to the engine instance that runs a request.
+"""The control channel of an engine instance: aborts from the detokenizer, drain from the launcher.
 
 Why it exists: Triton (2.51) does not pass an ensemble's cancellation to a step that is already
 running; it marks only the step requests it creates afterwards (measured: the decoupled ernie_moe
 request never sees is_cancelled(), every later ernie_detokenizer request does). So the detokenizer,
 on its first cancelled request, sends the request key to the engine instance named in the request's
-metadata, and that instance aborts it, freeing its KV blocks.
+metadata, and that instance aborts it, freeing its KV blocks. Triton has no way either to tell a
+python model that the server is stopping, so the launcher sends `drain` here before it stops
+tritonserver (see launcher.TritonServer.stop).
 
 One Linux abstract-namespace datagram socket per engine instance: no files to clean up, no port.
+Abstract sockets have no permissions, so each datagram's sender is checked by the kernel-supplied
+credentials (SO_PASSCRED): only processes of this user are obeyed. The launcher finds an instance's
+socket in /proc/net/unix by the stub's pid, which is part of the address.
+
+Messages: `abort <request key>`, `drain <seconds>`.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import struct
 import threading
 import uuid
+from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger(__name__)
 _MAX_DATAGRAM = 4096
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+TAG = "ernie-moe"
 
 
 class AbortListener:
-    """Receives request keys to abort and hands them to `on_abort` on its own thread."""
+    """Receives control messages and hands them to `on_abort(key)` / `on_drain(seconds)` on its own thread."""
 
-    def __init__(self, on_abort: Callable[[str], None], tag: str = "ernie-moe"):
+    def __init__(self, on_abort: Callable[[str], None], tag: str = TAG,
+                 on_drain: Callable[[float], None] | None = None):
         self.address = f"\0{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self._sock.bind(self.address)
         self._sock.settimeout(0.5)
         self._on_abort = on_abort
+        self._on_drain = on_drain
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ernie-abort-listener", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ernie-control-listener", daemon=True)
         self._thread.start()
 
     @property
@@ -42,16 +56,27 @@ class AbortListener:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                data = self._sock.recv(_MAX_DATAGRAM)
+                data, ancillary, _, _ = self._sock.recvmsg(_MAX_DATAGRAM, socket.CMSG_SPACE(_CREDENTIALS.size))
             except socket.timeout:
                 continue
             except OSError:
                 return
-            key = data.decode("utf-8", "replace")
+            if _sender_uid(ancillary) != os.getuid():
+                log.warning("control message from another user ignored")
+                continue
             try:
-                self._on_abort(key)
-            except Exception:  # noqa: BLE001 - one bad abort must not stop the listener
-                log.exception("abort of %s failed", key)
+                self._handle(data.decode("utf-8", "replace"))
+            except Exception:  # noqa: BLE001 - one bad message must not stop the listener
+                log.exception("control message %r failed", data[:100])
+
+    def _handle(self, message: str) -> None:
+        verb, _, arg = message.partition(" ")
+        if verb == "abort":
+            self._on_abort(arg)
+        elif verb == "drain" and self._on_drain is not None:
+            self._on_drain(float(arg))
+        else:
+            log.warning("unknown control message %r", message[:100])
 
     def close(self) -> None:
         self._stop.set()
@@ -59,15 +84,40 @@ class AbortListener:
         self._sock.close()
 
 
-def send_abort(address: str, key: str) -> bool:
-    """Ask the engine instance at `address` to abort request `key`; False if it is gone."""
-    if not address:
-        return False
+def _sender_uid(ancillary: list) -> int | None:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDENTIALS.size:
+            return _CREDENTIALS.unpack(data[:_CREDENTIALS.size])[1]
+    return None
+
+
+def _send(address: str, message: str) -> bool:
     raw = "\0" + address[1:] if address.startswith("@") else address
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         try:
-            s.sendto(key.encode("utf-8"), raw)
+            s.sendto(message.encode("utf-8"), raw)
             return True
         except OSError as e:
-            log.warning("could not send abort for %s to %s: %s", key, address, e)
+            log.warning("could not send %r to %s: %s", message[:100], address, e)
             return False
+
+
+def send_abort(address: str, key: str) -> bool:
+    """Ask the engine instance at `address` to abort request `key`; False if it is gone."""
+    return bool(address) and _send(address, f"abort {key}")
+
+
+def send_drain(address: str, seconds: float) -> bool:
+    """Ask the engine instance at `address` to refuse new requests and to end the ones still running
+    after `seconds` with an error; False if it is gone."""
+    return _send(address, f"drain {seconds:g}")
+
+
+def listener_addresses(pid: int, tag: str = TAG) -> list[str]:
+    """The control addresses bound by process `pid` (from /proc/net/unix; '@' marks abstract names)."""
+    prefix = f"@{tag}-{pid}-"
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in lines if line.split()[-1].startswith(prefix)})

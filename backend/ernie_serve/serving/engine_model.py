@@ -7,6 +7,13 @@ everything. Cancellation (is_cancelled() polled on a thread, or an abort from th
 control.py) aborts the request in the engine, which frees its KV blocks; the request then gets
 CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
 
+Failures: a request that fails alone (RequestFailedError) ends INTERNAL naming the cause and the
+engine serves on; a dead engine (EngineDeadError) ends every request UNAVAILABLE and sets the
+ernie:engine_healthy gauge to 0, which the launcher watches (tritonserver 2.51 gives a python model
+no way to mark itself not ready). A drain from the launcher (control.py) refuses new requests and,
+after its grace period, ends those still running UNAVAILABLE, so that no stream is left for
+tritonserver's exit timeout to cut.
+
 An abort from the detokenizer ends with a bare FINAL instead of the CANCELLED error: the request
 belongs to an ensemble, and tritonserver 2.51's ensemble scheduler stops counting a request's step
 completions once any step has failed, so an error while other steps are still in flight leaves the
@@ -18,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import threading
 import uuid
@@ -27,11 +35,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..config import EngineConfig
-from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .control import AbortListener
-from .errors import InvalidInput, error_code
+from .errors import InvalidInput, ServingError, Unavailable, error_code
 
 log = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.05
@@ -46,6 +54,20 @@ class ResponseSink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How a request the engine aborted is answered: an error FINAL, or a bare FINAL (code None)."""
+
+    code: str | None
+    message: str = ""
+
+
+CANCELLED = Ending("CANCELLED", "request cancelled")
+QUIET = Ending(None)  # cancelled by the ensemble's own detokenizer, see the module docstring
+SHUT_DOWN = Ending("UNAVAILABLE", "unavailable: the server shut down before the request completed")
+DRAINING_MESSAGE = "unavailable: the server is shutting down and accepts no new requests"
+
+
 @dataclass
 class _Live:
     key: str
@@ -56,8 +78,7 @@ class _Live:
     num_logprobs: int | None = None  # SamplingParams.logprobs: None = no logprobs output
     index: int = 0
     logprobs_sent: int = 0
-    cancelled: bool = False
-    quiet: bool = False  # cancelled by the ensemble's own detokenizer: end with a bare FINAL
+    ending: Ending | None = None  # set when the request is aborted
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -119,19 +140,24 @@ def decode_engine_inputs(inputs: dict[str, np.ndarray]) -> tuple[list[int], dict
 
 
 class EngineModel:
-    def __init__(self, config: EngineConfig, metrics=None, engine: AsyncEngine | None = None):
+    def __init__(self, config: EngineConfig, metrics=None, engine: AsyncEngine | None = None,
+                 parent_pid: int | None = None):
+        """`parent_pid`: the tritonserver this runs under; the process exits once it is gone (a stub
+        whose server was killed otherwise keeps its engine running: measured, under load)."""
         self.config = config
         self.engine = engine or AsyncEngine(config)
         self.metrics = metrics
+        self.parent_pid = parent_pid
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._draining = False
         self._sender = threading.Thread(target=self._send_loop, name="ernie-responses", daemon=True)
         self._sender.start()
         self._poller = threading.Thread(target=self._poll_cancelled, name="ernie-cancel-poll", daemon=True)
         self._poller.start()
-        self.aborts = AbortListener(lambda key: self.abort(key, quiet=True))
+        self.aborts = AbortListener(lambda key: self.abort(key, QUIET), on_drain=self.drain)
         if metrics is not None:
             self.engine.step_listeners.append(self._on_step)
             metrics.update(self.engine.stats(), force=True)
@@ -151,6 +177,8 @@ class EngineModel:
             live = _Live(key, sink, bool(req.get("stream", meta.get("stream", False))),
                          json.dumps(meta, ensure_ascii=False), ids, params.logprobs)
             with self._lock:
+                if self._draining:
+                    raise Unavailable(DRAINING_MESSAGE)
                 self._live[key] = live
             try:
                 self.engine.add_request(key, ids, params, lambda out, err: self._on_output(live, out, err))
@@ -158,27 +186,37 @@ class EngineModel:
                 with self._lock:
                     self._live.pop(key, None)
                 raise
-        except (InvalidInput, ValueError, EngineOverloadedError, EngineDeadError) as e:
-            if isinstance(e, EngineDeadError) and self.metrics is not None:
+        except (ServingError, ValueError, EngineOverloadedError, EngineDeadError) as e:
+            if isinstance(e, EngineDeadError) and not self.engine.is_healthy and self.metrics is not None:
                 self.metrics.set_healthy(False)
             sink.send_error(error_code(e), str(e))
         except Exception as e:  # noqa: BLE001 - never leave a request without its FINAL
             log.exception("submit failed")
             sink.send_error("INTERNAL", f"{type(e).__name__}: {e}")
 
-    def abort(self, key: str, quiet: bool = False) -> bool:
-        """Abort by request key (client cancellation); the request ends CANCELLED + FINAL, or with a
-        bare FINAL when `quiet` (an abort from the detokenizer, see the module docstring)."""
+    def abort(self, key: str, ending: Ending = CANCELLED) -> bool:
+        """Abort by request key; once the engine has freed it, the request is answered as `ending` says."""
         with self._lock:
             live = self._live.get(key)
-            if live is None:
+            if live is None or live.ending is not None:
                 return False
-            live.cancelled = True
-            live.quiet = quiet
-        found = self.engine.abort(key)
-        if self.metrics is not None:
-            self.metrics.update(self.engine.stats(), force=True)
-        return found
+            live.ending = ending
+        return self.engine.abort(key)
+
+    def drain(self, grace_seconds: float) -> None:
+        """Refuse new requests from now on; end those still running after `grace_seconds` UNAVAILABLE."""
+        with self._lock:
+            self._draining = True
+        log.info("draining: no new requests; %d in flight get %.0f s to finish", len(self._live), grace_seconds)
+        timer = threading.Timer(grace_seconds, self._end_all, args=(SHUT_DOWN,))
+        timer.daemon = True
+        timer.start()
+
+    def _end_all(self, ending: Ending) -> None:
+        with self._lock:
+            keys = list(self._live)
+        for key in keys:
+            self.abort(key, ending)
 
     def stats(self) -> dict:
         s = self.engine.stats()
@@ -189,20 +227,18 @@ class EngineModel:
 
     # ------------------------------------------------------------------ engine thread
     def _on_output(self, live: _Live, out: RequestOutput, err: Exception | None) -> None:
-        if err is not None:
-            if self.metrics is not None:
-                self.metrics.set_healthy(False)
-            self._finish(live)
-            self._outbox.put((live.sink, None, ("UNAVAILABLE", f"engine failed, request not completed: {err}")))
-            return
         comp = out.outputs[0]
         if out.finished:
             self._finish(live)
             if self.metrics is not None:
                 self.metrics.request_finished(comp.finish_reason, len(comp.token_ids), out.metrics)
-        if live.cancelled or (out.finished and comp.finish_reason == "abort"):
+        if err is not None:
+            self._outbox.put((live.sink, None, self._failure(err)))
+            return
+        if live.ending is not None or (out.finished and comp.finish_reason == "abort"):
             if out.finished:
-                self._outbox.put((live.sink, None, None if live.quiet else ("CANCELLED", "request cancelled")))
+                ending = live.ending or CANCELLED
+                self._outbox.put((live.sink, None, None if ending.code is None else (ending.code, ending.message)))
             return
         logprobs = new_logprob_entries(live, comp)
         if not live.stream:
@@ -240,6 +276,14 @@ class EngineModel:
         live.index += 1
         return outputs, out.finished
 
+    def _failure(self, err: Exception) -> tuple[str, str]:
+        """The error a failed request ends with: this request alone (INTERNAL), or the engine (UNAVAILABLE)."""
+        if isinstance(err, RequestFailedError):
+            return "INTERNAL", f"request failed: {err}"
+        if self.metrics is not None:
+            self.metrics.set_healthy(False)
+        return "UNAVAILABLE", f"unavailable: engine failed, request not completed: {err}"
+
     def _finish(self, live: _Live) -> None:
         with self._lock:
             live.done = True
@@ -270,8 +314,11 @@ class EngineModel:
 
     def _poll_cancelled(self) -> None:
         while not self._stop.wait(CANCEL_POLL_SECONDS):
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                log.error("tritonserver (pid %d) is gone; exiting", self.parent_pid)
+                os._exit(1)
             with self._lock:
-                live = [lv for lv in self._live.values() if not lv.cancelled]
+                live = [lv for lv in self._live.values() if lv.ending is None]
             for lv in live:
                 try:
                     cancelled = lv.sink.is_cancelled()

@@ -45,10 +45,10 @@ def postprocessor(params: dict[str, str]):
     return Postprocessor(load_tokenizer(params), ttl=float(params.get("state_ttl_seconds") or 600))
 
 
-def engine_model(params: dict[str, str], metrics=None):
+def engine_model(params: dict[str, str], metrics=None, parent_pid: int | None = None):
     from .engine_model import EngineModel
 
     cfg = engine_config_from_parameters(params)
     if cfg.model is None:
         cfg.model = str(model_dir(params))
-    return EngineModel(cfg, metrics)
+    return EngineModel(cfg, metrics, parent_pid=parent_pid)

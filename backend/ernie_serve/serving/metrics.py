@@ -34,7 +34,7 @@ HISTOGRAMS = [
     ("ernie:time_per_output_token_seconds", "Mean time per output token after the first", LATENCY_BUCKETS),
     ("ernie:e2e_request_latency_seconds", "Time from arrival to the final token", E2E_BUCKETS),
 ]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class EngineMetrics:

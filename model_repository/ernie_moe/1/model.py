@@ -1,4 +1,6 @@
 """ernie_moe: the engine, decoupled, one AsyncEngine per instance (logic: ernie_serve.serving.engine_model)."""
+import os
+
 import triton_python_backend_utils as pb_utils
 
 from ernie_serve.serving import pb
@@ -11,7 +13,8 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"],
                   "instance": args.get("model_instance_name", "")}
         try:
-            self.model = engine_model(pb.model_parameters(args), EngineMetrics(pb_utils, labels))
+            self.model = engine_model(pb.model_parameters(args), EngineMetrics(pb_utils, labels),
+                                      parent_pid=os.getppid())
         except Exception as e:
             raise pb_utils.TritonModelException(f"ernie_moe: engine failed to start: {e}")
 
