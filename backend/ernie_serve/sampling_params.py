@@ -6,6 +6,7 @@ UINT64 tensors, the sampler's int64 top-k and float32 arithmetic).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
@@ -21,6 +22,67 @@ UINT64_MAX = 2**64 - 1  # the seed tensor is UINT64
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler divides logits by temperature in float32
 # Wide enough for any real use, narrow enough that a float32 logit times or over it stays finite.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Constrain the output to a grammar, as vLLM's GuidedDecodingParams: exactly one of
+
+    json: a JSON schema (an object, or its JSON text); regex; choice: one of these strings;
+    grammar: Lark (llguidance's dialect), GBNF, or an llguidance grammar object as JSON text;
+    json_object: any JSON object.
+
+    start_after_token_id: the constraint begins after this token is generated, and the tokens up to it
+    are free (a thinking model's `</think>`: the reasoning is not constrained). None: from the first token.
+    """
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    start_after_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GUIDED_KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self, where: str = "guided_decoding") -> None:
+        """Types and the one-constraint rule; whether the grammar compiles is the engine's check."""
+        self.json_object = _flag(f"{where}.json_object", self.json_object)
+        given = [k for k in GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{where} must set exactly one of {', '.join(GUIDED_KINDS)}, got "
+                             f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            self.json = _json_schema(f"{where}.json", self.json)
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _text(f"{where}.{name}", getattr(self, name)))
+        if self.choice is not None:
+            self.choice = _strings(f"{where}.choice", self.choice)
+            if not self.choice:
+                raise ValueError(f"{where}.choice must be a non-empty list of strings")
+        if self.start_after_token_id is not None:
+            self.start_after_token_id = _integer(f"{where}.start_after_token_id", self.start_after_token_id,
+                                                 0, INT32_MAX)
+
+    @classmethod
+    def from_value(cls, value: Any, where: str = "guided_decoding") -> "GuidedDecodingParams":
+        """From itself or a JSON object (SamplingParams arrives as JSON in the Triton pipeline)."""
+        if isinstance(value, cls):
+            value.validate(where)
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be an object with one of {', '.join(GUIDED_KINDS)}, got {_show(value)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{where} has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**value)
 
 
 @dataclass
@@ -43,6 +105,7 @@ class SamplingParams:
     logprobs: int | None = None
     bad_words: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +146,11 @@ class SamplingParams:
         self.stop_token_ids = _integers("stop_token_ids", self.stop_token_ids, 0, INT32_MAX)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             setattr(self, name, _flag(name, getattr(self, name)))
+        if self.guided_decoding is not None:
+            self.guided_decoding = GuidedDecodingParams.from_value(self.guided_decoding)
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with guided_decoding: the grammar decides where "
+                                 "the output ends, with eos")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
@@ -155,6 +223,33 @@ def _strings(name: str, value: Any) -> list[str]:
             raise ValueError(f"{name} item {i} is not valid Unicode text: a lone surrogate at index {e.start}") \
                 from None
     return items
+
+
+def _text(name: str, value: Any) -> str:
+    """A non-empty string of valid Unicode."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {_show(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: a lone surrogate at index {e.start}") from None
+    return value
+
+
+def _json_schema(name: str, value: Any) -> dict:
+    """A JSON schema object; given as text, it is parsed here so a typo is named at the door."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON schema object, got {_show(value)}")
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, UnicodeEncodeError) as e:
+        raise ValueError(f"{name} must be plain JSON of valid Unicode text ({type(e).__name__}: {e})") from None
+    return value
 
 
 def _integers(name: str, value: Any, low: int, high: int) -> list[int]:

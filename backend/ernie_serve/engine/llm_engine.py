@@ -20,6 +20,7 @@ from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..quantization.layers import weight_memory_report
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
+from .guided import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner
@@ -86,6 +87,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, num_host_blocks, config.sampling_class)
         self.proposer = make_proposer(config.speculative_config)
         self.num_output_ids = len(self.tokenizer) if self.tokenizer else self.model_config.vocab_size
+        # guided decoding: grammars compiled on the callers' threads, cached per grammar
+        self.grammars = GrammarCompiler(self.tokenizer, self.num_output_ids, self.eos_token_ids) \
+            if self.tokenizer is not None and self.eos_token_ids else None
         self.requests: dict[str, list[Request]] = {}  # external id -> its n sequences
         self.texts: dict[str, TextState] = {}
         self.held_kv: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export
@@ -151,15 +155,19 @@ class LLMEngine:
         if self.tokenizer is None and (p.stop or p.bad_words):
             raise ValueError("stop and bad_words need text: this engine runs with skip_tokenizer_init")
         bad_words = [w for w in (self.tokenizer.encode(w) for w in p.bad_words) if w] if p.bad_words else []
+        if p.guided_decoding is not None and self.grammars is None:
+            raise ValueError("guided_decoding needs the tokenizer and an eos token: this engine runs with "
+                             "skip_tokenizer_init or its model has no eos_token_id")
         max_tokens = min(p.max_tokens or limit, limit - len(ids))
         group = []
         for i in range(p.n):
             rid = request_id if p.n == 1 else f"{request_id}#{i}"
             seed = p.seed
             rng = np.random.default_rng([seed, i] if seed is not None else [self.config.seed, next(self._seed_counter), 1])
+            guided = self.grammars.new_state(p.guided_decoding) if p.guided_decoding is not None else None
             group.append(Request(rid, list(ids), p, self.eos_token_ids, max_tokens,
                                  parent_id=request_id if p.n > 1 else None, index=i, generator=rng,
-                                 bad_words_ids=bad_words, hold_kv=hold_kv))
+                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided))
         return RequestGroup(request_id, group, [TextState(self.tokenizer, r) for r in group])
 
     def add_request_group(self, group: RequestGroup) -> None:

@@ -11,6 +11,7 @@ from ..model.ernie import ErnieForCausalLM
 from ..model.kv_cache import PagedKVCache
 from .kv_cache_manager import KVOp
 from .request import Request
+from .guided import GrammarRows
 from .sampler import Sampler, SamplingBatch
 from .scheduler import SchedulerOutput, ScheduledRequest
 
@@ -75,11 +76,13 @@ class ModelRunner:
         for s in order:
             if s.samples:
                 first = offset + s.num_tokens - s.num_spec_tokens - 1
+                batch.add_grammar(s.request, len(rows), s.request.spec_token_ids[: s.num_spec_tokens])
                 for j in range(s.num_spec_tokens + 1):
                     rows.append(first + j)
                     batch.add(s.request, s.request.spec_token_ids[:j])
                     owners.append(s.request.request_id)
                 for child in _forking_children(s):
+                    batch.add_grammar(child, len(rows), [])
                     rows.append(first)
                     batch.add(child, [])
                     owners.append(child.request_id)
@@ -108,6 +111,7 @@ def _forking_children(s: ScheduledRequest) -> list[Request]:
 class _BatchBuilder:
     def __init__(self):
         self.params, self.gens, self.prompts, self.outputs, self.bad, self.eos = [], [], [], [], [], []
+        self.grammars: list[GrammarRows] = []
 
     def add(self, req: Request, drafts: list[int]) -> None:
         self.params.append(req.sampling_params)
@@ -117,6 +121,12 @@ class _BatchBuilder:
         self.bad.append(req.bad_words_ids)
         self.eos.append(req.eos_token_ids)
 
+    def add_grammar(self, req: Request, first_row: int, drafts: list[int]) -> None:
+        """A guided request's rows start at first_row (one more per draft)."""
+        if req.guided is not None:
+            self.grammars.append(GrammarRows(req.guided, first_row, drafts))
+
     def build(self) -> SamplingBatch:
         return SamplingBatch(params=self.params, generators=self.gens, prompt_token_ids=self.prompts,
-                             output_token_ids=self.outputs, eos_token_ids=self.eos, bad_words_ids=self.bad)
+                             output_token_ids=self.outputs, eos_token_ids=self.eos, bad_words_ids=self.bad,
+                             grammars=self.grammars)

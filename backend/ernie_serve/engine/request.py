@@ -9,10 +9,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .guided import GuidedState
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +65,7 @@ class Request:
     hold_kv: bool = False  # keep blocks after finishing until export_kv (prefill role)
     num_computed_tokens_total: int = 0  # all tokens this request ever ran through the model (counts recompute)
     error: str | None = None  # why it ended with FINISHED_ERROR
+    guided: "GuidedState | None" = None  # guided decoding: where the output is in its grammar
     # prompt + output as one list, appended in place: the KV manager and the model runner read it every
     # step, so rebuilding it per call would make each step's Python work grow with the sequence length.
     all_token_ids: list[int] = field(init=False, repr=False)

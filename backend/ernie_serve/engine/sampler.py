@@ -1,7 +1,8 @@
 """Turns one step's logits into tokens: penalties, masks, greedy / temperature / top-k / top-p / min-p.
 
 The pipeline, per row (vectorized over the batch):
-  penalties (repetition, frequency, presence) -> bad words and min_tokens masks -> greedy rows take
+  penalties (repetition, frequency, presence) -> bad words and min_tokens masks -> the guided-decoding
+  grammar mask (engine/guided.py; eos only where the grammar is complete) -> greedy rows take
   the argmax -> temperature -> top_k -> top_p (on the top-k renormalized distribution) -> min_p
   (relative to the most probable token) -> one inverse-CDF draw from the row's own generator.
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..sampling_params import GREEDY_EPSILON, SamplingParams
+from .guided import GrammarRows, grammar_masks
 
 if TYPE_CHECKING:
     import paddle
@@ -29,8 +31,8 @@ SAMPLING_METHODS = {"base": "base", "base_non_truncated": "base", "air": "base",
 # the base method sorts a row's SORT_WINDOW most probable tokens instead of its whole vocabulary
 # when they provably hold every token that survives its filters (a peaked distribution's usual case)
 SORT_WINDOW = 1024
-NO_TOKEN_LEFT = ("no token left to sample: every logit is -inf or NaN after penalties, bad_words and the "
-                 "min_tokens mask of eos/stop_token_ids")
+NO_TOKEN_LEFT = ("no token left to sample: every logit is -inf or NaN after penalties, bad_words, the "
+                 "min_tokens mask of eos/stop_token_ids and the guided-decoding grammar")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class SamplingBatch:
     output_token_ids: list[Sequence[int]]  # presence/frequency penalties count these only
     eos_token_ids: list[int]  # per row; an entry may also be a list of ids (models with several eos)
     bad_words_ids: list[list[list[int]]]  # per row: token sequences that must not be produced
+    grammars: list[GrammarRows] = field(default_factory=list)  # per guided request (not per row)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Sampler:
         work = raw.copy()
         apply_penalties(work, batch)
         apply_token_masks(work, batch)
+        apply_grammar_masks(work, batch)
         dead = ~np.isfinite(work.max(axis=1)) if work.size else np.zeros(0, bool)
         errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
         work[dead] = 0.0  # sampled only to keep the batch's shape
@@ -150,6 +154,15 @@ def apply_token_masks(logits: np.ndarray, batch: SamplingBatch) -> None:
         toks_arr = np.asarray(toks, dtype=np.int64)
         inside = (toks_arr >= 0) & (toks_arr < V)  # ids beyond this vocab can never be produced anyway
         logits[np.asarray(rows, dtype=np.int64)[inside], toks_arr[inside]] = -np.inf
+
+
+def apply_grammar_masks(logits: np.ndarray, batch: SamplingBatch) -> None:
+    """In place: -inf for every token a guided row's grammar does not allow next."""
+    if not batch.grammars:
+        return
+    rows, allowed = grammar_masks(batch.grammars, logits.shape[0], logits.shape[1])
+    if rows.size:
+        logits[rows] = np.where(allowed, logits[rows], -np.inf)
 
 
 def _sample_sorted(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,

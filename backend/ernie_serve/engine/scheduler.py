@@ -225,6 +225,10 @@ class Scheduler:
         for tok, lp in zip(tokens, logprobs):
             req.append_output(tok)
             added.append(tok)
+            if req.guided is not None and not req.guided.accept(tok):
+                req.error = f"guided decoding: token {tok} does not fit the grammar: {req.guided.error}"
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                break
             if lp is not None:
                 req.logprobs.append(lp)
             n = req.num_output_tokens

@@ -165,6 +165,19 @@ class ErnieTokenizer:
             return self._sp.id_to_piece(token_id)
         raise ValueError(f"token id {token_id} is out of range for this tokenizer (size {self._size})")
 
+    def is_literal(self, token_id: int) -> bool:
+        """Whether the id is written out as its own text (added, special and control tokens) rather than
+        decoded by SentencePiece."""
+        return int(token_id) in self._literal
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The bytes a SentencePiece id adds to decoded text: its piece with `▁` as a space, or the one
+        raw byte of a byte-fallback piece."""
+        token_id = int(token_id)
+        if self._sp.is_byte(token_id):
+            return bytes([int(self._sp.id_to_piece(token_id)[3:5], 16)])  # "<0x41>"
+        return self._sp.id_to_piece(token_id).replace(_SP_SPACE, " ").encode("utf-8")
+
     def get_vocab(self) -> dict[str, int]:
         vocab = {self._sp.id_to_piece(i): i for i in range(self._sp_size)}
         vocab.update(self._added)
