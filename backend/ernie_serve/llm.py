@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -41,6 +42,8 @@ class LLM:
              chat_template: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Render the model's chat template, generate, and parse reasoning / tool calls if configured."""
         from .chat import parse_chat_output, render_chat_prompt
+        from .engine.guided_grammar import answer_constraint
+        from .parsers import get_reasoning_parser
 
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         params = _per_prompt(sampling_params, len(conversations))
@@ -48,6 +51,10 @@ class LLM:
         for conv, p in zip(conversations, params):
             text, ids = render_chat_prompt(self.tokenizer, conv, tools, chat_template_kwargs,
                                            chat_template or self.config.chat_template)
+            if p.guided_decoding is not None and self.config.reasoning_parser:
+                # the constraint goes where the reasoning parser reads the answer, after the reasoning
+                rp = get_reasoning_parser(self.config.reasoning_parser)(self.tokenizer)
+                p = replace(p, guided_decoding=answer_constraint(p.guided_decoding, rp, rp.get_model_status(ids)))
             items.append((text, ids, p))
         outs = self._run(items, use_tqdm)
         for out in outs:

@@ -113,6 +113,15 @@ def test_rows_before_the_start_token_are_free_and_rows_after_it_are_constrained(
     assert state.waiting_for == think_end  # drafts never move the state
 
 
+def test_the_output_cannot_end_before_the_constrained_part_begins(compiler, tokenizer):
+    think_end = tokenizer.token_to_id("</think>")
+    state = compiler.new_state(GuidedDecodingParams(choice=["yes"], start_after_token_id=think_end))
+    logits = np.zeros((1, 4096), np.float32)
+    logits[0, EOS] = 10.0  # the model wants to stop while still reasoning
+    out = sample(1, [GrammarRows(state, 0, [])], logits)
+    assert int(out.token_ids[0]) not in EOS and not out.errors
+
+
 def test_scheduler_fails_a_request_whose_appended_token_the_grammar_rejects(compiler, tokenizer):
     config = EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=4)
     sched = Scheduler(config, KVCacheManager(16, 4, True))

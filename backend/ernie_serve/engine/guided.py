@@ -60,10 +60,12 @@ def build_lltokenizer(tokenizer: "ErnieTokenizer", vocab_size: int, eos_token_id
 
 class GuidedState:
     """One request's place in its grammar. With start_after_token_id the output is free until that token
-    has been generated; every token after it advances the matcher."""
+    has been generated (except that it cannot end: eos is allowed only where the grammar is complete);
+    every token after it advances the matcher."""
 
-    def __init__(self, matcher: LLMatcher, start_after_token_id: int | None = None):
+    def __init__(self, matcher: LLMatcher, eos_token_ids: list[int], start_after_token_id: int | None = None):
         self.matcher = matcher
+        self.eos_token_ids = list(eos_token_ids)
         self.waiting_for = start_after_token_id
 
     def accept(self, token_id: int) -> bool:
@@ -71,27 +73,31 @@ class GuidedState:
         if self.waiting_for is not None:
             if token_id == self.waiting_for:
                 self.waiting_for = None
-            return True
+            return token_id not in self.eos_token_ids
         return self.matcher.consume_token(int(token_id))
 
     @property
     def error(self) -> str:
+        if self.waiting_for is not None:
+            return "the output ended before the constrained part began"
         return self.matcher.get_error() or "the grammar rejected the token"
 
-    def mask_entry(self, first_row: int, drafts: list[int]) -> tuple[LLMatcher, int, list[int]] | None:
-        """Where this request's rows get masks: (matcher, first constrained row, the drafts its next rows
-        follow), or None when none of its rows is constrained yet.
+    def plan(self, first_row: int, drafts: list[int]) -> tuple[range, tuple[LLMatcher, int, list[int]] | None]:
+        """Where this request's masks go: (free rows, entry). Free rows come before the grammar starts (any
+        token but eos); entry = (matcher, first constrained row, the drafts its next rows follow), or None.
 
         Row first_row + j samples after drafts[:j]. Only the drafts the grammar accepts are followed, so the
         row after the last of them forbids the next draft, and the rows beyond stay unconstrained.
         """
+        free = range(first_row, first_row)
         if self.waiting_for is not None:
             if self.waiting_for not in drafts:
-                return None
+                return range(first_row, first_row + len(drafts) + 1), None
             start = drafts.index(self.waiting_for) + 1  # rows up to the one that samples it are free
+            free = range(first_row, first_row + start)
             first_row, drafts = first_row + start, drafts[start:]
         valid = self.matcher.validate_tokens(drafts) if drafts else 0
-        return self.matcher, first_row, drafts[:valid]
+        return free, (self.matcher, first_row, drafts[:valid])
 
 
 @dataclass
@@ -116,21 +122,35 @@ def _executor() -> LLExecutor:
 
 
 def grammar_masks(grammars: list[GrammarRows], num_rows: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, allowed): the batch rows a grammar constrains and, per such row, which of vocab_size tokens
-    it allows (bool [len(rows), vocab_size])."""
-    entries = [e for g in grammars if (e := g.state.mask_entry(g.first_row, g.drafts)) is not None]
-    if not entries:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, vocab_size), dtype=bool)
+    """(rows, allowed): the batch rows guided decoding constrains and, per such row, which of vocab_size
+    tokens it allows (bool [len(rows), vocab_size])."""
     bitmask = np.full((num_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
-    plain = [(matcher, row) for matcher, row, drafts in entries if not drafts]
+    constrained: list[np.ndarray] = []
+    free_rows: list[int] = []
+    no_eos: list[list[int]] = []
+    plain, speculative = [], []
+    for g in grammars:
+        free, entry = g.state.plan(g.first_row, g.drafts)
+        free_rows.extend(free)
+        no_eos.extend([g.state.eos_token_ids] * len(free))
+        if entry is None:
+            continue
+        matcher, first, drafts = entry
+        if drafts:
+            speculative.append(entry)
+        else:
+            plain.append((matcher, first))
+        constrained.append(np.arange(first, first + len(drafts) + 1))
     if plain:
         fill_next_token_bitmask_par(_executor(), plain, bitmask)
-    speculative = [e for e in entries if e[2]]  # llguidance's draft variant refuses an empty draft list
-    if speculative:
+    if speculative:  # llguidance's draft variant refuses an empty draft list
         fill_next_token_bitmask_par_with_draft_tokens(_executor(), speculative, bitmask)
-    rows = np.concatenate([np.arange(first, first + len(drafts) + 1) for _, first, drafts in entries])
+    rows = np.concatenate(constrained + [np.asarray(free_rows, dtype=np.int64)]).astype(np.int64)
     bits = np.unpackbits(bitmask[rows].astype("<i4").view(np.uint8), axis=1, bitorder="little")
-    return rows, bits[:, :vocab_size].astype(bool)
+    allowed = bits[:, :vocab_size].astype(bool)  # free rows' bitmask is still all ones
+    for k, eos in enumerate(no_eos, start=len(rows) - len(free_rows)):
+        allowed[k, [e for e in eos if e < vocab_size]] = False
+    return rows, allowed
 
 
 class GrammarCompiler:
@@ -141,6 +161,7 @@ class GrammarCompiler:
                  cache_size: int = GRAMMAR_CACHE_SIZE):
         self.lltokenizer = build_lltokenizer(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # requests are built on the callers' threads
@@ -155,7 +176,7 @@ class GrammarCompiler:
         if token is not None and token >= self.vocab_size:
             raise ValueError(f"guided_decoding.start_after_token_id must be a token id in [0, {self.vocab_size}), "
                              f"got {token}")
-        return GuidedState(self._compile(params).deep_copy(), token)
+        return GuidedState(self._compile(params).deep_copy(), self.eos_token_ids, token)
 
     def _compile(self, params: GuidedDecodingParams) -> LLMatcher:
         grammar = llguidance_grammar(params)

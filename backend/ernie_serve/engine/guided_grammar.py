@@ -45,7 +45,8 @@ class GrammarError(ValueError):
 
 
 def llguidance_grammar(params: GuidedDecodingParams) -> str:
-    """The llguidance grammar (JSON text) for one constraint; deterministic, so it keys the compile cache."""
+    """The llguidance grammar object (JSON text with a "grammars" list) for one constraint; deterministic,
+    so it keys the compile cache."""
     kind = params.kind
     if kind == "json":
         return LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
@@ -54,13 +55,14 @@ def llguidance_grammar(params: GuidedDecodingParams) -> str:
     if kind == "regex":
         return LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_string(c) for c in params.choice))
+        return _lark_grammar("start: " + " | ".join(_lark_string(c) for c in params.choice))
     if _is_llguidance_json(params.grammar):
         return params.grammar
     try:
-        return llguidance.grammar_from("grammar", params.grammar)  # Lark as is, GBNF converted to Lark
+        lark = llguidance.grammar_from("grammar", params.grammar)  # Lark as is, GBNF converted to Lark
     except ValueError as e:
         raise GrammarError("guided_decoding.grammar", str(e)) from None
+    return _lark_grammar(lark)
 
 
 def check_without_tokenizer(grammar: str, field: str) -> None:
@@ -136,7 +138,7 @@ def tool_call_constraint(tools: list[dict] | None, tool_choice: Any, parallel_to
             f"{tool_parser.end_token}\n")
     start_after = (reasoning_parser.think_end_token_id
                    if reasoning_parser is not None and model_status == "think_start" else None)
-    grammar = LLMatcher.grammar_from_lark(lark)
+    grammar = _lark_grammar(lark)
     check_without_tokenizer(grammar, "tools")
     return GuidedDecodingParams(grammar=grammar, start_after_token_id=start_after)
 
@@ -175,6 +177,11 @@ def _call_schema(fn: dict, i: int) -> dict:
                             f"tools[{i}].function.parameters")
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _lark_grammar(lark: str) -> str:
+    """Lark text as llguidance's grammar object, the one form the other constructors also return."""
+    return json.dumps({"grammars": [{"lark_grammar": lark}]}, ensure_ascii=False)
 
 
 def _lark_string(text: str) -> str:
