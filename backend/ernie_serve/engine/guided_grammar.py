@@ -105,26 +105,26 @@ def tool_call_constraint(tools: list[dict] | None, tool_choice: Any, parallel_to
     """The constraint for tool_choice "required" (one or more calls of any tool; one when parallel_tool_calls
     is false) or a named function (one call of it); None for "auto" / "none" / absent.
 
-    Raises ValueError naming `tool_choice` or `tools[i]...`.
+    Raises ValueError whose message starts with the field: `tool_choice: ...` or `tools[i]...: ...`.
     """
     chosen = _chosen_function(tool_choice)
     if chosen is None:
         return None
-    what = "'required'" if chosen == "" else f"naming function {chosen!r}"
+    what = "tool_choice: 'required'" if chosen == "" else f"tool_choice: naming function {chosen!r}"
     functions = [_function_of(t, i) for i, t in enumerate(tools or [])]
     if not functions:
-        raise ValueError(f"tool_choice {what} needs tools: give at least one function in tools")
+        raise ValueError(f"{what} needs tools: give at least one function in tools")
     if tool_parser is None:
-        raise ValueError(f"tool_choice {what} needs a tool-call parser to read the calls: start the server with "
+        raise ValueError(f"{what} needs a tool-call parser to read the calls: start the server with "
                          "--tool-call-parser (ernie-x1 for ERNIE-4.5)")
     if not isinstance(tool_parser, TaggedJsonToolParser):
-        raise ValueError(f"tool_choice {what} is supported with the tool parsers that read "
+        raise ValueError(f"{what} is supported with the tool parsers that read "
                          f"<tool_call>{{json}}</tool_call> blocks (ernie-x1, ernie-45-vl-thinking, qwen3), not "
                          f"{tool_parser.name!r}")
     if chosen:
         named = [(i, f) for i, f in enumerate(functions) if f["name"] == chosen]
         if not named:
-            raise ValueError(f"tool_choice names function {chosen!r}, which is not in tools "
+            raise ValueError(f"tool_choice: names function {chosen!r}, which is not in tools "
                              f"({', '.join(repr(f['name']) for f in functions)})")
         functions, indexes = [named[0][1]], [named[0][0]]
     else:
@@ -154,14 +154,14 @@ def _chosen_function(tool_choice: Any) -> str | None:
         name = fn.get("name") if isinstance(fn, dict) else None
         if tool_choice.get("type", "function") == "function" and isinstance(name, str) and name:
             return name
-    raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or "
+    raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or "
                      f'{{"type": "function", "function": {{"name": ...}}}}, got {json.dumps(tool_choice)[:80]}')
 
 
 def _function_of(tool: Any, i: int) -> dict:
     fn = tool.get("function", tool) if isinstance(tool, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ValueError(f"tools[{i}] must be a function with a name ({{\"type\": \"function\", \"function\": "
+        raise ValueError(f"tools[{i}]: must be a function with a name ({{\"type\": \"function\", \"function\": "
                          "{\"name\": ..., \"parameters\": {...}}})")
     return fn
 
@@ -172,7 +172,7 @@ def _call_schema(fn: dict, i: int) -> dict:
     if params is None:  # OpenAI: a function without parameters takes none
         params = {"type": "object", "properties": {}, "additionalProperties": False}
     if not isinstance(params, dict):
-        raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        raise ValueError(f"tools[{i}].function.parameters: must be a JSON schema object")
     check_without_tokenizer(LLMatcher.grammar_from_json_schema(params, defaults=JSON_OPTIONS),
                             f"tools[{i}].function.parameters")
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},

@@ -6,11 +6,14 @@ request costs no engine work and always gets INVALID_ARG naming the field.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from ..chat import render_chat_prompt
-from ..parsers import get_reasoning_parser, get_tool_parser
+from ..engine.guided import GrammarCompiler
+from ..engine.guided_grammar import GrammarError, answer_constraint, tool_call_constraint
+from ..parsers import ChatOutputParser, get_reasoning_parser, get_tool_parser
+from ..sampling_params import SamplingParams
 from .errors import InvalidInput
 from .request import GenerateRequest
 
@@ -24,6 +27,7 @@ class Preprocessor:
         self.reasoning_parser = reasoning_parser or None
         self.tool_call_parser = tool_call_parser or None
         self._checked: set[tuple[str, str]] = set()
+        self._grammars: GrammarCompiler | None = None  # built on the first guided request
         # A configured parser that does not fit the tokenizer is a start-up error, not a per-request one.
         for kind, name in (("reasoning_parser", self.reasoning_parser), ("tool_call_parser", self.tool_call_parser)):
             if name:
@@ -71,6 +75,8 @@ class Preprocessor:
             raise InvalidInput(field, f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                                       "it must leave room for at least one generated token")
         enable_thinking = req.chat_template_kwargs.get("enable_thinking") if req.is_chat else None
+        enable_thinking = enable_thinking if isinstance(enable_thinking, bool) else None
+        params = self._constrained(req, ids, reasoning, tool, enable_thinking)
         meta = {
             "stream": req.stream,
             "is_chat": req.is_chat,
@@ -79,12 +85,51 @@ class Preprocessor:
             "reasoning_parser": reasoning,
             "tool_call_parser": tool if req.tools else None,
             "tools": req.tools,
-            "enable_thinking": enable_thinking if isinstance(enable_thinking, bool) else None,
-            "max_tokens": req.params.max_tokens,
-            "skip_special_tokens": req.params.skip_special_tokens,
-            "logprobs": req.params.logprobs,
+            "enable_thinking": enable_thinking,
+            "max_tokens": params.max_tokens,
+            "skip_special_tokens": params.skip_special_tokens,
+            "logprobs": params.logprobs,
         }
-        return ids, {"sampling": asdict(req.params), "stream": req.stream, "meta": meta}
+        return ids, {"sampling": asdict(params), "stream": req.stream, "meta": meta}
+
+    def _constrained(self, req: GenerateRequest, ids: list[int], reasoning: str | None, tool: str | None,
+                     enable_thinking: bool | None) -> SamplingParams:
+        """The request's sampling params with its guided decoding as the engine runs it: tool_choice
+        "required" / a named function as the tool parser's call format, or the client's constraint where the
+        reasoning parser reads the answer; starting after `</think>` when the output begins inside reasoning
+        (the model status the detokenizer will use). The grammar is compiled here, so an error names the
+        client's field."""
+        params = req.params
+        if params.guided_decoding is None and req.tool_choice in (None, "auto", "none"):
+            return params
+        tools = req.tools if tool else None
+        status = ChatOutputParser(self.tokenizer, reasoning, tool, ids, tools, enable_thinking).model_status
+        rp = get_reasoning_parser(reasoning)(self.tokenizer) if reasoning else None
+        try:
+            calls = tool_call_constraint(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                         get_tool_parser(tool)(self.tokenizer) if tool else None, rp, status)
+        except GrammarError as e:
+            raise InvalidInput(e.field.split(".", 1)[0].split("[", 1)[0], str(e)) from None
+        except ValueError as e:  # the message starts with the field: tool_choice ... / tools[2] ...
+            raise InvalidInput("tools" if str(e).startswith("tools") else "tool_choice", str(e)) from None
+        if calls is not None and params.guided_decoding is not None:
+            raise InvalidInput("tool_choice", f"tool_choice {req.tool_choice!r} constrains the output to tool calls; "
+                                              f"it cannot be combined with {req.guided_field}")
+        field = "tool_choice" if calls is not None else req.guided_field or "guided_decoding"
+        try:
+            guided = calls or answer_constraint(params.guided_decoding, rp, status)
+            self._grammar_compiler().check(guided)
+        except GrammarError as e:
+            raise InvalidInput(field, f"{field}: {e.reason}") from None
+        return replace(params, guided_decoding=guided)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            eos = self.tokenizer.eos_token_id
+            if eos is None:
+                raise InvalidInput("guided_decoding", "guided decoding needs an eos token; this tokenizer has none")
+            self._grammars = GrammarCompiler(self.tokenizer, len(self.tokenizer), [eos])
+        return self._grammars
 
 
 def dumps(obj: Any) -> str:

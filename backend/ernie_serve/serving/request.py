@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import GuidedDecodingParams, SamplingParams
 from .errors import InvalidInput
 
 # tensor name -> SamplingParams field, for the scalar sampling inputs
@@ -31,6 +31,8 @@ STRING_LIST_INPUTS = {"stop_words": "stop", "bad_words": "bad_words"}
 PARSER_PARAMETERS = ("reasoning_parser", "tool_call_parser")
 # BOOL inputs that may also come as request parameters (HTTP JSON keys of an ensemble without the input)
 FLAG_PARAMETERS = ("skip_parsers",)
+# sampling_parameters keys that set SamplingParams.guided_decoding, vLLM's / FastDeploy's names -> its field
+GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 @dataclass
@@ -46,6 +48,10 @@ class GenerateRequest:
     tool_call_parser: str | None = None
     # Raw text out: no reasoning / tool-call parsing (OpenAI /v1/completions), markers like </think> kept.
     skip_parsers: bool = False
+    # where params.guided_decoding came from (guided_json, response_format, ...), for errors found later
+    guided_field: str | None = None
+    tool_choice: str | dict | None = None  # OpenAI's; "required" / a named function constrain the output
+    parallel_tool_calls: bool | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -161,6 +167,17 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
             flags[name] = flags[name] or v
 
     sampling: dict[str, Any] = _json(inputs, "sampling_parameters", dict) or {}
+    guided_field = _take_guided(sampling)
+    tool_choice = sampling.pop("tool_choice", None)
+    parallel_tool_calls = sampling.pop("parallel_tool_calls", None)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidInput("parallel_tool_calls", f"parallel_tool_calls: must be true or false, got "
+                                                  f"{parallel_tool_calls!r}")
+    if tool_choice not in (None, "none", "auto") and prompt is not None:
+        raise InvalidInput("tool_choice", "tool_choice: only applies to chat requests (messages with tools), not to "
+                                          "text_input")
+    if tool_choice == "none":  # OpenAI: the model may not call tools, so it is not shown them
+        tools = None
     if "max_completion_tokens" in sampling:  # OpenAI spelling; parsers.md: it wins over max_tokens
         value = sampling.pop("max_completion_tokens")
         if value is not None:
@@ -190,11 +207,59 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
     return GenerateRequest(params=params, prompt=prompt, messages=messages, tools=tools or None,
                            chat_template_kwargs=kwargs, stream=flags["stream"],
                            exclude_input_in_output=flags["exclude_input_in_output"],
-                           skip_parsers=flags["skip_parsers"], **overrides)
+                           skip_parsers=flags["skip_parsers"], guided_field=guided_field,
+                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **overrides)
+
+
+def _take_guided(sampling: dict[str, Any]) -> str | None:
+    """Turn the guided-decoding keys of sampling_parameters (guided_json / guided_regex / guided_choice /
+    guided_grammar, OpenAI's response_format, or guided_decoding itself) into sampling["guided_decoding"],
+    checked here so an error names the key the client sent. Returns that key."""
+    keys = (*GUIDED_KEYS, "response_format", "guided_decoding")
+    for k in keys:
+        if k in sampling and sampling[k] is None:  # JSON null: not given
+            del sampling[k]
+    given = [k for k in keys if k in sampling]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidInput(given[1], f"{given[1]}: give one guided-decoding constraint, got {' and '.join(given)}")
+    key = given[0]
+    if key == "guided_decoding":
+        return key
+    value = sampling.pop(key)
+    if key == "response_format":
+        constraint, label = _response_format(value)
+        if constraint is None:
+            return None
+    else:
+        constraint, label = {GUIDED_KEYS[key]: value}, key
+    try:
+        sampling["guided_decoding"] = GuidedDecodingParams.from_value(constraint)
+    except ValueError as e:  # "guided_decoding.json is not valid JSON" -> "guided_json is not valid JSON"
+        raise InvalidInput(key, f"{label} {str(e).split(' ', 1)[1]}") from None
+    return key
+
+
+def _response_format(value: Any) -> tuple[dict | None, str]:
+    """OpenAI's response_format as a GuidedDecodingParams object (None for "text") and the label errors use."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        return {"json_object": True}, "response_format"
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            raise InvalidInput("response_format", 'response_format: json_schema must be an object with a "schema" '
+                                                  '(and optionally "name", "strict")')
+        return {"json": spec["schema"]}, "response_format: json_schema.schema"
+    raise InvalidInput("response_format", f'response_format: type must be "text", "json_object" or "json_schema", '
+                                          f"got {kind!r}")
 
 
 def _field_of(message: str, sampling: dict) -> str:
     """SamplingParams messages start with the field name (`stop_token_ids[3] must ...`); fall back to
     the JSON input's name."""
-    head = message.split(" ", 1)[0].split("[", 1)[0]
+    head = message.split(" ", 1)[0].split("[", 1)[0].split(".", 1)[0]
     return head if head in sampling or head in SamplingParams.__dataclass_fields__ else "sampling_parameters"
