@@ -340,8 +340,6 @@ def _error(exc: openai.APIStatusError) -> dict:
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": []}, "messages"),
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"messages": CHAT, "tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),
-    ({"messages": CHAT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e", "f"]}, "stop"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -16,7 +16,9 @@ from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # SamplingParams fields that travel in the sampling_parameters JSON (the rest have tensors).
 _JSON_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+                "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                # structured outputs, under the names the ensemble's sampling_parameters takes
+                "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 @dataclass
@@ -91,6 +93,12 @@ def chat_jobs(req: ChatCompletionRequest) -> list[Job]:
     tools = req.active_tools()
     if tools:
         base["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+        # "required" / a named function: the ensemble constrains the output to its tool parser's call format
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(req, name) is not None:
+                base["sampling_parameters"][name] = getattr(req, name)
+    elif req.tool_choice not in (None, "auto", "none"):
+        base["sampling_parameters"]["tool_choice"] = req.tool_choice  # no tools: the ensemble says what is missing
     if req.chat_template_kwargs:
         base["chat_template_kwargs"] = dict(req.chat_template_kwargs)
     return [Job(i, _with_seed(base, req.seed, i)) for i in range(req.n)]

@@ -92,6 +92,13 @@ class _GenerationFields(_Model):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None
+    # Structured outputs: OpenAI's response_format and vLLM's / FastDeploy's guided_* fields; the ensemble
+    # checks and compiles them (a bad one comes back as a 400 naming the field).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -123,22 +130,11 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        if isinstance(self.tool_choice, dict):
-            name = (self.tool_choice.get("function") or {}).get("name")
-            raise bad_request(f"tool_choice naming a function ({name!r}) is not supported: this server cannot "
-                              "force a particular tool call; use 'auto' or 'none'", "tool_choice")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise bad_request(f"tool_choice {self.tool_choice!r} is not supported: this server cannot force a "
-                              "tool call; use 'auto' or 'none'", "tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than 'text' (guided decoding) is not supported",
-                              "response_format")
         for i, m in enumerate(self.messages):
             for part in m.content if isinstance(m.content, list) else []:
                 if part.type != "text":
