@@ -1,52 +1,41 @@
-"""GQA attention over the paged KV cache.
+"""GQA attention over the paged KV cache: the step's AttentionMetadata, and the reference backend's plan.
 
-A step's tokens arrive flattened ([T, ...], sequence after sequence). The model runner orders them
-so that sequences computing few tokens (decodes, speculative verification) come first: those run
-as one padded batch against their gathered cache blocks. Longer chunks (prefills) follow and run
-one sequence at a time, attending to their fresh K/V directly when nothing of them is cached yet.
-Every causal rule is the same: query i of a sequence with `context_len` visible tokens and `q_len`
-new ones sees keys j <= context_len - q_len + i.
+AttentionMetadata is plain index data, built once per step by the model runner (as vLLM's attention
+metadata and nano-vllm's context): where each sequence's new tokens sit in the flattened step, how many
+tokens each sees, its block table, the cache slot of every new token, and how many leading sequences are
+decodes. A backend derives what it needs from it once per step (`derive`) and every layer reuses that.
+
+The reference backend (reference_attention.py holds its math) runs the leading decodes as one padded
+batch and every longer chunk in tiles with an online softmax. The causal rule is one: query i of a
+sequence with `seq_len` visible tokens and `q_len` new ones sees keys j <= seq_len - q_len + i.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 
-from .kv_cache import PagedKVCache, transpose
+from .kv_cache import PagedKVCache
+from .reference_attention import MASKED, FreshKV, PagedKV, batched_attention, tiled_causal_attention
 
-_MASKED = -1e30  # finite, so a fully padded row gives a (discarded) uniform row instead of NaN
+T = TypeVar("T")
 
-
-@dataclass
-class BatchedAttention:
-    """Sequences with short queries, padded to q_len each; they occupy the first num_tokens tokens."""
-
-    num_tokens: int
-    q_len: int
-    q_index: paddle.Tensor  # [B*q_len] rows of the step's tokens (padding repeats a valid row)
-    out_index: paddle.Tensor | None  # [num_tokens] rows of the padded output; None when no padding
-    block_ids: np.ndarray  # [B, nb]
-    mask: paddle.Tensor  # [B, 1, 1, q_len, nb*block_size] additive
+KV_TILE_TOKENS = 512  # keys per tile of a prefill chunk (rounded to whole cache blocks)
+SCORE_TILE_ELEMENTS = 1 << 20  # q_tile = this // (heads * kv tile): a 4 MB fp32 score tile
 
 
-@dataclass
-class PrefillAttention:
-    start: int
-    q_len: int
-    context_len: int
-    block_ids: np.ndarray | None  # None: no cached context, attend to the chunk's own K/V
-    mask: paddle.Tensor | None = None  # [1, 1, 1, q_len, L] additive, built once per step
-
-
-@dataclass
+@dataclass(eq=False)
 class AttentionMetadata:
-    slot_mapping: np.ndarray | None  # [T] cache slot of every new token; None when not caching
-    batched: BatchedAttention | None = None
-    prefills: list[PrefillAttention] = field(default_factory=list)
-    max_position: int = 0
+    query_start_loc: np.ndarray  # [B+1] int64: sequence i's new tokens are rows [qsl[i], qsl[i+1]) of the step
+    seq_lens: np.ndarray  # [B] int64: tokens sequence i sees after this step (cached + new)
+    block_tables: np.ndarray | None  # [B, nb] int64 blocks holding each sequence's tokens, 0-padded; None: no cache
+    slot_mapping: np.ndarray | None  # [T] int64 cache slot of every new token; None: K/V are not cached
+    num_decodes: int  # the first num_decodes sequences compute few tokens each (decodes, draft verification)
+    block_size: int
+    max_position: int
+    _derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def build(
@@ -57,80 +46,104 @@ class AttentionMetadata:
         block_size: int,
         slot_mapping: np.ndarray | None,
         max_position: int,
-        max_batched_q: int = 8,
+        max_decode_query_len: int = 8,
     ) -> "AttentionMetadata":
-        """Describe one step. Sequences must be ordered short queries first (see module docstring)."""
-        meta = cls(slot_mapping=slot_mapping, max_position=max_position)
-        n_short = 0
-        while n_short < len(query_lens) and query_lens[n_short] <= max_batched_q and block_tables is not None:
-            n_short += 1
-        if n_short:
-            meta.batched = _build_batched(query_lens[:n_short], context_lens[:n_short],
-                                          block_tables[:n_short], block_size)
-        start = sum(query_lens[:n_short])
-        for i in range(n_short, len(query_lens)):
-            q, c = query_lens[i], context_lens[i]
-            ids = None
-            if c > q:  # part of the context is cached: read it (with the new tokens) from the cache
-                nb = -(-c // block_size)
-                ids = np.asarray(block_tables[i][:nb], dtype=np.int64)[None, :]
-            length = c if ids is None else ids.shape[1] * block_size
-            meta.prefills.append(PrefillAttention(start, q, c, ids, _causal_mask([q], [c], q, length)))
-            start += q
-        return meta
+        """One step's metadata. Sequences computing at most max_decode_query_len tokens must come first;
+        without block tables every sequence must be fresh (context_len == query_len)."""
+        q = np.asarray(query_lens, dtype=np.int64)
+        seq_lens = np.asarray(context_lens, dtype=np.int64)
+        if len(q) != len(seq_lens) or not len(q) or (q < 1).any() or (seq_lens < q).any():
+            raise ValueError(f"query_lens must be >= 1 and <= context_lens, got {query_lens} and {context_lens}")
+        tables, num_decodes = None, 0
+        if block_tables is None:
+            if (seq_lens != q).any():
+                raise ValueError("context_lens must equal query_lens when there are no block_tables (nothing cached)")
+        else:
+            need = -(-seq_lens // block_size)
+            tables = np.zeros((len(q), int(need.max())), dtype=np.int64)
+            for i, (table, nb) in enumerate(zip(block_tables, need)):
+                if len(table) < nb:
+                    raise ValueError(f"block_tables[{i}] has {len(table)} blocks, {nb} needed for "
+                                     f"{seq_lens[i]} tokens of {block_size}")
+                tables[i, :nb] = table[:nb]
+            while num_decodes < len(q) and q[num_decodes] <= max_decode_query_len:
+                num_decodes += 1
+        query_start_loc = np.concatenate([[0], np.cumsum(q)]).astype(np.int64)
+        return cls(query_start_loc, seq_lens, tables, slot_mapping, num_decodes, block_size, max_position)
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return int(self.query_start_loc[self.num_decodes])
+
+    def derive(self, name: str, build: Callable[["AttentionMetadata"], T]) -> T:
+        """What a backend computes from this step's index data (masks on CPU, kernel arguments on GPU):
+        built on the first layer's call, reused by the others."""
+        if name not in self._derived:
+            self._derived[name] = build(self)
+        return self._derived[name]
 
 
-def _build_batched(q_lens: list[int], ctx_lens: list[int], tables: list[list[int]], block_size: int):
-    b, q = len(q_lens), max(q_lens)
-    nb = max(-(-c // block_size) for c in ctx_lens)
-    block_ids = np.zeros((b, nb), dtype=np.int64)
-    for i, c in enumerate(ctx_lens):
-        n = -(-c // block_size)
-        block_ids[i, :n] = tables[i][:n]
-    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int64)
-    q_index = np.zeros((b, q), dtype=np.int64)
-    for i, (s, n) in enumerate(zip(starts, q_lens)):
-        q_index[i, :n] = np.arange(s, s + n)
-        q_index[i, n:] = s  # padding repeats the sequence's first token
-    padded = any(n != q for n in q_lens)
+@dataclass
+class _DecodeBatch:
+    """The leading short-query sequences, padded to q_len each."""
+
+    q_len: int
+    q_index: paddle.Tensor  # [B*q_len] rows of the step's tokens (padding repeats a valid row)
+    out_index: paddle.Tensor | None  # [num_decode_tokens] rows of the padded output; None when no padding
+    block_ids: np.ndarray  # [B, nb]
+    mask: paddle.Tensor  # [B, 1, 1, q_len, nb*block_size] additive
+
+
+@dataclass
+class _Chunk:
+    """A longer chunk, attended in tiles."""
+
+    start: int
+    q_len: int
+    seq_len: int
+    block_ids: np.ndarray | None  # [nb]; None: nothing cached before the chunk, attend to its own K/V
+
+
+@dataclass
+class _ReferencePlan:
+    decodes: _DecodeBatch | None
+    chunks: list[_Chunk]
+
+
+def _plan(meta: AttentionMetadata) -> _ReferencePlan:
+    qsl, lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
+    q_lens = meta.query_lens
+    decodes = _decode_batch(meta) if meta.num_decodes else None
+    chunks = []
+    for i in range(meta.num_decodes, len(lens)):
+        q, s = int(q_lens[i]), int(lens[i])
+        ids = meta.block_tables[i, : -(-s // bs)] if s > q else None
+        chunks.append(_Chunk(int(qsl[i]), q, s, ids))
+    return _ReferencePlan(decodes, chunks)
+
+
+def _decode_batch(meta: AttentionMetadata) -> _DecodeBatch:
+    n = meta.num_decodes
+    q_lens, ctx_lens = meta.query_lens[:n], meta.seq_lens[:n]
+    q = int(q_lens.max())
+    nb = int((-(-ctx_lens // meta.block_size)).max())
+    block_ids = meta.block_tables[:n, :nb]
+    starts, r = meta.query_start_loc[:n, None], np.arange(q)[None, :]
+    q_index = np.where(r < q_lens[:, None], starts + r, starts)  # padding repeats the sequence's first token
     out_index = None
-    if padded:
-        out_index = paddle.to_tensor(np.concatenate([i * q + np.arange(n) for i, n in enumerate(q_lens)]))
-    mask = _causal_mask(q_lens, ctx_lens, q, nb * block_size)
-    return BatchedAttention(sum(q_lens), q, paddle.to_tensor(q_index.reshape(-1)), out_index, block_ids, mask)
-
-
-def _causal_mask(q_lens: list[int], ctx_lens: list[int], q: int, length: int) -> paddle.Tensor:
+    if (q_lens != q).any():
+        out_index = paddle.to_tensor(np.concatenate([i * q + np.arange(m) for i, m in enumerate(q_lens)]))
     i = np.arange(q)[None, :, None]
-    j = np.arange(length)[None, None, :]
-    qn = np.asarray(q_lens)[:, None, None]
-    cn = np.asarray(ctx_lens)[:, None, None]
+    j = np.arange(nb * meta.block_size)[None, None, :]
+    qn, cn = q_lens[:, None, None], ctx_lens[:, None, None]
     visible = (j <= cn - qn + i) & (i < qn)
     visible |= (i >= qn) & (j == 0)  # padded query rows: keep one key so the row stays finite
-    mask = np.where(visible, 0.0, _MASKED).astype(np.float32)
-    return paddle.to_tensor(mask[:, None, None, :, :])
-
-
-def _sdpa(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor, scale: float) -> paddle.Tensor:
-    """q [B, Q, nh, hd], k/v [B, nkv, L, hd] (contiguous), mask [B, 1, 1, Q, L] -> [B, Q, nh*hd].
-
-    Query head h reads KV head h // g (g = nh / nkv), so [nh] splits as [nkv, g] without a copy;
-    the single-token decode case needs no transpose at all.
-    """
-    b, qn, nh, hd = q.shape
-    nkv = k.shape[1]
-    g = nh // nkv
-    if qn == 1:
-        qh = q.reshape([b, nkv, g, hd])
-    else:
-        qh = transpose(q.reshape([b, qn, nkv, g, hd]), [0, 2, 3, 1, 4]).reshape([b, nkv, g * qn, hd])
-    scores = paddle.matmul(qh, k, transpose_y=True) * scale  # [B, nkv, g*Q, L]
-    scores = scores.reshape([b, nkv, g, qn, -1]) + mask
-    probs = F.softmax(scores, axis=-1).reshape([b, nkv, g * qn, -1])
-    out = paddle.matmul(probs, v)  # [B, nkv, g*Q, hd]
-    if qn == 1:
-        return out.reshape([b, 1, nh * hd])
-    return transpose(out.reshape([b, nkv, g, qn, hd]), [0, 3, 1, 2, 4]).reshape([b, qn, nh * hd])
+    mask = np.where(visible, 0.0, MASKED).astype(np.float32)[:, None, None, :, :]
+    return _DecodeBatch(q, paddle.to_tensor(q_index.reshape(-1)), out_index, block_ids, paddle.to_tensor(mask))
 
 
 def paged_attention(
@@ -141,23 +154,27 @@ def paged_attention(
     meta: AttentionMetadata,
     cache: PagedKVCache | None,
     scale: float,
+    kv_tile_tokens: int = KV_TILE_TOKENS,
+    score_tile_elements: int = SCORE_TILE_ELEMENTS,
 ) -> paddle.Tensor:
     """q [T, nh, hd], k/v [T, nkv, hd] for the step's new tokens -> [T, nh*hd]."""
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
+    plan = meta.derive("reference", _plan)
+    nh, hd = q.shape[1], q.shape[2]
     outs = []
-    if meta.batched is not None:
-        bt = meta.batched
-        kc, vc = cache.gather(layer, bt.block_ids)
-        qb = paddle.index_select(q, bt.q_index).reshape([-1, bt.q_len, q.shape[1], q.shape[2]])
-        ob = _sdpa(qb, kc, vc, bt.mask, scale).reshape([-1, q.shape[1] * q.shape[2]])
-        outs.append(ob if bt.out_index is None else paddle.index_select(ob, bt.out_index))
-    for p in meta.prefills:
-        qp = q[p.start : p.start + p.q_len].unsqueeze(0)
-        if p.block_ids is None:
-            kp = transpose(k[p.start : p.start + p.q_len], [1, 0, 2]).unsqueeze(0)
-            vp = transpose(v[p.start : p.start + p.q_len], [1, 0, 2]).unsqueeze(0)
+    if plan.decodes is not None:
+        d = plan.decodes
+        kc, vc = cache.gather(layer, d.block_ids)
+        qb = paddle.index_select(q, d.q_index).reshape([-1, d.q_len, nh, hd])
+        ob = batched_attention(qb, kc, vc, d.mask, scale).reshape([-1, nh * hd])
+        outs.append(ob if d.out_index is None else paddle.index_select(ob, d.out_index))
+    for c in plan.chunks:
+        rows = slice(c.start, c.start + c.q_len)
+        if c.block_ids is None:
+            kv = FreshKV(k[rows], v[rows], kv_tile_tokens)
         else:
-            kp, vp = cache.gather(layer, p.block_ids)
-        outs.append(_sdpa(qp, kp, vp, p.mask, scale)[0])
+            kv = PagedKV(cache, layer, c.block_ids, max(1, kv_tile_tokens // cache.block_size))
+        q_tile = max(1, score_tile_elements // (nh * kv.tile_tokens))
+        outs.append(tiled_causal_attention(q[rows], kv, c.seq_len - c.q_len, scale, q_tile))
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
