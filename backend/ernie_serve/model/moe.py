@@ -58,6 +58,10 @@ class FusedExperts(nn.Layer):
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(silu_and_mul(paddle.matmul(x, self.up_gate_proj[e])), self.down_proj[e])
 
+    def batched_forward(self, xs: paddle.Tensor) -> paddle.Tensor:
+        """Every expert on its own rows: xs [E, n, H] -> [E, n, H]."""
+        return paddle.bmm(silu_and_mul(paddle.bmm(xs, self.up_gate_proj)), self.down_proj)
+
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
         return grouped_expert_forward(self, x, topk_ids, topk_weights)
 
@@ -68,6 +72,8 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
 
     Tokens are sorted by expert once, then each active expert runs once over its tokens; results are
     weighted and scattered back with index_add. There is no per-token loop, and gradients flow.
+    Experts that can (`batched_forward`) run all at once instead when few tokens spread over most
+    experts (decode): see `_use_batched`.
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape([-1]).numpy()
@@ -76,15 +82,42 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
         raise ValueError(f"topk_ids hold expert id {int(flat_ids.max())} >= num_experts={experts.num_experts}")
     order = np.argsort(flat_ids, kind="stable")
     token_of = paddle.to_tensor(order // k)
-    xs = paddle.index_select(x, token_of)
     w = paddle.index_select(topk_weights.reshape([-1]), paddle.to_tensor(order)).astype(x.dtype)
-    outs, start = [], 0
-    for e in np.nonzero(counts)[0]:
-        n = int(counts[e])
-        outs.append(experts.expert_forward(int(e), xs[start : start + n]))
-        start += n
-    ys = paddle.concat(outs, axis=0) * w.unsqueeze(-1)
-    return paddle.index_add(paddle.zeros_like(x), token_of, 0, ys)
+    if hasattr(experts, "batched_forward") and _use_batched(counts):
+        ys = _batched(experts, x, flat_ids, order, counts, k)
+    else:
+        xs = paddle.index_select(x, token_of)
+        outs, start = [], 0
+        for e in np.nonzero(counts)[0]:
+            n = int(counts[e])
+            outs.append(experts.expert_forward(int(e), xs[start : start + n]))
+            start += n
+        ys = paddle.concat(outs, axis=0)
+    return paddle.index_add(paddle.zeros_like(x), token_of, 0, ys * w.unsqueeze(-1))
+
+
+def _use_batched(counts: np.ndarray) -> bool:
+    """One batched matmul over every expert reads each weight once in a single op, where a loop issues two
+    small matmuls per expert (measured at decode size, 16 tokens top-4 of 16 experts, H 1024: 49 -> 28 ms a
+    layer). It pays when most experts are active (inactive ones are read for nothing) and padding every
+    expert to the busiest one's count at most doubles the rows."""
+    num_experts, active = counts.shape[0], int(np.count_nonzero(counts))
+    return 4 * active >= 3 * num_experts and num_experts * int(counts.max()) <= 2 * int(counts.sum()) + num_experts
+
+
+def _batched(experts, x: paddle.Tensor, flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray,
+             k: int) -> paddle.Tensor:
+    """Expert outputs of the (token, choice) pairs in `order`, from one padded [E, cap, H] batch."""
+    num_experts, cap, t = counts.shape[0], int(counts.max()), x.shape[0]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    expert_of = flat_ids[order]
+    rows = expert_of * cap + (np.arange(order.size) - starts[expert_of])  # padded row of each pair
+    gather = np.full(num_experts * cap, t, dtype=np.int64)  # row t of the padded input is zeros
+    gather[rows] = order // k
+    padded = paddle.concat([x, paddle.zeros([1, x.shape[1]], x.dtype)])
+    xs = paddle.index_select(padded, paddle.to_tensor(gather)).reshape([num_experts, cap, -1])
+    ys = experts.batched_forward(xs).reshape([num_experts * cap, -1])
+    return paddle.index_select(ys, paddle.to_tensor(rows))
 
 
 def make_experts(cfg: ErnieModelConfig, quant_method: str | None) -> nn.Layer:
