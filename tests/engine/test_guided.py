@@ -38,8 +38,8 @@ def allowed_after(compiler, params, prefix: list[int]) -> set[int]:
     state = compiler.new_state(params)
     for t in prefix:
         assert state.accept(t)
-    _, allowed = _masks(compiler, [GrammarRows(state, 0, [])], 1)
-    return set(np.flatnonzero(allowed[0]).tolist())
+    _, bias = _masks(compiler, [GrammarRows(state, 0, [])], 1)
+    return set(np.flatnonzero(bias[0] == 0).tolist())
 
 
 def _masks(compiler, grammars, rows):

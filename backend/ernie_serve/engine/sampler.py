@@ -160,9 +160,9 @@ def apply_grammar_masks(logits: np.ndarray, batch: SamplingBatch) -> None:
     """In place: -inf for every token a guided row's grammar does not allow next."""
     if not batch.grammars:
         return
-    rows, allowed = grammar_masks(batch.grammars, logits.shape[0], logits.shape[1])
+    rows, bias = grammar_masks(batch.grammars, logits.shape[0], logits.shape[1])
     if rows.size:
-        logits[rows] = np.where(allowed, logits[rows], -np.inf)
+        logits[rows] += bias
 
 
 def _sample_sorted(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
