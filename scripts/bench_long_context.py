@@ -78,7 +78,8 @@ def run_one(prompt_len: int, decode_steps: int, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"comma list of prompt lengths (default {DEFAULT_LENGTHS})")
+    ap.add_argument("--lengths", default=DEFAULT_LENGTHS,
+                    help=f"comma list of prompt lengths (default {DEFAULT_LENGTHS})")
     ap.add_argument("--decode-steps", type=int, default=8, help="decode steps timed after each prompt")
     ap.add_argument("--out", type=Path, default=ROOT / "out")
     ap.add_argument("--_run-one", nargs=2, metavar=("LEN", "OUT"), help=argparse.SUPPRESS)
@@ -87,7 +88,10 @@ def main() -> None:
         run_one(int(args._run_one[0]), args.decode_steps, Path(args._run_one[1]))
         return
 
-    lengths = [int(x) for x in args.lengths.split(",") if x]
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x]
+    except ValueError:
+        lengths = []
     if not lengths or min(lengths) < 1:
         raise SystemExit(f"--lengths must be positive integers, got {args.lengths!r}")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,6 @@ class _Step:
 
     def run(self, cached: bool = True, **tiles) -> np.ndarray:
         q_lens, ctx = [n for n, _ in self.seqs], [c for _, c in self.seqs]
-        new = lambda xs: paddle.to_tensor(np.concatenate([x[c - n :] for x, (n, c) in zip(xs, self.seqs)]))  # noqa: E731
         if cached:
             slots = np.concatenate([self._slots(t, range(c - n, c)) for t, (n, c) in zip(self.tables, self.seqs)])
             meta = AttentionMetadata.build(q_lens, ctx, self.tables, self.block_size, slots, max(ctx) - 1)
@@ -62,8 +61,12 @@ class _Step:
         else:
             meta = AttentionMetadata.build(q_lens, ctx, None, self.block_size, None, max(ctx) - 1)
             cache = None
-        q = paddle.to_tensor(np.concatenate(self.q))
-        return paged_attention(q, new(self.k), new(self.v), 0, meta, cache, SCALE, **tiles).numpy()
+        q, k, v = (paddle.to_tensor(np.concatenate(x)) for x in (self.q, self._new(self.k), self._new(self.v)))
+        return paged_attention(q, k, v, 0, meta, cache, SCALE, **tiles).numpy()
+
+    def _new(self, xs: list[np.ndarray]) -> list[np.ndarray]:
+        """Each sequence's rows for this step's new tokens."""
+        return [x[c - n :] for x, (n, c) in zip(xs, self.seqs)]
 
     def reference(self, kv=None) -> np.ndarray:
         k, v = kv if kv is not None else (self.k, self.v)

@@ -167,7 +167,8 @@ class _Int8Storage:
 
 
 def _as_paddle(a: np.ndarray) -> paddle.Tensor:
-    """Zero-copy when `a` is contiguous; DLPack refuses read-only arrays, so views of Paddle tensors must not come here."""
+    """Zero-copy when `a` is contiguous. DLPack refuses read-only arrays, which is what np.from_dlpack
+    returns for a Paddle tensor: such views must not come here (transpose reshapes them instead)."""
     return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(a))
 
 
