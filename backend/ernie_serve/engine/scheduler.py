@@ -104,7 +104,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, self._with_lookahead(req, n)):
+            while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
@@ -135,7 +135,7 @@ class Scheduler:
             if n < remaining and (not self.config.enable_chunked_prefill
                                   or partial >= self.config.max_num_partial_prefills):
                 break
-            if not self.kv.allocate_slots(req, self._with_lookahead(req, n, len(hits) * self.kv.block_size), hits):
+            if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -143,12 +143,6 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             partial += n < remaining
-
-    def _with_lookahead(self, req: Request, n: int, hit_tokens: int = 0) -> int:
-        """Slots to cover for n new tokens (after hit_tokens of prefix hits): plus the lookahead that MTP
-        drafting writes, within max_model_len."""
-        room = self.config.max_model_len - req.num_computed_tokens - hit_tokens
-        return max(n, min(n + self.config.num_lookahead_tokens, room))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
