@@ -10,7 +10,9 @@ from typing import Any
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 EXECUTION_BACKENDS = ("reference",)
-SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "max_ngram", "min_ngram"}
+# speculative_config keys per method; mtp's "model": a separate checkpoint holding the MTP head
+SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "max_ngram", "min_ngram"},
+                    "mtp": {"method", "num_speculative_tokens", "model"}}
 
 
 @dataclass
@@ -86,19 +88,22 @@ class EngineConfig:
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {spec!r}")
         method = spec.get("method")
-        if method != "ngram":
-            raise ValueError(f"speculative_config.method {method!r} is not available: supported: 'ngram' "
-                             f"('mtp' needs the model's MTP head, not implemented yet)")
-        unknown = sorted(set(spec) - SPECULATIVE_KEYS)
+        if method not in SPECULATIVE_KEYS:
+            raise ValueError(f"speculative_config.method {method!r} is not available: supported: "
+                             f"{', '.join(repr(m) for m in SPECULATIVE_KEYS)}")
+        unknown = sorted(set(spec) - SPECULATIVE_KEYS[method])
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; "
-                             f"known for 'ngram': {', '.join(sorted(SPECULATIVE_KEYS))}")
+                             f"known for {method!r}: {', '.join(sorted(SPECULATIVE_KEYS[method]))}")
         k = spec.get("num_speculative_tokens", 1)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 5:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 5], got {k!r}")
-        lo, hi = spec.get("min_ngram", 1), spec.get("max_ngram", 3)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
-            raise ValueError(f"speculative_config needs integers 1 <= min_ngram <= max_ngram, got {lo!r}, {hi!r}")
+        if method == "ngram":
+            lo, hi = spec.get("min_ngram", 1), spec.get("max_ngram", 3)
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+                raise ValueError(f"speculative_config needs integers 1 <= min_ngram <= max_ngram, got {lo!r}, {hi!r}")
+        elif spec.get("model") is not None and not isinstance(spec["model"], str):
+            raise ValueError(f"speculative_config.model must be a checkpoint directory path, got {spec['model']!r}")
 
     def _refuse_unbuilt(self) -> None:
         """FastDeploy flags this build does not implement yet: refused with what is supported, never ignored."""
@@ -137,6 +142,13 @@ class EngineConfig:
         if threshold <= 0:
             return self.max_num_batched_tokens
         return threshold
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a decoding request needs beyond this step's tokens: MTP drafting writes its own KV at
+        the next positions in the same step (vLLM's num_lookahead_tokens)."""
+        spec = self.speculative_config
+        return spec.get("num_speculative_tokens", 1) if spec and spec.get("method") == "mtp" else 0
 
     @property
     def sampling_class(self) -> str:

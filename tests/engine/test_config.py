@@ -66,7 +66,8 @@ def test_enable_logprob_false_refuses_requests_that_ask_for_logprobs(tiny_model_
 
 
 @pytest.mark.parametrize("spec,hint", [
-    ({"method": "mtp", "num_speculative_tokens": 1}, "supported: 'ngram'"),
+    ({"method": "eagle", "num_speculative_tokens": 1}, "supported: 'ngram', 'mtp'"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "max_ngram": 2}, "known for 'mtp': method, model"),
     ({"method": "ngram", "num_speculative_tokens": 3, "model": "/ckpt/mtp"}, "unknown key(s) model"),
     ({"method": "ngram", "num_speculative_tokens": 9}, "in [1, 5]"),
     ({"method": "ngram", "min_ngram": 3, "max_ngram": 2}, "min_ngram <= max_ngram"),

@@ -15,7 +15,8 @@ from .._env import use_all_cpu_threads
 from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
 from ..model.kv_cache import PagedKVCache
-from ..model.loader import load_model
+from ..model.loader import load_model, load_mtp, read_mtp_checkpoint
+from ..model.mtp import ErnieMTP
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..quantization.layers import weight_memory_report
 from ..sampling_params import SamplingParams
@@ -81,10 +82,14 @@ class LLMEngine:
         log.info("model weights resident: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
                  "%.1f MiB)", mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
                  mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
+        spec = config.speculative_config or {}
+        self.mtp = self._load_mtp(spec) if spec.get("method") == "mtp" else None
         num_blocks, num_host_blocks = self._size_kv_pool()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, num_host_blocks, config.sampling_class)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, num_host_blocks, config.sampling_class,
+                                  mtp=self.mtp, num_speculative_tokens=spec.get("num_speculative_tokens", 1),
+                                  max_model_len=config.max_model_len)
         self.proposer = make_proposer(config.speculative_config)
         self.num_output_ids = len(self.tokenizer) if self.tokenizer else self.model_config.vocab_size
         # guided decoding: grammars compiled on the callers' threads, cached per grammar
@@ -102,10 +107,21 @@ class LLMEngine:
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off", self.cpu_threads)
 
+    def _load_mtp(self, spec: dict) -> ErnieMTP:
+        """The MTP head: from the checkpoint's own mtp_* tensors, or from speculative_config.model."""
+        source = spec.get("model")
+        weights = read_mtp_checkpoint(source, self.model_config) if source else self.model.mtp_weights
+        head = load_mtp(self.model_config, weights, source or str(self.model_dir))
+        self.model.mtp_weights = {}  # loaded into the head; the float copies are not needed twice
+        log.info("MTP speculative decoding: %d draft token(s) per step from %s", spec.get("num_speculative_tokens", 1),
+                 source or "the checkpoint's MTP head")
+        return head
+
     # ---------------------------------------------------------------- sizing
     def _size_kv_pool(self) -> tuple[int, int]:
         c, m = self.config, self.model_config
-        shape = (m.num_hidden_layers, c.block_size, m.num_key_value_heads, m.head_dim)
+        layers = m.num_hidden_layers + (self.mtp is not None)  # the MTP head has its own cache layer
+        shape = (layers, c.block_size, m.num_key_value_heads, m.head_dim)
         c8 = getattr(self.model, "kv_cache_quant", None) is not None
         per_block = PagedKVCache.bytes_per_block(*shape, int8=c8)
         if c.num_gpu_blocks_override:
@@ -251,6 +267,9 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(so, result)
         if self.proposer is not None:
             self.scheduler.set_drafts(self._propose_drafts())
+        elif self.mtp is not None:
+            drafts = self.runner.propose_drafts()
+            self.scheduler.set_drafts(drafts.token_ids, drafts.probs)
         return self._outputs(updates, time.monotonic())
 
     def _propose_drafts(self) -> dict[Request, list[int]]:
@@ -331,6 +350,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": s.hit_tokens, "prefix_cache_hit_rate": s.hit_rate,
             "prefix_cache_device_hit_tokens": s.device_hit_tokens, "prefix_cache_host_hit_tokens": s.host_hit_tokens,
             "num_steps": self.num_steps, "prompt_tokens": self.num_prompt_tokens,
+            "spec_drafts": self.scheduler.spec.num_drafts,
             "spec_draft_tokens": self.scheduler.spec.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.spec.num_accepted_tokens,
             "spec_acceptance_rate": self.scheduler.spec.acceptance_rate,

@@ -9,7 +9,9 @@ import paddle
 from ..model.attention import AttentionMetadata
 from ..model.ernie import ErnieForCausalLM
 from ..model.kv_cache import PagedKVCache
+from ..model.mtp import ErnieMTP
 from .kv_cache_manager import KVOp
+from .mtp_drafter import Drafts, MTPDrafter, StepRow
 from .request import Request
 from .guided import GrammarRows
 from .sampler import Sampler, SamplingBatch
@@ -28,15 +30,21 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: ErnieForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 sampling_method: str = "base"):
+                 sampling_method: str = "base", mtp: ErnieMTP | None = None, num_speculative_tokens: int = 0,
+                 max_model_len: int = 0):
+        """`mtp`: the MTP head drafting num_speculative_tokens per step; its KV is one more cache layer."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+        layers = cfg.num_hidden_layers + (mtp is not None)
+        self.cache = PagedKVCache(layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                                   quant=getattr(model, "kv_cache_quant", None))
-        shape = (num_host_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_host_blocks, layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
         self.sampler = Sampler(sampling_method)
+        self.drafter = None if mtp is None else MTPDrafter(model, mtp, self.cache, num_speculative_tokens,
+                                                           max_model_len, MAX_BATCHED_QUERY)
+        self._last_step: tuple[paddle.Tensor, list[StepRow]] | None = None  # for the drafter
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
         """Swaps and copies, in the order the block pool recorded them."""
@@ -71,15 +79,17 @@ class ModelRunner:
                                        MAX_BATCHED_QUERY)
         hidden = self.model(paddle.to_tensor(np.asarray(ids, dtype=np.int64)), paddle.to_tensor(pos), meta, self.cache)
 
-        rows, batch, owners = [], _BatchBuilder(), []
+        rows, batch, owners, step_rows = [], _BatchBuilder(), [], []
         offset = 0
         for s in order:
+            step_rows.append(StepRow(s.request, s.request.num_computed_tokens, s.num_tokens, offset))
             if s.samples:
                 first = offset + s.num_tokens - s.num_spec_tokens - 1
-                batch.add_grammar(s.request, len(rows), s.request.spec_token_ids[: s.num_spec_tokens])
+                drafts = s.request.spec_token_ids[: s.num_spec_tokens]
+                batch.add_grammar(s.request, len(rows), drafts)
                 for j in range(s.num_spec_tokens + 1):
                     rows.append(first + j)
-                    batch.add(s.request, s.request.spec_token_ids[:j])
+                    batch.add(s.request, drafts[:j], verifies=j if j < len(drafts) else None)
                     owners.append(s.request.request_id)
                 for child in _forking_children(s):
                     batch.add_grammar(child, len(rows), [])
@@ -87,6 +97,7 @@ class ModelRunner:
                     batch.add(child, [])
                     owners.append(child.request_id)
             offset += s.num_tokens
+        self._last_step = (hidden, step_rows) if self.drafter is not None else None
         out = ModelRunnerOutput()
         if not rows:
             return out
@@ -100,6 +111,14 @@ class ModelRunner:
             out.errors.setdefault(owners[row], why)
         return out
 
+    def propose_drafts(self) -> Drafts:
+        """MTP drafts from the last step's hidden states; call after its tokens are appended."""
+        if self._last_step is None:
+            return Drafts({}, {})
+        hidden, rows = self._last_step
+        self._last_step = None
+        return self.drafter.propose(hidden, rows)
+
 
 def _forking_children(s: ScheduledRequest) -> list[Request]:
     r = s.request
@@ -112,8 +131,16 @@ class _BatchBuilder:
     def __init__(self):
         self.params, self.gens, self.prompts, self.outputs, self.bad, self.eos = [], [], [], [], [], []
         self.grammars: list[GrammarRows] = []
+        self.draft_tokens: list[int | None] = []
+        self.draft_probs: list[np.ndarray | None] = []
 
-    def add(self, req: Request, drafts: list[int]) -> None:
+    def add(self, req: Request, drafts: list[int], verifies: int | None = None) -> None:
+        """A row sampling after `drafts` (the request's drafts before it). `verifies`: the index of the draft
+        this row checks; with the distribution the draft was sampled from, the sampler applies the
+        speculative-sampling rule to it."""
+        q = req.spec_token_probs[verifies] if verifies is not None and req.spec_token_probs else None
+        self.draft_tokens.append(req.spec_token_ids[verifies] if q is not None else None)
+        self.draft_probs.append(q)
         self.params.append(req.sampling_params)
         self.gens.append(req.generator)
         self.prompts.append(req.prompt_token_ids)
@@ -129,4 +156,6 @@ class _BatchBuilder:
     def build(self) -> SamplingBatch:
         return SamplingBatch(params=self.params, generators=self.gens, prompt_token_ids=self.prompts,
                              output_token_ids=self.outputs, eos_token_ids=self.eos, bad_words_ids=self.bad,
-                             grammars=self.grammars)
+                             grammars=self.grammars,
+                             draft_tokens=self.draft_tokens if any(q is not None for q in self.draft_probs) else None,
+                             draft_probs=self.draft_probs if any(q is not None for q in self.draft_probs) else None)

@@ -53,6 +53,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of this request's full blocks
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    spec_token_probs: list | None = None  # the draft distribution q of each draft, when drafts were sampled
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     forks: list["Request"] = field(default_factory=list)

@@ -45,6 +45,10 @@ class SamplingBatch:
     eos_token_ids: list[int]  # per row; an entry may also be a list of ids (models with several eos)
     bad_words_ids: list[list[list[int]]]  # per row: token sequences that must not be produced
     grammars: list[GrammarRows] = field(default_factory=list)  # per guided request (not per row)
+    # Rows that verify a draft sampled from a draft distribution q (MTP at temperature > 0): the draft
+    # token and q, per row (None elsewhere). See verify_sampled_drafts.
+    draft_tokens: list[int | None] | None = None
+    draft_probs: list[np.ndarray | None] | None = None
 
 
 @dataclass
@@ -94,6 +98,8 @@ class Sampler:
             top_p[top_p >= 1.0] = 1.0
             draw = _sample_sorted if self.method == "base" else _sample_rejection
             token_ids[rows] = draw(probs, top_k, top_p, min_p, gens)
+            if batch.draft_probs is not None:
+                verify_sampled_drafts(token_ids, rows, probs, top_k, top_p, min_p, gens, batch)
         logprobs = _logprobs(raw, token_ids, params)
         for r in errors:
             logprobs[r] = None
@@ -224,6 +230,63 @@ def _draw_sorted(p: np.ndarray, order: np.ndarray, top_k: np.ndarray, top_p: np.
                  total: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Filter and draw on `order` (the row's tokens, or its most probable ones, most probable first)."""
     q = np.take_along_axis(p, order, axis=1)
+    pos = _inverse_cdf(np.where(_kept_sorted(q, top_k, top_p, min_p, total), q, 0.0), u)
+    return order[np.arange(order.shape[0]), pos]
+
+
+def filtered_distribution(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                          min_p: np.ndarray) -> np.ndarray:
+    """The distribution the sampler draws from, dense: probs restricted to the top-k / top-p / min-p set
+    and renormalized (top_k 0 and top_p 1 mean off)."""
+    order = np.argsort(probs, axis=1)[:, ::-1]
+    q = np.take_along_axis(probs, order, axis=1)
+    kept = np.where(_kept_sorted(q, top_k, top_p, min_p, probs.sum(axis=1, dtype=np.float64)), q, 0.0)
+    out = np.zeros_like(probs)
+    np.put_along_axis(out, order, kept, axis=1)
+    return out / out.sum(axis=1, keepdims=True)
+
+
+def sampling_distribution(logits: np.ndarray, params: list[SamplingParams]) -> np.ndarray:
+    """Each row's temperature / top-k / top-p / min-p distribution over raw logits (no penalties or
+    masks): what a draft model samples its drafts from (temperature > 0 rows only)."""
+    probs = _softmax(np.asarray(logits, dtype=np.float32), np.array([p.temperature for p in params], np.float32))
+    top_k = np.array([p.top_k if 0 < p.top_k < probs.shape[1] else 0 for p in params], dtype=np.int64)
+    return filtered_distribution(probs, top_k, np.array([min(p.top_p, 1.0) for p in params]),
+                                 np.array([p.min_p for p in params]))
+
+
+def draw(weights: np.ndarray, generator: np.random.Generator) -> int:
+    """One token from a row of non-negative weights, with the request's own generator."""
+    return int(_inverse_cdf(weights[None, :], np.array([generator.random()]))[0])
+
+
+def verify_sampled_drafts(token_ids: np.ndarray, rows: np.ndarray, probs: np.ndarray, top_k: np.ndarray,
+                          top_p: np.ndarray, min_p: np.ndarray, gens: list, batch: SamplingBatch) -> None:
+    """The speculative-sampling rule for drafts drawn from q: keep draft d with probability min(1, p(d)/q(d)),
+    else draw from max(0, p - q) renormalized. The emitted token is then distributed exactly as the target p
+    (the filtered distribution this row samples from). In place on token_ids, in the encoding the scheduler
+    verifies: a kept draft is returned as itself, a rejection as a token != d (the residual is 0 at d).
+    Rows of the batch `rows` index into (the sampled, temperature > 0 rows)."""
+    mine = [i for i, r in enumerate(rows) if batch.draft_probs[r] is not None]
+    if not mine:
+        return
+    i = np.asarray(mine)
+    target = filtered_distribution(probs[i], top_k[i], top_p[i], min_p[i])
+    for row_p, j in zip(target, i):
+        r = rows[j]
+        d, q = batch.draft_tokens[r], batch.draft_probs[r]
+        if gens[j].random() * q[d] < row_p[d]:  # u < p(d) / q(d), without dividing by a tiny q(d)
+            token_ids[r] = d
+            continue
+        residual = np.maximum(row_p - q, 0.0)
+        if residual.sum() <= 0:  # p == q up to rounding: rejection has probability ~0; stay exact on p
+            residual = row_p
+        token_ids[r] = draw(residual, gens[j])
+
+
+def _kept_sorted(q: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                 total: np.ndarray) -> np.ndarray:
+    """Which of the descending-ordered probabilities q survive top-k, top-p (on the top-k mass) and min-p."""
     # position of the first token of each tie group = number of tokens strictly more probable
     starts = np.ones(q.shape, dtype=bool)
     starts[:, 1:] = q[:, 1:] != q[:, :-1]
@@ -236,8 +299,7 @@ def _draw_sorted(p: np.ndarray, order: np.ndarray, top_k: np.ndarray, top_p: np.
     z_k = np.where(top_k > 0, np.where(in_k, q, 0.0).sum(axis=1, dtype=np.float64), total)
     in_p = (top_p[:, None] >= 1.0) | (mass_greater < (top_p * z_k)[:, None])
     in_min = q >= (min_p * q[:, 0])[:, None]
-    pos = _inverse_cdf(np.where(in_k & in_p & in_min, q, 0.0), u)
-    return order[np.arange(order.shape[0]), pos]
+    return in_k & in_p & in_min
 
 
 def _sample_rejection(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,

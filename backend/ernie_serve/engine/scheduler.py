@@ -104,7 +104,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
+            while not self.kv.allocate_slots(req, self._with_lookahead(req, n)):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
@@ -135,7 +135,7 @@ class Scheduler:
             if n < remaining and (not self.config.enable_chunked_prefill
                                   or partial >= self.config.max_num_partial_prefills):
                 break
-            if not self.kv.allocate_slots(req, n, hits):
+            if not self.kv.allocate_slots(req, self._with_lookahead(req, n, len(hits) * self.kv.block_size), hits):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -144,10 +144,16 @@ class Scheduler:
             budget -= n
             partial += n < remaining
 
+    def _with_lookahead(self, req: Request, n: int, hit_tokens: int = 0) -> int:
+        """Slots to cover for n new tokens (after hit_tokens of prefix hits): plus the lookahead that MTP
+        drafting writes, within max_model_len."""
+        room = self.config.max_model_len - req.num_computed_tokens - hit_tokens
+        return max(n, min(n + self.config.num_lookahead_tokens, room))
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_token_probs = [], None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -183,7 +189,7 @@ class Scheduler:
                 self.spec.num_drafts += 1
                 self.spec.num_draft_tokens += len(drafts)
                 self.spec.num_accepted_tokens += accepted
-            req.spec_token_ids = []
+            req.spec_token_ids, req.spec_token_probs = [], None
             forks, req.forks = (req.forks if not req.output_token_ids else []), []
             new = self.append_tokens(req, sampled[: accepted + 1], out.logprobs[req.request_id])
             # Every token but the newest has its KV now. Rejected drafts (and tokens cut off by a stop)
@@ -204,10 +210,12 @@ class Scheduler:
                                                                  out.logprobs[child.request_id])))
         return updates
 
-    def set_drafts(self, drafts: dict[Request, list[int]]) -> None:
-        """Speculative tokens to verify next step (from a proposer, for decoding requests)."""
+    def set_drafts(self, drafts: dict[Request, list[int]], probs: dict[Request, list] | None = None) -> None:
+        """Speculative tokens to verify next step (from a proposer, for decoding requests); `probs`: the
+        distribution each draft was sampled from, for requests whose drafts were sampled."""
         for req, tokens in drafts.items():
             req.spec_token_ids = list(tokens)
+            req.spec_token_probs = probs.get(req) if probs else None
 
     def _start_fork(self, parent: Request, child: Request) -> None:
         if self.kv.fork(parent, child):

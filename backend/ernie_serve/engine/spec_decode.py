@@ -45,8 +45,9 @@ class NgramProposer:
 
 
 def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
-    """The proposer of an EngineConfig's (already validated) speculative_config."""
-    if not speculative_config:
+    """The token-only proposer of an EngineConfig's (already validated) speculative_config; None for none
+    and for "mtp", whose drafter needs the model runner's hidden states (engine/mtp_drafter.py)."""
+    if not speculative_config or speculative_config.get("method") != "ngram":
         return None
     return NgramProposer(speculative_config.get("num_speculative_tokens", 1),
                          speculative_config.get("max_ngram", 3), speculative_config.get("min_ngram", 1))

@@ -23,7 +23,7 @@ def pt_to_paddle(tensors: dict[str, np.ndarray], cfg: ErnieModelConfig) -> dict[
     for name, t in tensors.items():
         new = "ernie." + name[len("model."):] if name.startswith("model.") else name
         m = re.match(r"(.+)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", new)
-        if m and ".mtp_" not in new:
+        if m:
             base, kind = m.groups()
             key = base + (".qkv_proj.weight" if kind in ("q_proj", "k_proj", "v_proj") else ".up_gate_proj.weight")
             fused.setdefault(key, {})[kind] = t

@@ -40,13 +40,14 @@ class Attention(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant=None):
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant=None, moe: bool | None = None):
+        """`layer_idx` is also the layer's KV cache layer; `moe` None: as the config's MoE layer rule says."""
         super().__init__()
         dense = quant.dense if quant is not None else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, dense)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.is_moe_layer(layer_idx):
+        if cfg.is_moe_layer(layer_idx) if moe is None else moe:
             self.mlp = MoE(cfg, quant.moe_method(layer_idx) if quant is not None else None, dense)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dense)

@@ -321,3 +321,68 @@ def _kv_cache_quant(scales: dict[tuple[int, str], np.ndarray], num_layers: int) 
     if absent:
         raise ValueError(f"C8 KV cache: the checkpoint has static scales for some layers but not {absent[:4]}")
     return KVCacheQuant([scales[(i, "k")] for i in range(num_layers)], [scales[(i, "v")] for i in range(num_layers)])
+
+
+_MTP = re.compile(r"^(model|ernie)\.mtp_(emb_norm|hidden_norm|linear_proj|block)\.0\.(.+)$")
+
+
+def map_mtp_tensor_name(name: str, cfg: ErnieModelConfig) -> Piece | None:
+    """Where an MTP-head tensor goes in ErnieMTP ("-PT" `model.mtp_*` or "-Paddle" `ernie.mtp_*`); None if unknown.
+    The block's tensors are named like a decoder layer's and map as one more layer would."""
+    m = _MTP.match(name)
+    if not m:
+        return None
+    prefix, part, rest = m.groups()
+    if part in ("emb_norm", "hidden_norm", "linear_proj"):
+        return Piece(f"{part}.weight", (), part == "linear_proj" and prefix == "model") if rest == "weight" else None
+    layer = f"layers.{cfg.num_hidden_layers}."
+    piece = map_tensor_name(f"{prefix}.{layer}{rest}", cfg)
+    if not isinstance(piece, Piece):
+        return None
+    return Piece("block." + piece.param[len(layer):], piece.index, piece.transpose)
+
+
+def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str) -> "ErnieMTP":
+    """The MTP head from its checkpoint tensors (`model.mtp_weights`, or a separate MTP checkpoint's)."""
+    from .mtp import ErnieMTP
+
+    if not tensors:
+        raise ValueError(f"{source} has no MTP-head tensors (model.mtp_* / ernie.mtp_*): speculative_config "
+                         f"method 'mtp' needs them; give the MTP checkpoint as speculative_config.model")
+    paddle.nn.initializer.set_global_initializer(paddle.nn.initializer.Constant(0.0),
+                                                 paddle.nn.initializer.Constant(0.0))
+    try:
+        mtp = ErnieMTP(cfg)
+    finally:
+        paddle.nn.initializer.set_global_initializer(None, None)
+    mtp.eval()
+    for p in mtp.parameters():
+        p.stop_gradient = True
+    asm = _Assembler(_targets(mtp))
+    for name, arr in tensors.items():
+        piece = map_mtp_tensor_name(name, cfg)
+        if piece is None:
+            raise ValueError(f"unexpected MTP tensor {name!r} in {source}: expected mtp_emb_norm / mtp_hidden_norm / "
+                             f"mtp_linear_proj / mtp_block (one dense decoder layer), index 0")
+        asm.put(name, piece, arr)
+    missing = asm.missing()
+    if missing:
+        raise ValueError(f"{source} is missing MTP tensors for: {', '.join(missing[:8])}")
+    return mtp
+
+
+_SHARED_WITH_TARGET = {"model.embed_tokens.weight", "ernie.embed_tokens.weight", "model.norm.weight", "ernie.norm.weight",
+                       "lm_head.weight"}
+
+
+def read_mtp_checkpoint(path: str | Path, cfg: ErnieModelConfig) -> dict[str, np.ndarray]:
+    """The MTP-head tensors of a separate checkpoint directory (speculative_config.model)."""
+    out = {}
+    for shard in checkpoint_shards(Path(path)):
+        for name, arr, _code in iter_tensors(shard):
+            if map_tensor_name(name, cfg) == "mtp":
+                out[name] = np.array(arr, dtype=np.float32)
+            elif name not in _SHARED_WITH_TARGET:  # the head uses the target's own copies of these
+                raise ValueError(f"unexpected tensor {name!r} in the MTP checkpoint {path}: only mtp_* tensors "
+                                 f"(and the shared embedding / norm / lm_head, which are not read) belong there")
+    return out

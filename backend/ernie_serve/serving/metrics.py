@@ -28,6 +28,13 @@ STAT_METRICS = [
     ("ernie:generation_tokens_total", "COUNTER", "Tokens generated", "generation_tokens"),
     ("ernie:prefix_cache_hit_tokens_total", "COUNTER", "Prompt tokens served from the prefix cache",
      "prefix_cache_hit_tokens"),
+    ("ernie:spec_decode_num_drafts_total", "COUNTER", "Verification steps that carried draft tokens", "spec_drafts"),
+    ("ernie:spec_decode_num_draft_tokens_total", "COUNTER", "Draft tokens proposed (MTP / ngram)",
+     "spec_draft_tokens"),
+    ("ernie:spec_decode_num_accepted_tokens_total", "COUNTER", "Draft tokens accepted by the target model",
+     "spec_accepted_tokens"),
+    ("ernie:spec_decode_draft_acceptance_rate", "GAUGE", "Accepted / proposed draft tokens since start (0-1)",
+     "spec_acceptance_rate"),
 ]
 HISTOGRAMS = [
     ("ernie:time_to_first_token_seconds", "Time from arrival to the first generated token", LATENCY_BUCKETS),
