@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from ..model.attention import AttentionMetadata
 from ..model.ernie import ErnieForCausalLM
-from ..model.loader import load_model, map_tensor_name
+from ..model.loader import load_model, load_mtp, map_mtp_tensor_name, map_tensor_name
 from ..paths import demo_data_dir
 
 IM_END = "<|im_end|>"
@@ -149,6 +149,7 @@ class FitResult:
     margin: float  # min_margin of the returned weights
     steps: int  # optimizer updates made
     seconds: float
+    mtp: "FitResult | None" = None  # the MTP head's fit, when the checkpoint has one
 
 
 def trainable_parameters(model: ErnieForCausalLM) -> list[paddle.Tensor]:
@@ -200,15 +201,91 @@ def fit_model(model: ErnieForCausalLM, batch: Batch, max_steps: int = MAX_STEPS,
     return FitResult(losses, margin, len(losses) - 1, time.perf_counter() - t0)
 
 
-def export_pt_tensors(model: ErnieForCausalLM, names: list[str]) -> dict[str, np.ndarray]:
-    """The model's parameters back as the "-PT" tensors `names`, inverting the loader's own mapping."""
+@dataclass
+class MTPBatch:
+    """The MTP head's training step over the same examples: at position t it reads x_{t+1} and the frozen
+    target's h_t, and is scored on predicting x_{t+2} where that is an answer token."""
+
+    next_ids: paddle.Tensor  # [T'] x_{t+1}
+    hidden_rows: paddle.Tensor  # [T'] rows t of the target's hidden states (Batch layout)
+    positions: paddle.Tensor
+    meta: AttentionMetadata
+    loss_rows: paddle.Tensor
+    labels: paddle.Tensor
+
+
+def make_mtp_batch(encoded: list[tuple[list[int], list[int]]]) -> MTPBatch:
+    ids, rows, pos, loss_rows, labels, lens = [], [], [], [], [], []
+    start = 0  # this sequence's first row in the target's Batch
+    for prompt, answer in encoded:
+        seq = prompt + answer
+        m = len(seq) - 2  # positions t = 0 .. len-3 have both x_{t+1} and a target x_{t+2}
+        base = len(ids)
+        ids += seq[1 : m + 1]
+        rows += range(start, start + m)
+        pos += range(m)
+        loss_rows += [base + t for t in range(m) if t + 2 >= len(prompt)]
+        labels += [seq[t + 2] for t in range(m) if t + 2 >= len(prompt)]
+        lens.append(m)
+        start += len(seq) - 1
+    meta = AttentionMetadata.build(query_lens=lens, context_lens=lens, block_tables=None, block_size=16,
+                                   slot_mapping=None, max_position=max(lens))
+    as_tensor = lambda v: paddle.to_tensor(np.asarray(v, dtype=np.int64))  # noqa: E731
+    return MTPBatch(as_tensor(ids), as_tensor(rows), as_tensor(pos), meta, as_tensor(loss_rows), as_tensor(labels))
+
+
+MTP_MAX_STEPS = 300
+MTP_TARGET_MARGIN = 1.0  # the head's greedy draft equals the answer's token two ahead, with some room
+
+
+def fit_mtp(model: ErnieForCausalLM, mtp, batch: Batch, mtp_batch: MTPBatch, max_steps: int = MTP_MAX_STEPS,
+            lr: float = LEARNING_RATE, target_margin: float | None = MTP_TARGET_MARGIN,
+            show_progress: bool = True) -> FitResult:
+    """Adam on the MTP head alone, the fitted target frozen (its hidden states computed once), in place."""
+    with paddle.no_grad():
+        hidden = paddle.index_select(model(batch.input_ids, batch.positions, batch.meta, None), mtp_batch.hidden_rows)
+    params = list(mtp.parameters())
+    for p in params:
+        p.stop_gradient = False
+    opt = paddle.optimizer.Adam(learning_rate=lr, parameters=params, grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
+    losses, margin, t0 = [], float("-inf"), time.perf_counter()
+    bar = tqdm(total=max_steps, desc="Fitting tiny MTP head", unit="step", disable=not show_progress)
+    try:
+        for step in range(max_steps + 1):
+            out = mtp(model, mtp_batch.next_ids, hidden, mtp_batch.positions, mtp_batch.meta, None)
+            logits = model.compute_logits(paddle.index_select(out, mtp_batch.loss_rows))
+            loss = F.cross_entropy(logits, mtp_batch.labels)
+            losses.append(float(loss))
+            if (target_margin is not None and losses[-1] < _MARGIN_CHECK_LOSS) or step == max_steps:
+                margin = min_margin(logits.detach(), mtp_batch.labels)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", margin=f"{margin:.2f}")
+            if step == max_steps or (target_margin is not None and margin >= target_margin):
+                break
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            bar.update(1)
+    finally:
+        bar.close()
+        for p in params:
+            p.stop_gradient = True
+            p.clear_gradient()
+    return FitResult(losses, margin, len(losses) - 1, time.perf_counter() - t0)
+
+
+def export_pt_tensors(model: ErnieForCausalLM, names: list[str], mtp=None) -> dict[str, np.ndarray]:
+    """The model's parameters (and the MTP head's, for model.mtp_* names) back as the "-PT" tensors `names`,
+    inverting the loader's own mapping."""
     params = {n: p.numpy() for n, p in model.named_parameters()}
+    head = {n: p.numpy() for n, p in mtp.named_parameters()} if mtp is not None else {}
     out = {}
     for name in names:
-        piece = map_tensor_name(name, model.config)
-        if not hasattr(piece, "param"):
+        is_mtp = map_tensor_name(name, model.config) == "mtp"
+        piece = map_mtp_tensor_name(name, model.config) if is_mtp else map_tensor_name(name, model.config)
+        if not hasattr(piece, "param") or (is_mtp and mtp is None):
             raise ValueError(f"cannot export {name!r}: the loader maps it to {piece!r}")
-        arr = params[piece.param][piece.index] if piece.index else params[piece.param]
+        source = head if is_mtp else params
+        arr = source[piece.param][piece.index] if piece.index else source[piece.param]
         out[name] = np.ascontiguousarray(arr.T if piece.transpose else arr, dtype=np.float32)
     return out
 
@@ -222,15 +299,22 @@ def weights_digest(tensors: dict[str, np.ndarray]) -> str:
 
 
 def fit_checkpoint(model_dir: Path, max_steps: int = MAX_STEPS, target_margin: float | None = TARGET_MARGIN,
-                   examples: list[ChatExample] | None = None,
-                   show_progress: bool = True) -> tuple[dict[str, np.ndarray], FitResult]:
-    """Load the (randomly initialized) checkpoint in model_dir, fit it, return its "-PT" tensors."""
+                   examples: list[ChatExample] | None = None, show_progress: bool = True,
+                   mtp_max_steps: int = MTP_MAX_STEPS) -> tuple[dict[str, np.ndarray], FitResult]:
+    """Load the (randomly initialized) checkpoint in model_dir, fit it (then its MTP head, if it has one, with
+    the fitted body frozen), return its "-PT" tensors. target_margin None: run every step of both fits."""
     from ..tokenizer import ErnieTokenizer
 
     model_dir = Path(model_dir)
     tokenizer = ErnieTokenizer.from_pretrained(model_dir)
-    batch = make_batch([encode_example(tokenizer, ex) for ex in (examples or load_examples())])
+    encoded = [encode_example(tokenizer, ex) for ex in (examples or load_examples())]
+    batch = make_batch(encoded)
     model = load_model(model_dir, show_progress=False)
+    mtp = load_mtp(model.config, model.mtp_weights, str(model_dir)) if model.mtp_weights else None
     result = fit_model(model, batch, max_steps=max_steps, target_margin=target_margin, show_progress=show_progress)
+    if mtp is not None:
+        result.mtp = fit_mtp(model, mtp, batch, make_mtp_batch(encoded), max_steps=mtp_max_steps,
+                             target_margin=None if target_margin is None else MTP_TARGET_MARGIN,
+                             show_progress=show_progress)
     names = list(json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"])
-    return export_pt_tensors(model, names), result
+    return export_pt_tensors(model, names, mtp), result

@@ -3,7 +3,8 @@
 `tiny` is the default model of every entry point (tests, `scripts/serve.sh`, the Triton repo). Its
 random init is fitted (demo/fit.py) to the chat set in demo/data/chat_demo.jsonl, so that greedy
 decoding of those prompts answers in ERNIE-4.5 Thinking's format: reasoning, `</think>`, then a
-`<response>` or `<tool_call>` block. `build_checkpoint` alone writes random weights: `bench`, the
+`<response>` or `<tool_call>` block; its MTP head is then fitted on the same set with the body frozen,
+so MTP speculative decoding on the demo has drafts worth accepting. `build_checkpoint` alone writes random weights: `bench`, the
 benchmark-size model (8 layers, hidden 1024, 16 experts top-4), stays random.
 The tiny model's head is untied: with a tied head and random layers the residual stream stays close
 to the input embedding, so greedy decoding would just repeat the last token.
@@ -26,7 +27,7 @@ from ..paths import tiny_model_dir
 from .tokenizer_builder import build_tokenizer
 
 log = logging.getLogger(__name__)
-BUILD_VERSION = 3  # bump when the recipe changes, so stale local builds are rebuilt
+BUILD_VERSION = 4  # bump when the recipe changes, so stale local builds are rebuilt
 RANDOM_INIT_VERSION = 2  # bump when random_weights changes (benchmark checkpoints are rebuilt)
 
 _BASE = {
@@ -97,6 +98,28 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return t
 
 
+def random_mtp_weights(config: dict, seed: int = 1) -> dict[str, np.ndarray]:
+    """"-PT" tensors of an MTP head (model.mtp_*: two norms, the 2H -> H projection, one dense decoder layer)."""
+    cfg = ErnieModelConfig.from_dict(config)
+    rng = np.random.default_rng(seed)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+
+    def lin(out: int, inp: int) -> np.ndarray:
+        return (rng.standard_normal((out, inp), dtype=np.float32) / np.sqrt(inp)).astype(np.float32)
+
+    ones = lambda n: (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)  # noqa: E731
+    b = "model.mtp_block.0."
+    return {
+        "model.mtp_emb_norm.0.weight": ones(h), "model.mtp_hidden_norm.0.weight": ones(h),
+        "model.mtp_linear_proj.0.weight": lin(h, 2 * h),
+        b + "input_layernorm.weight": ones(h), b + "post_attention_layernorm.weight": ones(h),
+        b + "self_attn.q_proj.weight": lin(cfg.q_size, h), b + "self_attn.k_proj.weight": lin(cfg.kv_size, h),
+        b + "self_attn.v_proj.weight": lin(cfg.kv_size, h), b + "self_attn.o_proj.weight": lin(h, cfg.q_size),
+        b + "mlp.gate_proj.weight": lin(inter, h), b + "mlp.up_proj.weight": lin(inter, h),
+        b + "mlp.down_proj.weight": lin(h, inter),
+    }
+
+
 def build_checkpoint(out_dir: Path, name: str = "tiny", layout: str = "pt", seed: int = 0,
                      weights: dict[str, np.ndarray] | None = None) -> Path:
     """Write config, weights (layout "pt" or "paddle"; random unless given) and the demo tokenizer."""
@@ -146,12 +169,16 @@ def ensure_tiny_model(path: Path | None = None, show_progress: bool = True) -> P
         log.info("building the embedded tiny ERNIE-4.5 MoE model in %s", path)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tiny-"))
         try:
-            build_checkpoint(tmp, "tiny")  # the random init, and the tokenizer the fit renders prompts with
+            # the random init (body + MTP head), and the tokenizer the fit renders prompts with
+            config = CONFIGS["tiny"]
+            build_checkpoint(tmp, "tiny", weights={**random_weights(config), **random_mtp_weights(config)})
             tensors, fit = fit_checkpoint(tmp, show_progress=show_progress)
             _write_weights(tmp, "tiny", "pt", tensors)
             (tmp / "FIT.json").write_text(json.dumps(
                 {"steps": fit.steps, "final_loss": fit.losses[-1], "min_margin": fit.margin,
-                 "seconds": round(fit.seconds, 1), "weights_sha256": weights_digest(tensors)}, indent=2))
+                 "seconds": round(fit.seconds, 1), "weights_sha256": weights_digest(tensors),
+                 "mtp": {"steps": fit.mtp.steps, "final_loss": fit.mtp.losses[-1], "min_margin": fit.mtp.margin,
+                         "seconds": round(fit.mtp.seconds, 1)}}, indent=2))
             (tmp / "BUILD").write_text(json.dumps(want))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
