@@ -53,19 +53,25 @@ def test_fifty_json_schema_completions_at_temperature_one_all_parse_and_validate
     assert len(set(texts)) > 10  # really sampled, not one forced answer
 
 
+@pytest.mark.parametrize("thinking", [False, True])
 @pytest.mark.parametrize("name, tool_choice", [
     ("weather_call", "required"),       # the model's own call
     ("capital", "required"),            # a question it answers in prose: the call is forced
     ("weather_call", {"type": "function", "function": {"name": "calculator"}}),  # not the tool it wants
 ])
-def test_tool_choice_always_yields_calls_the_tool_parser_reads(llm, name, tool_choice):
+def test_tool_choice_always_yields_calls_the_tool_parser_reads(llm, name, tool_choice, thinking):
+    """Without thinking the constraint holds from the first token, so every sample at temperature 1 is a
+    valid call. With thinking the reasoning before </think> is free, and a sampling tiny model need not
+    ever close it (nothing to constrain then): its reasoning is decoded greedily, as fitted."""
     row = DEMO[name]
     tok = llm.tokenizer
-    _, ids = render_chat_prompt(tok, row["messages"], TOOLS)
+    _, ids = render_chat_prompt(tok, row["messages"], TOOLS, {"enable_thinking": thinking})
     rp, tp = get_reasoning_parser("ernie-x1")(tok), get_tool_parser("ernie-x1")(tok)
     guided = tool_call_constraint(TOOLS, tool_choice, None, tp, rp, rp.get_model_status(ids))
-    outs = llm.generate(prompt_token_ids=[ids] * 8, sampling_params=[sampled(s, guided, max_tokens=600)
-                                                                     for s in range(8)], use_tqdm=False)
+    params = [sampled(s, guided, max_tokens=600) for s in range(8)]
+    if thinking:
+        params = [SamplingParams(temperature=0, max_tokens=600, guided_decoding=guided)]
+    outs = llm.generate(prompt_token_ids=[ids] * len(params), sampling_params=params, use_tqdm=False)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for o in outs:
         comp = o.outputs[0]
@@ -76,7 +82,7 @@ def test_tool_choice_always_yields_calls_the_tool_parser_reads(llm, name, tool_c
             if isinstance(tool_choice, dict):
                 assert call.function.name == tool_choice["function"]["name"]
             assert_valid(call.function.arguments, schemas[call.function.name])
-        assert parsed.reasoning_content  # the reasoning before </think> was left free
+        assert bool(parsed.reasoning_content) == thinking  # the reasoning before </think> was left free
 
 
 def test_thinking_chat_json_answer_is_the_response_content(llm):
