@@ -133,3 +133,27 @@ def test_long_prompt_matches_transformers_through_tiles_and_chunked_prefill(chec
     out = llm.generate(prompt_token_ids=[ids.tolist()],
                        sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert out[0].outputs[0].token_ids == ref_tokens, name
+
+
+def test_greedy_tokens_match_transformers_with_a_random_mtp_head(checkpoint, tmp_path):
+    """MTP drafts (k=2) from a random head never change the greedy output: still HF's tokens."""
+    import json
+
+    from ernie_serve.demo.tiny_model import random_mtp_weights
+
+    name, d, hf = checkpoint
+    config = json.loads((d / "config.json").read_text())
+    tensors = {n: np.array(a) for s in sorted(d.glob("*.safetensors")) for n, a, _ in iter_tensors(s)}
+    write_checkpoint(tmp_path, config, {**tensors, **random_mtp_weights(config, seed=5)})
+    for f in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(d / f, tmp_path / f)
+    prompt = _prompt(5, 29)
+    llm = LLM(model=str(tmp_path), max_model_len=256, block_size=16, disable_progress_bar=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    out = llm.generate(prompt_token_ids=[prompt.tolist()],
+                       sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor(prompt)[None], max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == ref, name
+    assert llm.engine.stats()["spec_draft_tokens"] > 0
