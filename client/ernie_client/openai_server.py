@@ -2,6 +2,7 @@
 
     ernie-openai --triton-url localhost:8001 --port 9000 [--host 127.0.0.1] [--model-name ernie]
                  [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--request-timeout S]
+                 [--graceful-shutdown-seconds S]
 """
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="generation requests served at once; more are refused with 429")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take before it is cancelled with 504 (default: no limit)")
+    p.add_argument("--graceful-shutdown-seconds", type=float, default=10.0,
+                   help="on SIGTERM, how long open streams may run on before they are cut")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_concurrency < 1:
         p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.graceful_shutdown_seconds < 0:
+        p.error(f"--graceful-shutdown-seconds must be >= 0, got {args.graceful_shutdown_seconds}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         p.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     return args
@@ -46,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(create_app(config_from_args(args)), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=args.graceful_shutdown_seconds)
 
 
 if __name__ == "__main__":

@@ -58,3 +58,33 @@ def served():
 def openai_url(served) -> str:
     """Base URL of the shim started with `served` (append /v1/...)."""
     return _openai_url(served)
+
+
+def start_served(settings: dict[str, str] | None = None, **kwargs):
+    """A started TritonServer (with its shim when openai_port=True) on free ports; stop it with `stop_served`."""
+    from ernie_serve.serving.launcher import TritonServer, free_port
+
+    if kwargs.get("openai_port") is True:
+        kwargs["openai_port"] = free_port()
+    server = TritonServer({**SERVER_SETTINGS, **(settings or {})}, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port(), **kwargs)
+    try:
+        server.start(timeout=300)
+        deadline = time.monotonic() + 60
+        while server.openai_port is not None and not _shim_healthy(_openai_url(server)):
+            if time.monotonic() > deadline or server.openai_proc is None or server.openai_proc.poll() is not None:
+                raise RuntimeError("ernie-openai did not become healthy")
+            time.sleep(0.2)
+    except Exception:
+        server.stop()
+        server.cleanup()
+        raise
+    return server
+
+
+def stop_served(server) -> None:
+    """Stop; a request left in flight shows as tritonserver waiting out its exit timeout."""
+    server.stop()
+    full_log = server.log_tail(400)
+    server.cleanup()
+    assert "Exit timeout expired" not in full_log, "tritonserver waited out its exit timeout: a request stayed in flight"

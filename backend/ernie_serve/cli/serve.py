@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -16,7 +17,9 @@ from ..config import EngineConfig
 
 # Flags that belong to the launcher, not to the engine.
 SERVER_FLAGS = {"http_port", "grpc_port", "metrics_port", "openai_port", "host", "max_inflight_requests",
-                "engine_instances", "run_dir", "startup_timeout", "state_ttl_seconds", "log_to_console"}
+                "engine_instances", "run_dir", "startup_timeout", "state_ttl_seconds", "log_to_console",
+                "restart_on_failure", "drain_timeout", "api_key", "admin_api_key"}
+HEALTH_CHECK_SECONDS = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", default=None, help="where the rendered repository and the log go")
     g.add_argument("--startup-timeout", type=float, default=600.0)
     g.add_argument("--log-to-console", action="store_true", help="tritonserver log to this terminal")
+    g.add_argument("--restart-on-failure", action="store_true",
+                   help="restart tritonserver when its engine or a python stub dies (default: exit 1)")
+    g.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on Ctrl-C / SIGTERM, seconds in-flight requests get to finish before they end "
+                        "with an error (new ones are refused at once)")
+    g.add_argument("--api-key", default=os.environ.get("ERNIE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the shim's /v1 and on Triton's inference, "
+                        "metadata, config and statistics APIs (gRPC: 'triton-grpc-protocol-authorization' "
+                        "metadata); health stays open (env ERNIE_API_KEY)")
+    g.add_argument("--admin-api-key", default=os.environ.get("ERNIE_ADMIN_API_KEY"),
+                   help="value of the 'admin-key' header that Triton's shared-memory, model-repository, logging "
+                        "and trace APIs require (default: a random key, i.e. those APIs are off; env "
+                        "ERNIE_ADMIN_API_KEY)")
     e = p.add_argument_group("engine (FastDeploy flag names; rendered into config.pbtxt parameters)")
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -58,7 +74,10 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.drain_timeout < 0:
+        parser.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     try:
         settings = settings_from_args(args)
     except (ValueError, TypeError) as e:
@@ -69,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(settings, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, host=args.host, run_dir=args.run_dir,
                           engine_instances=args.engine_instances, max_inflight_requests=args.max_inflight_requests,
-                          openai_port=args.openai_port, log_to_console=args.log_to_console)
+                          openai_port=args.openai_port, log_to_console=args.log_to_console,
+                          drain_timeout=args.drain_timeout, api_key=args.api_key, admin_api_key=args.admin_api_key)
     stopping = []
 
     def on_signal(signum, _frame):
@@ -90,14 +110,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f"  OpenAI   http://{args.host}:{args.openai_port}/v1\n" if server.openai_proc else "")
           + f"  log      {server.log_path}\n"
           "  Ctrl-C to stop.", flush=True)
-    code = 0
-    while not stopping:
-        if server.proc.poll() is not None:
-            print(f"[ernie-serve] tritonserver exited with {server.proc.returncode}\n{server.log_tail()}",
-                  file=sys.stderr)
-            code = server.proc.returncode or 1
-            break
-        time.sleep(0.5)
+    code = supervise(server, stopping, args.restart_on_failure, args.startup_timeout)
     if stopping:
         print("[ernie-serve] stopping: in-flight requests finish or are cancelled, then the server exits",
               flush=True)
@@ -107,6 +120,31 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0:
         server.cleanup()
     return code
+
+
+def supervise(server, stopping: list, restart: bool, startup_timeout: float) -> int:
+    """Watch the server until a stop signal (0) or a failure it may not survive: exit code 1, or a
+    restart with --restart-on-failure. A broken server is killed at once, so that its in-flight
+    streams end with an error instead of hanging and readiness stops answering."""
+    restarts = 0
+    while not stopping:
+        problem = server.health_problem()
+        if problem is None:
+            time.sleep(HEALTH_CHECK_SECONDS)
+            continue
+        print(f"[ernie-serve] tritonserver failed: {problem}\n{server.log_tail(20)}", file=sys.stderr, flush=True)
+        if not restart:
+            server.kill()
+            return 1
+        restarts += 1
+        print(f"[ernie-serve] restarting tritonserver (restart {restarts}) ...", file=sys.stderr, flush=True)
+        try:
+            server.restart(timeout=startup_timeout)
+        except Exception as e:  # noqa: BLE001
+            print(f"[ernie-serve] restart failed: {e}", file=sys.stderr, flush=True)
+            return 1
+        print(f"[ernie-serve] ready again in {server.startup_seconds:.1f}s", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

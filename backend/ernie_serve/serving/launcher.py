@@ -11,7 +11,9 @@ included (the editable install's finder works).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,10 +23,13 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import repo_root
+from .control import listener_addresses, send_drain
+from .health import STUB_BINARY, HealthWatch, ernie_samples, requests_in_engines
 from .repository import render_repository
 
 
@@ -62,10 +67,10 @@ def prepare_backends(install: TritonInstall, run_dir: Path) -> Path | None:
     dst = run_dir / "backends"
     py = dst / "python"
     py.mkdir(parents=True, exist_ok=True)
-    for f in (install.backend_dir / "python").iterdir():
-        if f.is_file():
-            shutil.copy2(f, py / f.name)
-    shutil.copy2(install.stub_dir / "triton_python_backend_stub", py / "triton_python_backend_stub")
+    sources = [f for f in (install.backend_dir / "python").iterdir() if f.is_file() and f.name != STUB_BINARY]
+    for src in sources + [install.stub_dir / STUB_BINARY]:
+        if not (py / src.name).exists():  # a restart reuses them (a dying stub's binary is busy)
+            shutil.copy2(src, py / src.name)
     caches = install.backend_dir.parent / "caches"
     if caches.exists() and not (run_dir / "caches").exists():
         shutil.copytree(caches, run_dir / "caches")
@@ -96,6 +101,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """True while something listens on host:port (TIME_WAIT leftovers do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def default_repository() -> Path:
     root = repo_root()
     if root is None:
@@ -103,14 +119,79 @@ def default_repository() -> Path:
     return root / "model_repository"
 
 
+# Triton APIs no client of this product needs; any client could otherwise register the python backend's
+# own shared-memory region (its name is in `ps`), load models or turn on tracing. Health stays open.
+ADMIN_APIS = "shared-memory,model-repository,logging,trace"
+CLIENT_APIS = "inference,metadata,model-config,statistics"
+ADMIN_KEY_HEADER = "admin-key"
+
+
+def restricted_api_args(admin_api_key: str, api_key: str | None) -> list[str]:
+    """tritonserver flags that require a header for the admin APIs, and `Authorization: Bearer <api_key>`
+    for the rest when an API key is set (gRPC clients send it as `triton-grpc-protocol-authorization`)."""
+    args = []
+    for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+        args.append(f"{flag}={ADMIN_APIS}:{ADMIN_KEY_HEADER}={admin_api_key}")
+        if api_key:
+            args.append(f"{flag}={CLIENT_APIS}:authorization=Bearer {api_key}")
+    return args
+
+
+# Kills a process group once its stdin reaches EOF, i.e. once the launcher is gone, however it went.
+# PR_SET_PDEATHSIG on tritonserver is not enough: its python stubs do not inherit it, and under load
+# they outlive a killed server (measured: stubs busy with a stream stayed up, holding memory).
+_REAPER = """
+import os, signal, sys
+sys.stdin.read()
+try:
+    os.killpg(int(sys.argv[1]), signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+class _Child:
+    """A child started in a session of its own, with a reaper that kills that session if the launcher dies."""
+
+    def __init__(self, cmd: list[str], **popen):
+        self.proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+        self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(self.proc.pid)],
+                                        stdin=subprocess.PIPE, start_new_session=True)
+
+    def kill_session(self) -> None:
+        """SIGKILL the child and everything in its session (a tritonserver's python stubs)."""
+        self._reaper.kill()  # first: it must never act on a group id that could be reused
+        self._reaper.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the stubs, reaped by init, may take a moment to go
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
 class TritonServer:
-    """A tritonserver process on a rendered copy of the repository; a context manager."""
+    """A tritonserver process on a rendered copy of the repository (and the OpenAI shim); a context manager.
+
+    It owns its children: they die with the launcher, however it dies (_Child), and `stop` drains
+    before it stops.
+    """
 
     def __init__(self, settings: dict[str, str] | None = None, http_port: int = 8000, grpc_port: int = 8001,
                  metrics_port: int = 8002, host: str = "127.0.0.1", repository: Path | None = None,
                  run_dir: Path | None = None, engine_instances: int | None = None,
                  max_inflight_requests: int | None = None, openai_port: int | None = None,
-                 exit_timeout: int = 15, extra_args: tuple[str, ...] = (), log_to_console: bool = False):
+                 exit_timeout: int = 15, drain_timeout: float = 10.0, api_key: str | None = None,
+                 admin_api_key: str | None = None, extra_args: tuple[str, ...] = (), log_to_console: bool = False):
         self.settings = dict(settings or {})
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.host = host
@@ -121,12 +202,27 @@ class TritonServer:
         self.max_inflight_requests = max_inflight_requests
         self.openai_port = openai_port
         self.exit_timeout = exit_timeout
+        self.drain_timeout = drain_timeout
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key or secrets.token_urlsafe(24)
         self.extra_args = tuple(extra_args)
         self.log_to_console = log_to_console
-        self.proc: subprocess.Popen | None = None
-        self.openai_proc: subprocess.Popen | None = None
+        self.server_id = f"ernie-serve-{uuid.uuid4().hex[:12]}"
+        self._server: _Child | None = None
+        self._openai: _Child | None = None
+        self.watch: HealthWatch | None = None
+        self._install: TritonInstall | None = None
         self.log_path = self.run_dir / "tritonserver.log"
         self.startup_seconds: float | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The tritonserver process."""
+        return self._server.proc if self._server is not None else None
+
+    @property
+    def openai_proc(self) -> subprocess.Popen | None:
+        return self._openai.proc if self._openai is not None else None
 
     @property
     def http_url(self) -> str:
@@ -140,13 +236,19 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
+    def ports(self) -> dict[str, int]:
+        named = {"--http-port": self.http_port, "--grpc-port": self.grpc_port, "--metrics-port": self.metrics_port}
+        if self.openai_port is not None:
+            named["--openai-port"] = self.openai_port
+        return named
+
     def command(self, install: TritonInstall, repo: Path, backends: Path | None) -> list[str]:
-        cmd = [str(install.binary), "--model-repository", str(repo),
+        cmd = [str(install.binary), "--model-repository", str(repo), "--id", self.server_id,
                "--http-address", self.host, "--http-port", str(self.http_port),
                "--grpc-address", self.host, "--grpc-port", str(self.grpc_port),
                "--metrics-address", self.host, "--metrics-port", str(self.metrics_port),
                "--allow-metrics", "true", "--exit-timeout-secs", str(self.exit_timeout),
-               "--strict-readiness", "true"]
+               "--strict-readiness", "true", *restricted_api_args(self.admin_api_key, self.api_key)]
         if backends is not None:
             cmd += ["--backend-directory", str(backends)]
             if (self.run_dir / "caches").exists():
@@ -154,42 +256,62 @@ class TritonServer:
         return cmd + list(self.extra_args)
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
+        taken = [f"{flag} {port}" for flag, port in self.ports().items() if port_in_use(self.host, port)]
+        if taken:
+            raise OSError(f"already in use on {self.host}: {', '.join(taken)} (another server?); "
+                          "stop it or choose other ports")
+        self._start_triton(timeout)
+        if self.openai_port is not None:
+            self._start_openai()
+        return self
+
+    def _start_triton(self, timeout: float) -> None:
         t0 = time.monotonic()
-        install = find_tritonserver()
+        install = self._install = find_tritonserver()
         repo = render_repository(self.repository, self.run_dir / "model_repository", self.settings,
                                  self.engine_instances, self.max_inflight_requests)
         backends = prepare_backends(install, self.run_dir)
         out = None if self.log_to_console else open(self.log_path, "wb")
         # A session of its own: stopping the server reaches the python stubs it forked, and a
         # Ctrl-C in the launcher's terminal reaches the launcher first, which then stops it in order.
-        self.proc = subprocess.Popen(self.command(install, repo, backends), env=server_env(install),
-                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._server = _Child(self.command(install, repo, backends), env=server_env(install),
+                              stdout=out, stderr=subprocess.STDOUT)
         if out is not None:
             out.close()
         try:
             self.wait_ready(timeout - (time.monotonic() - t0))
         except BaseException:
-            self.stop()
+            self.kill()
             raise
+        self.watch = HealthWatch(self.proc.pid, self.metrics_url)
         self.startup_seconds = time.monotonic() - t0
-        if self.openai_port is not None:
-            self._start_openai(install)
-        return self
 
-    def _start_openai(self, install: TritonInstall) -> None:
+    def _start_openai(self) -> None:
         if importlib.util.find_spec("ernie_client.openai_server") is None:
             print("[ernie-serve] --openai-port given but ernie_client.openai_server is not available; skipped",
                   file=sys.stderr)
             return
-        self.openai_proc = subprocess.Popen(
-            [sys.executable, "-m", "ernie_client.openai_server", "--triton-url", self.grpc_url,
-             "--port", str(self.openai_port)], env=server_env(install), start_new_session=True)
+        cmd = [sys.executable, "-m", "ernie_client.openai_server", "--triton-url", self.grpc_url,
+               "--host", self.host, "--port", str(self.openai_port),
+               "--graceful-shutdown-seconds", str(self.drain_timeout + 5)]
+        env = server_env(self._install)
+        if self.api_key:
+            env["ERNIE_OPENAI_API_KEY"] = self.api_key  # not on the command line, where `ps` shows it
+        self._openai = _Child(cmd, env=env)
+
+    def _get(self, path: str) -> urllib.request.Request:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return urllib.request.Request(f"http://{self.http_url}{path}", headers=headers)
 
     def is_ready(self) -> bool:
+        """Ready, and it is this launcher's own server answering (not another one on the port)."""
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
+            with urllib.request.urlopen(self._get("/v2/health/ready"), timeout=2) as r:
+                if r.status != 200:
+                    return False
+            with urllib.request.urlopen(self._get("/v2"), timeout=2) as r:
+                return json.loads(r.read()).get("name") == self.server_id
+        except (OSError, ValueError):
             return False
 
     def wait_ready(self, timeout: float) -> None:
@@ -202,39 +324,74 @@ class TritonServer:
             time.sleep(0.25)
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
+    def health_problem(self) -> str | None:
+        """What broke since the server became ready (None: serving). See health.py."""
+        return None if self.watch is None else self.watch.problem()
+
     def log_tail(self, n: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM: Triton stops accepting, waits for in-flight requests (exit_timeout), unloads.
+    def drain(self, grace: float) -> None:
+        """Refuse new requests, give in-flight ones `grace` seconds, end the rest with an error; return
+        once the engines are idle. tritonserver itself cannot: at its exit timeout it cuts the streams
+        still open and then crashed or hung (measured, 2.51), and a python model never hears of a stop."""
+        engines = self.watch.engine_pids() if self.watch is not None else []
+        for pid in engines:
+            for address in listener_addresses(pid):
+                send_drain(address, grace)
+        if self.openai_proc is not None and self.openai_proc.poll() is None:
+            self.openai_proc.send_signal(signal.SIGTERM)  # no new connections; open streams go on
+        deadline = time.monotonic() + grace + 5
+        while engines and time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if requests_in_engines(ernie_samples(self.metrics_url)) == 0:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
 
-        Idle, this takes ~4 s on the 2-core box (the python stubs' finalize and exit). It takes the
-        whole exit_timeout when a request is really in flight, and also while a client still holds a
-        gRPC stream open (measured: the ensemble then stays "live" after its last request, and past the
-        timeout tritonserver still hangs in its gRPC shutdown, hence the kill 5 s later).
+    def stop(self, timeout: float | None = None) -> int | None:
+        """Drain (see `drain`), then SIGTERM: the shim finishes its streams, tritonserver unloads.
+
+        Idle, tritonserver takes ~4 s to stop on the 2-core box (the python stubs' finalize and exit).
         """
         timeout = timeout if timeout is not None else self.exit_timeout + 5
-        for proc in (self.openai_proc, self.proc):
-            if proc is None or proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.drain(self.drain_timeout)
+        for child in (self._openai, self._server):
+            if child is None:
                 continue
-            # Only the server itself: it unloads the models, whose stubs then finalize (aborting in-flight
-            # requests with CANCELLED + FINAL). A signal to the whole group would kill the stubs first.
-            proc.send_signal(signal.SIGTERM)
+            if child.proc.poll() is None:
+                # Only the server itself: it unloads the models, whose stubs then finalize. A signal to
+                # the whole group would kill the stubs first.
+                child.proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout)
+                child.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        code = self.proc.returncode if self.proc is not None else None
-        if self.proc is not None:
-            try:  # stubs left behind by a killed server
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
                 pass
-        return code
+            child.kill_session()
+        return self.proc.returncode if self.proc is not None else None
+
+    def kill(self) -> None:
+        """tritonserver and its stubs, at once (a broken server: its in-flight streams end with an error
+        instead of hanging); the shim stays, for a restart."""
+        if self._server is not None:
+            self._server.kill_session()
+        self.watch = None
+
+    def restart(self, timeout: float = 300.0) -> None:
+        """A fresh tritonserver on the same ports (the shim reconnects by itself)."""
+        self.kill()
+        deadline = time.monotonic() + 30
+        while any(port_in_use(self.host, p) for p in (self.http_port, self.grpc_port, self.metrics_port)):
+            if time.monotonic() > deadline:
+                raise OSError("the old tritonserver's ports are still taken")
+            time.sleep(0.2)
+        self.server_id = f"ernie-serve-{uuid.uuid4().hex[:12]}"
+        self._start_triton(timeout)
 
     def cleanup(self) -> None:
         if self._own_run_dir:
@@ -246,3 +403,4 @@ class TritonServer:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.cleanup()
+
