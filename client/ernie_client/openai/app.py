@@ -119,7 +119,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> FastAPI:
-    backend = backend or TritonBackend(config.triton_url, config.model_name)
+    backend = backend or TritonBackend(config.triton_url, config.model_name, api_key=config.api_key)
     metrics = Metrics()
     slots = _Slots(config.max_concurrency)
 

@@ -180,9 +180,12 @@ def _param_of(message: str) -> str | None:
 
 
 class TritonBackend:
-    def __init__(self, url: str, model_name: str, client_factory: Callable[[str], Any] | None = None):
+    def __init__(self, url: str, model_name: str, client_factory: Callable[[str], Any] | None = None,
+                 api_key: str | None = None):
+        """`api_key`: sent to Triton as the Bearer token that `ernie-serve --api-key` makes it require."""
         self.url = url
         self.model_name = model_name
+        self._auth = {"headers": {"triton-grpc-protocol-authorization": f"Bearer {api_key}"}} if api_key else {}
         self._client_factory = client_factory or _grpc_aio_client
         self._client = None
         self._spec: EnsembleSpec | None = None
@@ -204,8 +207,8 @@ class TritonBackend:
     async def ready(self) -> bool:
         try:
             client = self._get_client()
-            return bool(await client.is_server_ready(client_timeout=2)
-                        and await client.is_model_ready(self.model_name, client_timeout=2))
+            return bool(await client.is_server_ready(client_timeout=2, **self._auth)
+                        and await client.is_model_ready(self.model_name, client_timeout=2, **self._auth))
         except Exception:  # noqa: BLE001 - any failure means "not ready"
             return False
 
@@ -215,7 +218,7 @@ class TritonBackend:
                 if self._spec is None:
                     try:
                         cfg = await self._get_client().get_model_config(self.model_name, as_json=True,
-                                                                        client_timeout=5)
+                                                                        client_timeout=5, **self._auth)
                     except Exception as e:  # noqa: BLE001
                         raise triton_error(e, self.model_name) from e
                     self._spec = EnsembleSpec.from_config(cfg)
@@ -277,7 +280,7 @@ class TritonBackend:
             await done.wait()
 
         try:
-            call = self._get_client().stream_infer(requests())
+            call = self._get_client().stream_infer(requests(), **self._auth)
         except Exception as e:  # noqa: BLE001
             raise triton_error(e, self.model_name) from e
         finished = False
