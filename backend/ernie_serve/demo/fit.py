@@ -172,20 +172,28 @@ def fit_model(model: ErnieForCausalLM, batch: Batch, max_steps: int = MAX_STEPS,
     numbers as the updates, so it adds no dependence on anything but the data and the init.
     """
     paddle.seed(seed)
-    params = trainable_parameters(model)
+    return _adam(trainable_parameters(model), lambda: answer_logits(model, batch), batch.labels, max_steps, lr,
+                 target_margin, "Fitting tiny model", show_progress)
+
+
+def _adam(params: list[paddle.Tensor], logits_fn, labels: paddle.Tensor, max_steps: int, lr: float,
+          target_margin: float | None, desc: str, show_progress: bool) -> FitResult:
+    """The fitting loop both fits share: cross-entropy of logits_fn() against labels, stop on the margin."""
+    for p in params:
+        p.stop_gradient = False
     opt = paddle.optimizer.Adam(learning_rate=lr, parameters=params,
                                 grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
     losses: list[float] = []  # losses[i]: before update i; the last one is the returned weights' loss
     margin = float("-inf")
     t0 = time.perf_counter()
-    bar = tqdm(total=max_steps, desc="Fitting tiny model", unit="step", disable=not show_progress)
+    bar = tqdm(total=max_steps, desc=desc, unit="step", disable=not show_progress)
     try:
         for step in range(max_steps + 1):
-            logits = answer_logits(model, batch)
-            loss = F.cross_entropy(logits, batch.labels)
+            logits = logits_fn()
+            loss = F.cross_entropy(logits, labels)
             losses.append(float(loss))
             if (target_margin is not None and losses[-1] < _MARGIN_CHECK_LOSS) or step == max_steps:
-                margin = min_margin(logits.detach(), batch.labels)
+                margin = min_margin(logits.detach(), labels)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", margin=f"{margin:.2f}")
             if step == max_steps or (target_margin is not None and margin >= target_margin):
                 break
@@ -244,33 +252,13 @@ def fit_mtp(model: ErnieForCausalLM, mtp, batch: Batch, mtp_batch: MTPBatch, max
     """Adam on the MTP head alone, the fitted target frozen (its hidden states computed once), in place."""
     with paddle.no_grad():
         hidden = paddle.index_select(model(batch.input_ids, batch.positions, batch.meta, None), mtp_batch.hidden_rows)
-    params = list(mtp.parameters())
-    for p in params:
-        p.stop_gradient = False
-    opt = paddle.optimizer.Adam(learning_rate=lr, parameters=params, grad_clip=paddle.nn.ClipGradByGlobalNorm(1.0))
-    losses, margin, t0 = [], float("-inf"), time.perf_counter()
-    bar = tqdm(total=max_steps, desc="Fitting tiny MTP head", unit="step", disable=not show_progress)
-    try:
-        for step in range(max_steps + 1):
-            out = mtp(model, mtp_batch.next_ids, hidden, mtp_batch.positions, mtp_batch.meta, None)
-            logits = model.compute_logits(paddle.index_select(out, mtp_batch.loss_rows))
-            loss = F.cross_entropy(logits, mtp_batch.labels)
-            losses.append(float(loss))
-            if (target_margin is not None and losses[-1] < _MARGIN_CHECK_LOSS) or step == max_steps:
-                margin = min_margin(logits.detach(), mtp_batch.labels)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", margin=f"{margin:.2f}")
-            if step == max_steps or (target_margin is not None and margin >= target_margin):
-                break
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            bar.update(1)
-    finally:
-        bar.close()
-        for p in params:
-            p.stop_gradient = True
-            p.clear_gradient()
-    return FitResult(losses, margin, len(losses) - 1, time.perf_counter() - t0)
+
+    def logits():
+        out = mtp(model, mtp_batch.next_ids, hidden, mtp_batch.positions, mtp_batch.meta, None)
+        return model.compute_logits(paddle.index_select(out, mtp_batch.loss_rows))
+
+    return _adam(list(mtp.parameters()), logits, mtp_batch.labels, max_steps, lr, target_margin,
+                 "Fitting tiny MTP head", show_progress)
 
 
 def export_pt_tensors(model: ErnieForCausalLM, names: list[str], mtp=None) -> dict[str, np.ndarray]:

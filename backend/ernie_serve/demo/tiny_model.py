@@ -48,17 +48,23 @@ CONFIGS = {
 }
 
 
-def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    """"-PT" tensors for `config`, drawn from a fixed seed (same bytes on every machine)."""
-    cfg = ErnieModelConfig.from_dict(config)
-    rng = np.random.default_rng(seed)
-    h, hd = cfg.hidden_size, cfg.head_dim
-
+def _initializers(rng: np.random.Generator):
+    """lin(out, in): a torch-layout linear at unit gain; norm(n): an RMSNorm weight near 1."""
     def lin(out: int, inp: int) -> np.ndarray:
         return (rng.standard_normal((out, inp), dtype=np.float32) / np.sqrt(inp)).astype(np.float32)
 
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
+    return lin, norm
+
+
+def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """"-PT" tensors for `config`, drawn from a fixed seed (same bytes on every machine)."""
+    cfg = ErnieModelConfig.from_dict(config)
+    rng = np.random.default_rng(seed)
+    h, hd = cfg.hidden_size, cfg.head_dim
+    lin, norm = _initializers(rng)
 
     embed = rng.standard_normal((cfg.vocab_size, h), dtype=np.float32)
     if cfg.tie_word_embeddings:
@@ -101,18 +107,13 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
 def random_mtp_weights(config: dict, seed: int = 1) -> dict[str, np.ndarray]:
     """"-PT" tensors of an MTP head (model.mtp_*: two norms, the 2H -> H projection, one dense decoder layer)."""
     cfg = ErnieModelConfig.from_dict(config)
-    rng = np.random.default_rng(seed)
+    lin, norm = _initializers(np.random.default_rng(seed))
     h, inter = cfg.hidden_size, cfg.intermediate_size
-
-    def lin(out: int, inp: int) -> np.ndarray:
-        return (rng.standard_normal((out, inp), dtype=np.float32) / np.sqrt(inp)).astype(np.float32)
-
-    ones = lambda n: (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)  # noqa: E731
     b = "model.mtp_block.0."
     return {
-        "model.mtp_emb_norm.0.weight": ones(h), "model.mtp_hidden_norm.0.weight": ones(h),
+        "model.mtp_emb_norm.0.weight": norm(h), "model.mtp_hidden_norm.0.weight": norm(h),
         "model.mtp_linear_proj.0.weight": lin(h, 2 * h),
-        b + "input_layernorm.weight": ones(h), b + "post_attention_layernorm.weight": ones(h),
+        b + "input_layernorm.weight": norm(h), b + "post_attention_layernorm.weight": norm(h),
         b + "self_attn.q_proj.weight": lin(cfg.q_size, h), b + "self_attn.k_proj.weight": lin(cfg.kv_size, h),
         b + "self_attn.v_proj.weight": lin(cfg.kv_size, h), b + "self_attn.o_proj.weight": lin(h, cfg.q_size),
         b + "mlp.gate_proj.weight": lin(inter, h), b + "mlp.up_proj.weight": lin(inter, h),
