@@ -169,11 +169,8 @@ class Scheduler:
             req = s.request
             error = out.errors.get(req.request_id)
             if error is not None:
-                req.error = error
-                self.finish(req, RequestStatus.FINISHED_ERROR)
-                for child in req.forks:
-                    child.error = error
-                    self.finish(child, RequestStatus.FINISHED_ERROR)
+                for r in [req, *req.forks]:
+                    self._fail(r, error)
                 updates.append(RequestUpdate(req, []))
                 continue
             sampled = out.sampled.get(req.request_id)
@@ -201,8 +198,7 @@ class Scheduler:
             for child in forks:
                 child_error = out.errors.get(child.request_id)
                 if child_error is not None:
-                    child.error = child_error
-                    self.finish(child, RequestStatus.FINISHED_ERROR)
+                    self._fail(child, child_error)
                     updates.append(RequestUpdate(child, []))
                     continue
                 self._start_fork(req, child)
@@ -235,8 +231,7 @@ class Scheduler:
             req.append_output(tok)
             added.append(tok)
             if req.guided is not None and not req.guided.accept(tok):
-                req.error = f"guided decoding: token {tok} does not fit the grammar: {req.guided.error}"
-                self.finish(req, RequestStatus.FINISHED_ERROR)
+                self._fail(req, f"guided decoding: token {tok} does not fit the grammar: {req.guided.error}")
                 break
             if lp is not None:
                 req.logprobs.append(lp)
@@ -252,6 +247,11 @@ class Scheduler:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
                 break
         return added
+
+    def _fail(self, req: Request, error: str) -> None:
+        """This request alone cannot go on: it ends with FINISHED_ERROR and the reason."""
+        req.error = error
+        self.finish(req, RequestStatus.FINISHED_ERROR)
 
     def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is and free its blocks (a prefill-role request that completes
