@@ -81,8 +81,9 @@ def warmup_requests(workload: Workload, max_tokens: int, vocab_size: int) -> lis
             for r in workload.requests[:workload.max_num_seqs]]
 
 
-def process_tree_cpu_s() -> float:
-    """CPU seconds used so far by this process and its live descendants (vLLM computes in a child).
+def process_tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds used so far by process `root` (default: this one) and its live descendants (vLLM
+    computes in a child; a server's workers are children of the server).
 
     The box is shared, so wall time depends on what else runs; CPU time alongside it shows how much of
     the wall time this peer actually had the cores."""
@@ -96,7 +97,7 @@ def process_tree_cpu_s() -> float:
             except OSError:
                 continue
             stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    tree, frontier = set(), {os.getpid()}
+    tree, frontier = set(), {os.getpid() if root is None else root}
     while frontier:
         tree |= frontier
         frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier and pid not in tree}

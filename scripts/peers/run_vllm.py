@@ -28,18 +28,26 @@ def kv_cache_gib(config: dict, workload: common.Workload, headroom: float = 2.0)
     return max(1, math.ceil(need * headroom / GIB))
 
 
-def set_cpu_env(threads: int, kv_gib: int) -> list[int]:
-    """vLLM's CPU worker reads these at start-up, so they must be set before vllm is imported."""
+def cpu_env(threads: int, kv_gib: int) -> dict[str, str]:
+    """The settings vLLM's CPU worker reads at start-up (offline `LLM` and `vllm serve` alike)."""
     cpus = common.cpu_list()[:threads]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
-    # bind the worker's OpenMP threads to exactly these cores: the default ("auto") may hold one core back
-    # for the front-end process, which would leave this 2-core box running the model on one
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("OMP_NUM_THREADS", str(len(cpus)))
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    return cpus
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+        # bind the worker's OpenMP threads to exactly these cores: the default ("auto") may hold one core
+        # back for the front-end process, which would leave this 2-core box running the model on one
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def set_cpu_env(threads: int, kv_gib: int) -> list[int]:
+    """cpu_env into this process's environment; it must happen before vllm is imported."""
+    for key, value in cpu_env(threads, kv_gib).items():
+        os.environ.setdefault(key, value)
+    return common.cpu_list()[:threads]
 
 
 def main() -> None:
