@@ -40,6 +40,10 @@ class EngineConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     splitwise_role: str = "mixed"
+    # prefill/decode disaggregation (serving/disagg.py): the port a prefill server takes prompts on, and the
+    # prefill servers' ports a decode server sends them to (comma-separated; FastDeploy's names)
+    engine_worker_queue_port: int | None = None
+    innode_prefill_ports: str | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None
@@ -55,6 +59,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):
             self.speculative_config = json.loads(self.speculative_config) if self.speculative_config else None
+        if isinstance(self.innode_prefill_ports, (list, tuple)):
+            self.innode_prefill_ports = ",".join(str(p) for p in self.innode_prefill_ports)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192
         if not self.enable_chunked_prefill:
@@ -76,6 +82,9 @@ class EngineConfig:
              f"must be one of {', '.join(QUANTIZATIONS)}")
         need(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", f"must be one of {', '.join(SPLITWISE_ROLES)}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        need(self.engine_worker_queue_port is None or 0 < self.engine_worker_queue_port < 65536,
+             "engine_worker_queue_port", "must be a TCP port")
+        self._check_splitwise()
         need(self.swap_space is None or self.swap_space >= 0, "swap_space", "must be >= 0 GB")
         need(self.max_logprobs <= 20, "max_logprobs", "must be <= 20")
         self._check_speculative()
@@ -105,20 +114,51 @@ class EngineConfig:
         elif spec.get("model") is not None and not isinstance(spec["model"], str):
             raise ValueError(f"speculative_config.model must be a checkpoint directory path, got {spec['model']!r}")
 
+    @property
+    def prefill_ports(self) -> list[int]:
+        """innode_prefill_ports as a list."""
+        raw = self.innode_prefill_ports or ""
+        return [int(p) for p in raw.replace(" ", "").split(",") if p]
+
+    def _check_splitwise(self) -> None:
+        role = self.splitwise_role
+        try:
+            ports = self.prefill_ports
+        except ValueError:
+            raise ValueError(f"innode_prefill_ports must be comma-separated TCP ports, got "
+                             f"{self.innode_prefill_ports!r}") from None
+        if role == "decode" and not ports:
+            raise ValueError("splitwise_role='decode' needs innode_prefill_ports: the engine_worker_queue_port of "
+                             "each prefill server this decode server sends prompts to")
+        if role != "decode" and ports:
+            raise ValueError(f"innode_prefill_ports is for splitwise_role='decode', got splitwise_role={role!r}")
+        if role == "prefill" and self.engine_worker_queue_port is None:
+            raise ValueError("splitwise_role='prefill' needs engine_worker_queue_port: the port decode servers "
+                             "send prompts to (they list it in --innode-prefill-ports)")
+        if role != "prefill" and self.engine_worker_queue_port is not None:
+            raise ValueError(f"engine_worker_queue_port is the prefill server's port (splitwise_role='prefill'), "
+                             f"got splitwise_role={role!r}")
+
     def _refuse_unbuilt(self) -> None:
         """FastDeploy flags this build does not implement yet: refused with what is supported, never ignored."""
         def refuse(name: str, why: str) -> None:
             raise ValueError(f"{name}={getattr(self, name)!r} is not supported: {why}")
 
-        if self.tensor_parallel_size != 1:
-            refuse("tensor_parallel_size", "this build runs one model copy in one process; only 1 is supported")
         if self.data_parallel_size != 1:
-            refuse("data_parallel_size", "run data parallel replicas as Triton instances (--engine-instances N); "
+            refuse("data_parallel_size", "one engine is one replica: serve N replicas with ernie-serve "
+                                         "--data-parallel-size N (N ernie_moe instances, one engine each); "
                                          "only 1 is supported here")
-        if self.enable_expert_parallel:
-            refuse("enable_expert_parallel", "expert parallelism needs several ranks; only False is supported")
-        if self.splitwise_role != "mixed":
-            refuse("splitwise_role", "prefill/decode disaggregation is not served yet; only 'mixed' is supported")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            refuse("enable_expert_parallel", "experts are split across the tensor-parallel ranks; it needs "
+                                             "tensor_parallel_size > 1")
+        if self.tensor_parallel_size > 1:
+            if self.speculative_config and self.speculative_config.get("method") == "mtp":
+                refuse("tensor_parallel_size", "the MTP draft head is not built for tensor parallelism; use "
+                                               "speculative_config method 'ngram', or tensor_parallel_size 1 with mtp")
+            if self.splitwise_role != "mixed":
+                refuse("tensor_parallel_size", f"splitwise_role={self.splitwise_role!r} exports and imports KV blocks "
+                                               "from one rank's cache; serve prefill/decode servers with "
+                                               "tensor_parallel_size 1")
         if self.gpu_memory_utilization != 0.9:
             refuse("gpu_memory_utilization", "it sizes the KV pool on a GPU, and this engine runs on the CPU; size the "
                                              "pool with kv_cache_memory (bytes) or num_gpu_blocks_override")

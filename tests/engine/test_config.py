@@ -9,11 +9,8 @@ from ernie_serve.sampling_params import SamplingParams
 from engine_helpers import make_engine
 
 REFUSED = [
-    ("tensor_parallel_size", 8, "only 1 is supported"),
-    ("data_parallel_size", 2, "--engine-instances"),
-    ("enable_expert_parallel", True, "only False is supported"),
-    ("splitwise_role", "prefill", "only 'mixed' is supported"),
-    ("splitwise_role", "decode", "only 'mixed' is supported"),
+    ("data_parallel_size", 2, "ernie-serve --data-parallel-size N"),
+    ("enable_expert_parallel", True, "it needs tensor_parallel_size > 1"),
     ("gpu_memory_utilization", 0.5, "kv_cache_memory"),
     ("kv_cache_ratio", 0.5, "V0 scheduler"),
     ("load_choices", "default", "only 'default_v1'"),
@@ -29,11 +26,35 @@ def test_unbuilt_flags_are_refused_naming_the_flag_and_what_is_supported(name, v
     assert f"{name}={value!r} is not supported" in str(e.value) and hint in str(e.value)
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--data-parallel-size", "--kv-cache-ratio"])
-def test_the_server_refuses_them_before_starting_anything(flag, capsys):
-    value = "0.5" if flag == "--kv-cache-ratio" else "8"
-    assert main([flag, value]) == 2
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2", "--speculative-config", '{"method": "mtp"}'],
+                                   ["--kv-cache-ratio", "0.5"], ["--enable-expert-parallel"]])
+def test_the_server_refuses_them_before_starting_anything(flags, capsys):
+    assert main(flags) == 2
     assert "is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,hint", [
+    (dict(tensor_parallel_size=2, speculative_config={"method": "mtp"}), "use speculative_config method 'ngram'"),
+    (dict(tensor_parallel_size=2, splitwise_role="prefill", engine_worker_queue_port=9100),
+     "serve prefill/decode servers with tensor_parallel_size 1"),
+])
+def test_combinations_tensor_parallelism_does_not_serve_are_refused_naming_what_does(kw, hint):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported") as e:
+        EngineConfig(**kw)
+    assert hint in str(e.value)
+
+
+@pytest.mark.parametrize("kw,hint", [
+    (dict(splitwise_role="decode"), "needs innode_prefill_ports"),
+    (dict(splitwise_role="prefill"), "needs engine_worker_queue_port"),
+    (dict(splitwise_role="decode", innode_prefill_ports="81a"), "comma-separated TCP ports"),
+    (dict(innode_prefill_ports="8182"), "is for splitwise_role='decode'"),
+    (dict(engine_worker_queue_port=8182), "the prefill server's port"),
+])
+def test_disaggregation_flags_are_checked_at_start_up(kw, hint):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**kw)
+    assert hint in str(e.value)
 
 
 def test_defaults_of_the_refused_flags_are_accepted():

@@ -15,16 +15,19 @@ from .._env import use_all_cpu_threads
 from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
 from ..model.kv_cache import PagedKVCache
-from ..model.loader import load_model, load_mtp, read_mtp_checkpoint
+from ..model.loader import QUANTIZED_SHARDS_UNSUPPORTED, load_model, load_mtp, read_mtp_checkpoint
 from ..model.mtp import ErnieMTP
+from ..model.parallel import ParallelLayout
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..quantization.layers import weight_memory_report
+from ..quantization.plan import QuantPlan
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .guided import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner
+from .model_shard import ModelShard
 from .output_processor import TextState
 from .request import Request, RequestStatus
 from .scheduler import RequestUpdate, Scheduler
@@ -76,19 +79,20 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else ErnieTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.model_config = ErnieModelConfig.from_pretrained(model_dir)
         self.eos_token_ids = read_eos_token_ids(model_dir, self.tokenizer, self.model_config)
-        self.model = load_model(model_dir, num_output_ids=len(self.tokenizer) if self.tokenizer else None,
-                                show_progress=not config.disable_progress_bar, quantization=config.quantization)
-        mem = weight_memory_report(self.model)
-        log.info("model weights resident: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
-                 "%.1f MiB)", mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
-                 mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
+        self.layout = ParallelLayout(0, config.tensor_parallel_size, config.enable_expert_parallel)
+        self.layout.check(self.model_config)  # before any worker starts
         spec = config.speculative_config or {}
-        self.mtp = self._load_mtp(spec) if spec.get("method") == "mtp" else None
-        num_blocks, num_host_blocks = self._size_kv_pool()
+        executor = self._start_ranks() if self.layout.is_parallel else self._load_single_rank(spec)
+        self.model = executor.model
+        mem = weight_memory_report(self.model)
+        log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
+                 "%.1f MiB)", " on rank 0" if self.layout.is_parallel else "", mem["total_bytes"] / 2**20,
+                 mem["quantized_bytes"] / 2**20, mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
+        num_blocks, num_host_blocks = executor.cache.num_blocks, self._num_host_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, num_host_blocks, config.sampling_class,
-                                  mtp=self.mtp, num_speculative_tokens=spec.get("num_speculative_tokens", 1),
+        self.runner = ModelRunner(executor, config.block_size, config.sampling_class, mtp=self.mtp,
+                                  num_speculative_tokens=spec.get("num_speculative_tokens", 1),
                                   max_model_len=config.max_model_len)
         self.proposer = make_proposer(config.speculative_config)
         self.num_output_ids = len(self.tokenizer) if self.tokenizer else self.model_config.vocab_size
@@ -107,6 +111,39 @@ class LLMEngine:
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off", self.cpu_threads)
 
+    def _load_single_rank(self, spec: dict) -> ModelShard:
+        c = self.config
+        model = load_model(self.model_dir, num_output_ids=len(self.tokenizer) if self.tokenizer else None,
+                           show_progress=not c.disable_progress_bar, quantization=c.quantization)
+        self.model = model
+        self.mtp = self._load_mtp(spec) if spec.get("method") == "mtp" else None
+        layers = self.model_config.num_hidden_layers + (self.mtp is not None)  # the MTP head has its own cache layer
+        num_blocks, self._num_host_blocks = self._size_kv_pool(layers, model.kv_cache_quant is not None)
+        return ModelShard(model, num_blocks, c.block_size, self._num_host_blocks, layers)
+
+    def _start_ranks(self):
+        """Rank 0 here, ranks 1..N-1 in worker processes (engine/workers.py), each with its shard and KV pool."""
+        from .workers import TensorParallelExecutor, threads_per_rank
+        from paddle.base import core
+
+        c = self.config
+        if QuantPlan.resolve(c.quantization, self.model_config.quantization_config) is not None:
+            raise ValueError(QUANTIZED_SHARDS_UNSUPPORTED.format(n=c.tensor_parallel_size))  # before workers start
+        self.cpu_threads = threads_per_rank(c.tensor_parallel_size)
+        core.set_num_threads(self.cpu_threads)
+        self.mtp = None  # refused with tensor parallelism (config.py)
+        num_blocks, self._num_host_blocks = self._size_kv_pool(self.model_config.num_hidden_layers, False)
+        return TensorParallelExecutor(dict(
+            model_dir=str(self.model_dir), num_output_ids=len(self.tokenizer) if self.tokenizer else None,
+            num_blocks=num_blocks, block_size=c.block_size, num_host_blocks=self._num_host_blocks,
+            world_size=c.tensor_parallel_size, expert_parallel=c.enable_expert_parallel))
+
+    def close(self) -> None:
+        """Stop the worker ranks, if any (they also die with this process)."""
+        shutdown = getattr(self.runner.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     def _load_mtp(self, spec: dict) -> ErnieMTP:
         """The MTP head: from the checkpoint's own mtp_* tensors, or from speculative_config.model."""
         source = spec.get("model")
@@ -118,11 +155,11 @@ class LLMEngine:
         return head
 
     # ---------------------------------------------------------------- sizing
-    def _size_kv_pool(self) -> tuple[int, int]:
+    def _size_kv_pool(self, layers: int, c8: bool) -> tuple[int, int]:
+        """Device and CPU-tier blocks of one rank's pool (kv_cache_memory is per rank: a tensor-parallel
+        rank's blocks hold only its KV heads)."""
         c, m = self.config, self.model_config
-        layers = m.num_hidden_layers + (self.mtp is not None)  # the MTP head has its own cache layer
-        shape = (layers, c.block_size, m.num_key_value_heads, m.head_dim)
-        c8 = getattr(self.model, "kv_cache_quant", None) is not None
+        shape = (layers, c.block_size, len(self.layout.kv_heads(m)), m.head_dim)
         per_block = PagedKVCache.bytes_per_block(*shape, int8=c8)
         if c.num_gpu_blocks_override:
             num = c.num_gpu_blocks_override

@@ -1,13 +1,17 @@
-"""Turns a SchedulerOutput into tensors, runs the model, samples; owns the KV data (device + CPU tier)."""
+"""The driver half of the model runner: turns a SchedulerOutput into a StepInput, has the model run it,
+samples. It is the only part that reads Requests; the executor runs the StepInput on the model (a
+ModelShard in this process, or every tensor-parallel rank at once, engine/workers.py) and hands back the
+sampled rows' logits, so sampling, penalties and guided decoding never depend on how the model is split.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import paddle
 
 from ..model.attention import AttentionMetadata
-from ..model.ernie import ErnieForCausalLM
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
 from .kv_cache_manager import KVOp
@@ -16,6 +20,7 @@ from .request import Request
 from .guided import GrammarRows
 from .sampler import Sampler, SamplingBatch
 from .scheduler import SchedulerOutput, ScheduledRequest
+from .step_input import StepInput
 
 MAX_BATCHED_QUERY = 8  # sequences computing at most this many tokens share the batched attention path
 
@@ -28,37 +33,36 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step, and why
 
 
+class StepExecutor(Protocol):
+    """Runs a StepInput on the whole model: engine/model_shard.ModelShard (one rank) or
+    engine/workers.TensorParallelExecutor (every rank). `cache` is this process's KV cache."""
+
+    cache: PagedKVCache
+
+    def execute(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | None]: ...
+
+
 class ModelRunner:
-    def __init__(self, model: ErnieForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 sampling_method: str = "base", mtp: ErnieMTP | None = None, num_speculative_tokens: int = 0,
-                 max_model_len: int = 0):
-        """`mtp`: the MTP head drafting num_speculative_tokens per step; its KV is one more cache layer."""
-        cfg = model.config
-        self.model = model
+    def __init__(self, executor: StepExecutor, block_size: int, sampling_method: str = "base",
+                 mtp: ErnieMTP | None = None, num_speculative_tokens: int = 0, max_model_len: int = 0):
+        """`mtp`: the MTP head drafting num_speculative_tokens per step (one-rank executors only: it runs
+        on the executor's model and cache, where its KV is one more cache layer)."""
+        self.executor = executor
         self.block_size = block_size
-        layers = cfg.num_hidden_layers + (mtp is not None)
-        self.cache = PagedKVCache(layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                                  quant=getattr(model, "kv_cache_quant", None))
-        shape = (num_host_blocks, layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
         self.sampler = Sampler(sampling_method)
-        self.drafter = None if mtp is None else MTPDrafter(model, mtp, self.cache, num_speculative_tokens,
+        self.drafter = None if mtp is None else MTPDrafter(executor.model, mtp, executor.cache, num_speculative_tokens,
                                                            max_model_len, MAX_BATCHED_QUERY)
         self._last_step: tuple[paddle.Tensor, list[StepRow]] | None = None  # for the drafter
 
-    def apply_kv_ops(self, ops: list[KVOp]) -> None:
-        """Swaps and copies, in the order the block pool recorded them."""
-        for op in ops:
-            if op.kind == "swap_out":
-                self.host_cache[op.dst] = self.cache.read_blocks([op.src])[:, :, 0]
-            elif op.kind == "swap_in":
-                self.cache.write_blocks([op.dst], self.host_cache[op.src][:, :, None])
-            else:
-                self.cache.write_blocks([op.dst], self.cache.read_blocks([op.src]))
+    @property
+    def cache(self) -> PagedKVCache:
+        return self.executor.cache
 
-    @paddle.no_grad()
+    def apply_kv_ops(self, ops: list[KVOp]) -> None:
+        """Swaps and copies with no forward (a step that scheduled nothing but still moved blocks)."""
+        self.executor.execute(StepInput(kv_ops=ops))
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.apply_kv_ops(so.kv_ops)
         order = sorted(so.scheduled, key=lambda s: s.num_tokens > MAX_BATCHED_QUERY)
         ids, positions, slots, q_lens, ctx_lens, tables = [], [], [], [], [], []
         bs = self.block_size
@@ -77,7 +81,6 @@ class ModelRunner:
         pos = np.concatenate(positions)
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs, np.concatenate(slots), int(pos.max()),
                                        MAX_BATCHED_QUERY)
-        hidden = self.model(paddle.to_tensor(np.asarray(ids, dtype=np.int64)), paddle.to_tensor(pos), meta, self.cache)
 
         rows, batch, owners, step_rows = [], _BatchBuilder(), [], []
         offset = 0
@@ -97,12 +100,13 @@ class ModelRunner:
                     batch.add(child, [])
                     owners.append(child.request_id)
             offset += s.num_tokens
+        step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta, np.asarray(rows, dtype=np.int64),
+                                    so.kv_ops)
+        hidden, logits = self.executor.execute(step)
         self._last_step = (hidden, step_rows) if self.drafter is not None else None
         out = ModelRunnerOutput()
         if not rows:
             return out
-        picked = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
-        logits = self.model.compute_logits(picked)
         result = self.sampler(logits, batch.build())
         for rid, tok, lp in zip(owners, result.token_ids.tolist(), result.logprobs):
             out.sampled.setdefault(rid, []).append(int(tok))

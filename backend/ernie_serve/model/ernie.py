@@ -4,6 +4,8 @@
 which token belongs where; `compute_logits` runs the head only for the rows that get sampled.
 A QuantPlan (ernie_serve.quantization.plan) makes the dense linears and routed experts empty
 quantized layers for the loader to fill; embeddings, norms, the router and lm_head stay fp32.
+A ParallelLayout (model/parallel.py) builds one tensor-parallel rank's shard of the model: fewer heads,
+a slice of each intermediate dimension (or of the experts), a slice of the vocabulary.
 """
 from __future__ import annotations
 
@@ -15,16 +17,23 @@ from .config import ErnieModelConfig
 from .kv_cache import KVCacheQuant, PagedKVCache
 from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, make_linear
 from .moe import MoE
+from .parallel import SINGLE_RANK, ParallelLayout, VocabParallelEmbedding
 
 
 class Attention(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant_method: str | None = None):
+    """GQA over the paged cache. On a tensor-parallel rank: its query heads and the KV heads they read;
+    o_proj's output is then this rank's partial sum."""
+
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant_method: str | None = None,
+                 layout: ParallelLayout = SINGLE_RANK):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = len(layout.query_heads(cfg)), len(layout.kv_heads(cfg))
+        self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.qkv_proj = make_linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, quant_method)  # [Q | K | V] out
-        self.o_proj = make_linear(cfg.q_size, cfg.hidden_size, quant_method)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = make_linear(cfg.hidden_size, q_size + 2 * kv_size, quant_method)  # [Q | K | V] out
+        self.o_proj = make_linear(q_size, cfg.hidden_size, quant_method)
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, cache):
         t = x.shape[0]
@@ -40,36 +49,45 @@ class Attention(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant=None, moe: bool | None = None):
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant=None, moe: bool | None = None,
+                 layout: ParallelLayout = SINGLE_RANK):
         """`layer_idx` is also the layer's KV cache layer; `moe` None: as the config's MoE layer rule says."""
         super().__init__()
         dense = quant.dense if quant is not None else None
+        self.layout = layout
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, dense)
+        self.self_attn = Attention(cfg, layer_idx, dense, layout)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_idx) if moe is None else moe:
-            self.mlp = MoE(cfg, quant.moe_method(layer_idx) if quant is not None else None, dense)
+            self.mlp = MoE(cfg, quant.moe_method(layer_idx) if quant is not None else None, dense, layout)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dense)
+            self.mlp = MLP(cfg.hidden_size, len(layout.split(cfg.intermediate_size)), dense)
 
     def forward(self, x, positions, rope, meta, cache):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Under tensor parallelism both sublayers end in a row-parallel projection: their outputs are
+        # partial sums, added up across ranks here (the identity on one rank).
+        h = x + self.layout.all_reduce(self.self_attn(self.input_layernorm(x), positions, rope, meta, cache))
+        return h + self.layout.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
 
 class ErnieForCausalLM(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, num_output_ids: int | None = None, quant=None):
+    def __init__(self, cfg: ErnieModelConfig, num_output_ids: int | None = None, quant=None,
+                 layout: ParallelLayout = SINGLE_RANK):
         """`num_output_ids`: the tokenizer's length; logits of ids beyond it are masked to -inf.
-        `quant`: a QuantPlan, or None for an fp32 model."""
+        `quant`: a QuantPlan, or None for an fp32 model. `layout`: which tensor-parallel shard to build."""
         super().__init__()
+        layout.check(cfg)
         self.config = cfg
         self.quant = quant
+        self.layout = layout
         self.kv_cache_quant: KVCacheQuant | None = None  # set by the loader when the C8 cache is configured
         self.num_output_ids = num_output_ids if num_output_ids is not None else cfg.vocab_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.LayerList([DecoderLayer(cfg, i, quant) for i in range(cfg.num_hidden_layers)])
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout) if layout.is_parallel
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.LayerList([DecoderLayer(cfg, i, quant, layout=layout) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        vocab_part = len(layout.split(cfg.vocab_size))
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab_part)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.compression_ratio)
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor, meta: AttentionMetadata,
@@ -81,11 +99,13 @@ class ErnieForCausalLM(nn.Layer):
         return self.norm(x)
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Logits over the whole vocabulary (a tensor-parallel rank computes its columns, then all-gathers)."""
         if self.lm_head is None:
             logits = paddle.matmul(hidden.astype("float32"), self.embed_tokens.weight.astype("float32"),
                                    transpose_y=True)
         else:
             logits = self.lm_head(hidden).astype("float32")
+        logits = self.layout.all_gather_columns(logits)
         if self.num_output_ids < logits.shape[-1]:
             logits[:, self.num_output_ids:] = float("-inf")
         return logits

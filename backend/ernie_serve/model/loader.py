@@ -9,6 +9,10 @@ is built with empty quantized layers, so no fp32 copy of a quantized weight is e
 A weight is quantized the moment its last piece arrives and its buffer dropped; stacked experts are
 assembled and quantized one expert at a time. Pre-quantized tensors (`<linear>.quant_weight`,
 `.weight_scale`, ...; "-Paddle" layout, experts one by one) go into those layers as they are.
+
+Tensor-parallel loading (a ParallelLayout): every rank reads the full checkpoint and keeps its slice of
+each tensor (model/parallel.py says which), so the model it builds holds only its shard. Checkpoints
+already split per rank (rank0/, rank1/, ...) are refused: serve the full checkpoint instead.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from ..quantization.plan import QuantPlan
 from .config import ErnieModelConfig
 from .ernie import ErnieForCausalLM
 from .kv_cache import KVCacheQuant
+from .parallel import SINGLE_RANK, ParallelLayout
 from .safetensors_io import iter_tensors, read_header
 
 log = logging.getLogger(__name__)
@@ -59,7 +64,16 @@ class KVScale:
     which: str
 
 
+QUANTIZED_SHARDS_UNSUPPORTED = (
+    "tensor_parallel_size={n} with a quantized model (--quantization or the checkpoint's quantization_config) is "
+    "not supported: per-rank quantized shards and their scales are not built; serve the float checkpoint with "
+    "tensor parallelism, or the quantized one with tensor_parallel_size=1")
+
+
 def checkpoint_shards(model_dir: Path) -> list[Path]:
+    if (model_dir / "rank0").is_dir():
+        raise ValueError(f"{model_dir} is split per tensor-parallel rank (rank0/, rank1/, ...); this loader "
+                         f"slices a full checkpoint for each rank itself: give the full (unsplit) checkpoint")
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -196,11 +210,46 @@ def _targets(model: ErnieForCausalLM) -> dict[str, _Target]:
     return targets
 
 
-class _Assembler:
-    """Fills targets piece by piece and tells which ones never got all their pieces."""
+def localize(piece: Piece, value: np.ndarray, layout: ParallelLayout,
+             cfg: ErnieModelConfig) -> tuple[Piece, np.ndarray] | None:
+    """This rank's part of a checkpoint piece (`value` already in the parameter's layout), indexed into
+    the rank's shard of the parameter; None when none of it belongs to this rank."""
+    shard = layout.shard_of(piece.param, cfg)
+    if shard is None:
+        return piece, value
+    axis, keep = shard
+    index = list(piece.index) + [slice(None)] * (axis + 1 - len(piece.index))
+    entry = index[axis]
+    if isinstance(entry, int):  # one expert of stacked experts, under expert parallelism
+        hit = np.flatnonzero(keep == entry)
+        if not hit.size:
+            return None
+        index[axis] = int(hit[0])
+        return Piece(piece.param, tuple(index)), value
+    value_axis = axis - sum(isinstance(i, int) for i in index[:axis])  # integer entries drop their axis
+    start = entry.start or 0
+    stop = entry.stop if entry.stop is not None else start + value.shape[value_axis]
+    pos = np.flatnonzero((keep >= start) & (keep < stop))
+    if not pos.size:
+        return None
+    if pos[-1] - pos[0] + 1 != pos.size:
+        raise AssertionError(f"shard of {piece.param} is not contiguous for {entry}")
+    value = np.take(value, keep[pos] - start, axis=value_axis)
+    whole = pos.size == keep.size and all(i == slice(None) for j, i in enumerate(index) if j != axis)
+    index[axis] = slice(None) if whole else slice(int(pos[0]), int(pos[-1]) + 1)
+    while index and index[-1] == slice(None):
+        index.pop()
+    return Piece(piece.param, tuple(index)), value
 
-    def __init__(self, targets: dict[str, _Target]):
+
+class _Assembler:
+    """Fills targets piece by piece and tells which ones never got all their pieces. With a tensor-parallel
+    layout, each piece is first cut down to this rank's part (`localize`)."""
+
+    def __init__(self, targets: dict[str, _Target], layout: ParallelLayout = SINGLE_RANK,
+                 cfg: ErnieModelConfig | None = None):
         self.targets = targets
+        self.layout, self.cfg = layout, cfg
         self.buffers: dict[tuple, np.ndarray] = {}
         self.buffer_filled: dict[tuple, int] = {}
         self.quant_parts: dict[tuple, dict[str, np.ndarray]] = {}
@@ -215,6 +264,11 @@ class _Assembler:
     def put(self, tensor_name: str, piece: Piece, arr: np.ndarray) -> None:
         target = self._target(tensor_name, piece.param)
         value = arr.T if piece.transpose else arr
+        if self.layout.is_parallel:
+            local = localize(piece, value, self.layout, self.cfg)
+            if local is None:
+                return
+            piece, value = local
         shape, index, expert = target.shape, piece.index, None
         if target.per_expert:
             expert, index, shape = index[0], index[1:], shape[1:]
@@ -258,11 +312,13 @@ class _Assembler:
 
 
 def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_progress: bool = True,
-               cfg: ErnieModelConfig | None = None, quantization: str | None = None) -> ErnieForCausalLM:
+               cfg: ErnieModelConfig | None = None, quantization: str | None = None,
+               layout: ParallelLayout = SINGLE_RANK) -> ErnieForCausalLM:
     """Build the model and fill it from the checkpoint; MTP tensors land in `model.mtp_weights`.
 
     `quantization` (wint8 | wint4 | block_wise_fp8 | wint2): quantize a float checkpoint while loading.
     A checkpoint whose config.json has a quantization_config is loaded as that config says.
+    `layout`: build and fill only this tensor-parallel rank's shard.
     """
     model_dir = Path(model_dir)
     cfg = cfg or ErnieModelConfig.from_pretrained(model_dir)
@@ -270,16 +326,19 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
     names = [n for s in shards for n in read_header(s)[0]]
     cfg.raw["_checkpoint_layout"] = "paddle" if any(n.startswith("ernie.") for n in names) else "torch"
     plan = QuantPlan.resolve(quantization, cfg.quantization_config)
+    if plan is not None and layout.is_parallel:
+        raise ValueError(QUANTIZED_SHARDS_UNSUPPORTED.format(n=layout.world_size))
     paddle.nn.initializer.set_global_initializer(paddle.nn.initializer.Constant(0.0),
                                                  paddle.nn.initializer.Constant(0.0))
     try:
-        model = ErnieForCausalLM(cfg, num_output_ids, quant=plan if plan and plan.quantizes_weights else None)
+        model = ErnieForCausalLM(cfg, num_output_ids, quant=plan if plan and plan.quantizes_weights else None,
+                                 layout=layout)
     finally:
         paddle.nn.initializer.set_global_initializer(None, None)
     model.eval()
     for p in model.parameters():
         p.stop_gradient = True
-    asm = _Assembler(_targets(model))
+    asm = _Assembler(_targets(model), layout, cfg)
     mtp: dict[str, np.ndarray] = {}
     kv_scales: dict[tuple[int, str], np.ndarray] = {}
     with tqdm(total=len(names), desc=f"Loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:

@@ -12,6 +12,7 @@ from paddle import nn
 
 from .config import ErnieModelConfig
 from .layers import MLP, silu_and_mul
+from .parallel import SINGLE_RANK, ParallelLayout
 
 
 class TopKRouter(nn.Layer):
@@ -62,13 +63,16 @@ class FusedExperts(nn.Layer):
         """Every expert on its own rows: xs [E, n, H] -> [E, n, H]."""
         return paddle.bmm(silu_and_mul(paddle.bmm(xs, self.up_gate_proj)), self.down_proj)
 
-    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
-        return grouped_expert_forward(self, x, topk_ids, topk_weights)
+    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
+                expert_offset: int | None = None) -> paddle.Tensor:
+        return grouped_expert_forward(self, x, topk_ids, topk_weights, expert_offset)
 
 
-def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor):
+def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
+                           expert_offset: int | None = None):
     """sum_j w[t, j] * Expert_{ids[t, j]}(x[t]) for every expert implementation (float or quantized):
-    `experts.expert_forward(e, x_e)` is all that differs.
+    `experts.expert_forward(e, x_e)` is all that differs. `expert_offset` (expert parallelism): these
+    are experts [offset, offset + num_experts) of the model; choices of other ranks' experts are skipped.
 
     Tokens are sorted by expert once, then each active expert runs once over its tokens; results are
     weighted and scattered back with index_add. There is no per-token loop, and gradients flow.
@@ -77,10 +81,18 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape([-1]).numpy()
-    counts = np.bincount(flat_ids, minlength=experts.num_experts)
-    if counts.shape[0] > experts.num_experts:
-        raise ValueError(f"topk_ids hold expert id {int(flat_ids.max())} >= num_experts={experts.num_experts}")
-    order = np.argsort(flat_ids, kind="stable")
+    if expert_offset is None:
+        counts = np.bincount(flat_ids, minlength=experts.num_experts)
+        if counts.shape[0] > experts.num_experts:
+            raise ValueError(f"topk_ids hold expert id {int(flat_ids.max())} >= num_experts={experts.num_experts}")
+        order = np.argsort(flat_ids, kind="stable")
+    else:
+        flat_ids = flat_ids - expert_offset
+        mine = np.flatnonzero((flat_ids >= 0) & (flat_ids < experts.num_experts))
+        if not mine.size:
+            return paddle.zeros_like(x)
+        counts = np.bincount(flat_ids[mine], minlength=experts.num_experts)
+        order = mine[np.argsort(flat_ids[mine], kind="stable")]
     token_of = paddle.to_tensor(order // k)
     w = paddle.index_select(topk_weights.reshape([-1]), paddle.to_tensor(order)).astype(x.dtype)
     if hasattr(experts, "batched_forward") and _use_batched(counts):
@@ -120,30 +132,38 @@ def _batched(experts, x: paddle.Tensor, flat_ids: np.ndarray, order: np.ndarray,
     return paddle.index_select(ys, paddle.to_tensor(rows))
 
 
-def make_experts(cfg: ErnieModelConfig, quant_method: str | None) -> nn.Layer:
-    """Float experts, or empty quantized ones that the loader fills expert by expert."""
+def make_experts(cfg: ErnieModelConfig, quant_method: str | None, layout: ParallelLayout = SINGLE_RANK) -> nn.Layer:
+    """Float experts, or empty quantized ones that the loader fills expert by expert; on a
+    tensor-parallel rank, its experts (expert parallelism) or its slice of every expert."""
+    num, inter = len(layout.experts(cfg)), layout.expert_intermediate(cfg)
     if quant_method is None:
-        return FusedExperts(cfg.moe_num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        return FusedExperts(num, cfg.hidden_size, inter)
     from ..quantization.layers import QuantMoEExperts  # built from this module: imported late
 
-    return QuantMoEExperts.empty(quant_method, cfg.moe_num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    return QuantMoEExperts.empty(quant_method, num, cfg.hidden_size, inter)
 
 
 class MoE(nn.Layer):
-    """`experts_quant` applies to the routed experts, `dense_quant` to the shared ones; the router stays fp32."""
+    """`experts_quant` applies to the routed experts, `dense_quant` to the shared ones; the router stays fp32
+    (and whole on every rank: each rank routes every token, under expert parallelism too)."""
 
-    def __init__(self, cfg: ErnieModelConfig, experts_quant: str | None = None, dense_quant: str | None = None):
+    def __init__(self, cfg: ErnieModelConfig, experts_quant: str | None = None, dense_quant: str | None = None,
+                 layout: ParallelLayout = SINGLE_RANK):
         super().__init__()
         self.gate = TopKRouter(cfg.hidden_size, cfg.moe_num_experts, cfg.moe_k, cfg.moe_norm_min)
-        self.experts = make_experts(cfg, experts_quant)
+        self.experts = make_experts(cfg, experts_quant, layout)
+        self.expert_offset = layout.experts(cfg).start if layout.expert_parallel and layout.is_parallel else None
         self.shared_experts = None
         if cfg.moe_num_shared_experts > 0:
-            self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.moe_num_shared_experts,
-                                      dense_quant)
+            shared = len(layout.split(cfg.moe_intermediate_size * cfg.moe_num_shared_experts))
+            self.shared_experts = MLP(cfg.hidden_size, shared, dense_quant)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
+        if self.expert_offset is None:
+            out = self.experts(x, ids, weights)
+        else:
+            out = self.experts(x, ids, weights, self.expert_offset)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

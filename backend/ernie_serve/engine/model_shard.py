@@ -1,0 +1,54 @@
+"""The executing half of the model runner: one rank's model shard and KV cache, running StepInputs.
+
+Every tensor-parallel rank holds one (rank 0 in the engine's own process, the others in worker
+processes, engine/workers.py), and all of them run the same StepInput at the same time: the model's
+collectives keep them in step. A single-rank engine calls its one ModelShard directly.
+"""
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from ..model.ernie import ErnieForCausalLM
+from ..model.kv_cache import PagedKVCache
+from .kv_cache_manager import KVOp
+from .step_input import StepInput
+
+
+class ModelShard:
+    def __init__(self, model: ErnieForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 num_cache_layers: int | None = None):
+        """`num_cache_layers`: KV cache layers (the model's, plus one for an MTP head)."""
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        layers = num_cache_layers or cfg.num_hidden_layers
+        kv_heads = len(model.layout.kv_heads(cfg))
+        self.cache = PagedKVCache(layers, num_blocks, block_size, kv_heads, cfg.head_dim,
+                                  quant=getattr(model, "kv_cache_quant", None))
+        shape = (num_host_blocks, layers, 2, block_size, kv_heads, cfg.head_dim)
+        self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
+
+    def apply_kv_ops(self, ops: list[KVOp]) -> None:
+        """Swaps and copies, in the order the block pool recorded them."""
+        for op in ops:
+            if op.kind == "swap_out":
+                self.host_cache[op.dst] = self.cache.read_blocks([op.src])[:, :, 0]
+            elif op.kind == "swap_in":
+                self.cache.write_blocks([op.dst], self.host_cache[op.src][:, :, None])
+            else:
+                self.cache.write_blocks([op.dst], self.cache.read_blocks([op.src]))
+
+    @paddle.no_grad()
+    def execute(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
+        """KV ops, then the forward: (final hidden states [T, H], logits [R, vocab] of step.sample_rows);
+        None for what the step has not got (no tokens: a KV-ops-only step; no rows to sample)."""
+        self.apply_kv_ops(step.kv_ops)
+        if not step.num_tokens:
+            return None, None
+        meta = step.attention_metadata(self.block_size)
+        hidden = self.model(paddle.to_tensor(step.token_ids), paddle.to_tensor(step.positions), meta, self.cache)
+        if not step.sample_rows.size:
+            return hidden, None
+        picked = paddle.index_select(hidden, paddle.to_tensor(step.sample_rows))
+        return hidden, self.model.compute_logits(picked)

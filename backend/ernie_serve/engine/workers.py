@@ -1,0 +1,291 @@
+"""Tensor-parallel ranks: rank 0 is the engine's own process, ranks 1..N-1 are worker processes it starts.
+
+    driver (engine process)                         worker k (python -m ernie_serve.engine.workers)
+    scheduler -> ModelRunner -> StepInput --pyzmq--> StepInput
+                   ModelShard(rank 0).execute         ModelShard(rank k).execute
+                       \\______ paddle.distributed collectives (gloo) ______/
+                   logits (all-gathered) -> sampler
+
+Why this shape. vLLM v1 and FastDeploy both keep the scheduler in one process and run the model in
+one worker per rank; vLLM's scheduler sends each worker only what changed (new requests, token and
+block-table deltas) and every worker keeps a persistent batch, which pays off when the model step is a
+few milliseconds on a GPU and a CUDA graph replays it. Here the driver sends the whole step as index
+data instead: a StepInput (engine/step_input.py) is a few KB (the block tables dominate), one pyzmq
+message per worker per step, and no rank but the driver keeps request state, so a worker is stateless
+apart from its KV cache and there is nothing to keep in sync. Rank 0 runs in the driver's process (vLLM
+and FastDeploy use a separate process for every rank), so a single-rank engine has no IPC at all and
+a tensor-parallel one moves no logits between processes: the lm_head's all-gather delivers them
+to rank 0, where the sampler runs unchanged.
+
+The process group is this engine's own (a TCPStore on a free port, a gloo ProcessGroup under a fresh
+id), not paddle.distributed.init_parallel_env's global one: that one is created once per process
+(measured: a second init in the same process fails), so an engine built with it could never be
+rebuilt in its process. The collectives are paddle.distributed's, called with that group. NCCL is
+the same call with a GPU process group; this build's engine runs on the CPU, so the group is gloo.
+
+Failures. Workers die with the driver (PR_SET_PDEATHSIG). A worker that dies or fails mid-step breaks
+the step's collective on rank 0 (gloo raises at once on a closed connection); the executor then names
+the rank and how it ended (RankFailedError), stops the other workers and refuses further steps: the
+engine fails every request in flight once and reports itself unhealthy (async_engine).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from dataclasses import asdict, dataclass
+from itertools import count
+from pathlib import Path
+
+import paddle
+import zmq
+
+from ..model.loader import load_model
+from ..model.parallel import ParallelLayout
+from .model_shard import ModelShard
+from .step_input import StepInput
+
+log = logging.getLogger(__name__)
+STARTUP_TIMEOUT_SECONDS = 600.0  # model loading included
+DEATH_WAIT_SECONDS = 5.0  # after a failed collective: how long to look for the rank that died
+_group_ids = count(1)  # process-group ids are keys in a per-process map: never reuse one
+
+
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank died or failed: the step (and every request in it) cannot complete."""
+
+
+@dataclass
+class ShardSpec:
+    """What a rank needs to build its shard (the same for every rank but the rank number)."""
+    model_dir: str
+    num_output_ids: int | None
+    num_blocks: int
+    block_size: int
+    num_host_blocks: int
+    world_size: int
+    expert_parallel: bool
+    store_port: int
+    group_id: int
+
+
+def threads_per_rank(world_size: int) -> int:
+    """The CPU threads one rank's kernels get: the cores shared evenly between the ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
+def make_group(rank: int, spec: ShardSpec):
+    """This engine's own gloo process group (rank 0 hosts its TCPStore)."""
+    from paddle.base import core
+    from paddle.distributed.communication.group import Group
+
+    os.environ.setdefault("PADDLE_TRAINER_ID", str(rank))  # the C++ process group reads it as the global rank
+    store = core.TCPStore("127.0.0.1", spec.store_port, rank == 0, spec.world_size, timeout=int(STARTUP_TIMEOUT_SECONDS))
+    pg = core.ProcessGroupGloo.create(store, rank, spec.world_size, spec.group_id)
+    return Group(rank, spec.group_id, list(range(spec.world_size)), pg=pg, name=f"ernie_tp_{spec.group_id}"), store
+
+
+def load_shard(rank: int, spec: ShardSpec, group) -> ModelShard:
+    layout = ParallelLayout(rank, spec.world_size, spec.expert_parallel, group)
+    model = load_model(spec.model_dir, spec.num_output_ids, show_progress=False, layout=layout)
+    return ModelShard(model, spec.num_blocks, spec.block_size, spec.num_host_blocks)
+
+
+class TensorParallelExecutor:
+    """The driver's view of all ranks: sends each StepInput to the workers and runs rank 0 itself."""
+
+    def __init__(self, spec_fields: dict, startup_timeout: float = STARTUP_TIMEOUT_SECONDS):
+        """`spec_fields`: ShardSpec's fields but the store port and group id, which are chosen here."""
+        self.spec = ShardSpec(**spec_fields, store_port=_free_port(), group_id=next(_group_ids))
+        self.failure: str | None = None
+        self._zmq = zmq.Context()
+        self._control = self._zmq.socket(zmq.PULL)  # hello / ready / error messages from the workers
+        control_port = self._control.bind_to_random_port("tcp://127.0.0.1")
+        self._steps, self._procs = [], []
+        for rank in range(1, self.spec.world_size):
+            sock = self._zmq.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDTIMEO, int(DEATH_WAIT_SECONDS * 1000))
+            port = sock.bind_to_random_port("tcp://127.0.0.1")
+            self._steps.append(sock)
+            self._procs.append(subprocess.Popen(
+                [_python(), "-m", "ernie_serve.engine.workers", "--rank", str(rank), "--spec",
+                 json.dumps(asdict(self.spec)), "--steps", f"tcp://127.0.0.1:{port}",
+                 "--control", f"tcp://127.0.0.1:{control_port}", "--driver-pid", str(os.getpid())]))
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._steps + [self._control], self._zmq)
+        try:
+            deadline = time.monotonic() + startup_timeout
+            self._await("hello", deadline)  # every worker is up and about to join the group
+            self.group, self._store = make_group(0, self.spec)
+            self.shard = load_shard(0, self.spec, self.group)
+            self._await("ready", deadline)
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("tensor parallel: %d ranks (workers %s), %s", self.spec.world_size,
+                 ", ".join(str(p.pid) for p in self._procs),
+                 "expert parallel" if self.spec.expert_parallel else "experts split by intermediate size")
+
+    @property
+    def model(self):
+        return self.shard.model
+
+    @property
+    def cache(self):
+        return self.shard.cache
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def execute(self, step: StepInput):
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+        self._check_alive()
+        frames = step.to_frames()
+        try:
+            for sock in self._steps:
+                sock.send_multipart(frames, copy=False)
+            return self.shard.execute(step)
+        except Exception as e:
+            # The ranks are out of step now, whatever happened: no further step can run.
+            if isinstance(e, zmq.ZMQError) or "gloo" in str(e):
+                self._fail(f"a collective of the step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            self.failure = f"tensor-parallel rank 0 failed: {type(e).__name__}: {e}"
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the workers; this executor refuses steps from now on."""
+        if self.failure is None:
+            self.failure = "the engine's tensor-parallel workers were stopped"
+        self._finalizer()
+
+    # ------------------------------------------------------------ internals
+    def _await(self, kind: str, deadline: float) -> None:
+        waiting = set(range(1, self.spec.world_size))
+        while waiting:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"tensor-parallel ranks {sorted(waiting)} did not report {kind!r} in time")
+            if self._control.poll(200):
+                msg = json.loads(self._control.recv())
+                if msg["kind"] == "error":
+                    raise RankFailedError(f"tensor-parallel rank {msg['rank']} failed: {msg['error']}")
+                if msg["kind"] == kind:
+                    waiting.discard(msg["rank"])
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                self._fail(f"tensor-parallel rank {rank} (pid {proc.pid}) {_how(code)}")
+
+    def _fail(self, what: str) -> None:
+        """Name the rank that ended (its own error report, or its exit), stop the rest, refuse further steps."""
+        deadline = time.monotonic() + DEATH_WAIT_SECONDS
+        culprit = None
+        while culprit is None and self._finalizer.alive and time.monotonic() < deadline:
+            while self._control.poll(0):
+                msg = json.loads(self._control.recv())
+                if msg["kind"] == "error":
+                    culprit = f"tensor-parallel rank {msg['rank']} failed: {msg['error']}"
+            for rank, proc in enumerate(self._procs, start=1):
+                code = proc.poll()
+                if culprit is None and code is not None:
+                    culprit = f"tensor-parallel rank {rank} (pid {proc.pid}) {_how(code)}"
+            if culprit is None:
+                time.sleep(0.05)
+        self.failure = (culprit or what) + "; the engine cannot run further steps and must be restarted"
+        log.error("%s", self.failure)
+        self.shutdown()
+        raise RankFailedError(self.failure)
+
+
+def _how(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def _stop(procs: list[subprocess.Popen], sockets: list, ctx: zmq.Context) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    for sock in sockets:
+        sock.close(0)
+    ctx.term()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python() -> str:
+    """This interpreter: inside Triton's python stub sys.executable may be the stub, not python."""
+    exe = Path(sys.executable)
+    return str(exe) if exe.name.startswith("python") else "python3"
+
+
+# ---------------------------------------------------------------- the worker process
+def _die_with_parent(driver_pid: int) -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != driver_pid:  # it died before the call above took effect
+        os._exit(1)
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one tensor-parallel rank of an ernie_serve engine (started by it)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--spec", required=True)
+    p.add_argument("--steps", required=True)
+    p.add_argument("--control", required=True)
+    p.add_argument("--driver-pid", type=int, required=True)
+    args = p.parse_args(argv)
+    _die_with_parent(args.driver_pid)
+    logging.basicConfig(level=logging.INFO, format=f"[rank {args.rank}] %(levelname)s %(message)s")
+    spec = ShardSpec(**json.loads(args.spec))
+    ctx = zmq.Context()
+    control = ctx.socket(zmq.PUSH)
+    control.connect(args.control)
+    steps = ctx.socket(zmq.PULL)
+    steps.connect(args.steps)
+
+    def report(kind: str, **extra) -> None:
+        control.send(json.dumps({"kind": kind, "rank": args.rank, **extra}).encode())
+
+    try:
+        paddle.base.core.set_num_threads(threads_per_rank(spec.world_size))
+        report("hello")
+        group, _store = make_group(args.rank, spec)
+        shard = load_shard(args.rank, spec, group)
+        report("ready")
+        while True:
+            if not steps.poll(1000):
+                continue  # idle; the driver's death ends this process (PR_SET_PDEATHSIG)
+            frames = steps.recv_multipart(copy=False)
+            shard.execute(StepInput.from_frames([f.buffer for f in frames]))
+    except Exception as e:  # noqa: BLE001 - reported to the driver, which fails the engine's requests
+        traceback.print_exc()
+        report("error", error=f"{type(e).__name__}: {e}")
+        time.sleep(0.2)  # let the report leave before the process does
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())
