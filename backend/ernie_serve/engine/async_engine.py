@@ -9,6 +9,10 @@ step. The engine itself is only ever touched by the loop thread, so no lock is h
 Every accepted request gets exactly one final output: finished, aborted, failed alone (its callback
 gets a RequestFailedError; the engine goes on), or failed because the engine died (EngineDeadError;
 the front then refuses new work).
+
+Prefill/decode disaggregation (serving/disagg.py) adds two kinds of request: `add_prefill` (prefill
+role: compute a prompt's KV, hand it over as a KVTransfer, free the blocks) and `add_prefilled` (decode
+role: continue from a KVTransfer). Both go through the same inbox and loop.
 """
 from __future__ import annotations
 
@@ -23,10 +27,15 @@ from typing import Callable, Iterator
 from ..config import EngineConfig
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .llm_engine import LLMEngine, RequestGroup
+from .kv_transfer import KVTransfer
+from .llm_engine import EngineCapacityError, LLMEngine, RequestGroup
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput, "Exception | None"], None]
+KVCallback = Callable[["KVTransfer | None", "str | None"], None]  # the prompt's KV, or why there is none
+# A prefill-role request computes the prompt and stops: the decode side recomputes the last prompt token and
+# samples every token itself, with the request's own parameters (so the two roles agree with a mixed server).
+PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 ABORT_WAIT_SECONDS = 30.0  # how long a closed stream waits for its abort to be acknowledged
 
 
@@ -63,6 +72,7 @@ class AsyncEngine:
         self._abort_all = False
         self.error: Exception | None = None
         self._stats = self.engine.stats()
+        self._transfers: dict[str, KVTransfer] = {}  # exported KV of finished prefill requests, for their callback
         self.step_listeners: list[Callable[[dict], None]] = []  # metrics hooks, called after each step
         self.log_interval_s = 10.0
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt tokens, generation tokens
@@ -82,7 +92,23 @@ class AsyncEngine:
                     callback: OutputCallback) -> None:
         """Queue a request; raises ValueError for bad input, EngineOverloadedError, EngineDeadError."""
         self._check_running()
-        group = self.engine.make_request_group(request_id, prompt_token_ids, params)
+        self._submit_group(self.engine.make_request_group(request_id, prompt_token_ids, params), callback)
+
+    def add_prefill(self, request_id: str, prompt_token_ids: list[int], on_kv: KVCallback) -> None:
+        """Prefill role: compute the prompt's KV and call on_kv(KVTransfer, None) with it (its blocks are freed
+        by then), or on_kv(None, why) if the request ended otherwise (aborted, failed, the engine died)."""
+        self._check_running()
+        group = self.engine.make_request_group(request_id, prompt_token_ids, PREFILL_ONLY, hold_kv=True)
+
+        def on_output(out: RequestOutput, err: Exception | None) -> None:
+            if out.finished:
+                transfer = self._transfers.pop(request_id, None)
+                on_kv(transfer, None if transfer is not None else str(err or out.error or "aborted"))
+
+        self._submit_group(group, on_output)
+
+    def _submit_group(self, group: RequestGroup, callback: OutputCallback) -> None:
+        request_id = group.request_id
         with self._cond:
             self._check_running()
             if request_id in self._pending:
@@ -94,6 +120,18 @@ class AsyncEngine:
             self._pending[request_id] = _Pending(callback, time.monotonic(), group.requests[0].prompt_token_ids)
             self._inbox.append(("add", group))
             self._num_queued += 1
+            self._cond.notify()
+
+    def add_prefilled(self, transfer: KVTransfer, params: SamplingParams, callback: OutputCallback) -> None:
+        """Decode role: continue a request from the prompt KV a prefill server computed (a request like any
+        other from then on: streamed to callback, aborted with abort)."""
+        self._check_running()
+        with self._cond:
+            self._check_running()
+            if transfer.request_id in self._pending:
+                raise ValueError(f"request_id {transfer.request_id!r} is already in use")
+            self._pending[transfer.request_id] = _Pending(callback, time.monotonic(), transfer.prompt_token_ids)
+            self._inbox.append(("prefilled", (transfer, params)))
             self._cond.notify()
 
     def _check_running(self) -> None:
@@ -169,6 +207,14 @@ class AsyncEngine:
                     self.engine.add_request_group(item)
                 except ValueError as e:
                     outputs.append(_failed_output(item.request_id, item.requests[0].prompt_token_ids, str(e)))
+            elif kind == "prefilled":
+                transfer, params = item
+                try:
+                    out = self.engine.add_prefilled_request(transfer, params)
+                except (ValueError, EngineCapacityError) as e:
+                    out = _failed_output(transfer.request_id, transfer.prompt_token_ids, str(e))
+                if out is not None:
+                    outputs.append(out)
             else:
                 out = self.engine.abort_request(item)
                 if out is not None:
@@ -178,7 +224,11 @@ class AsyncEngine:
         return outputs
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Stats snapshot first (a caller woken by its final output sees the state after it), then outputs."""
+        """Stats snapshot first (a caller woken by its final output sees the state after it), then outputs.
+        A finished prefill request's KV is exported before the snapshot, so the blocks it frees are counted."""
+        for out in outputs:
+            if out.finished and out.request_id in self.engine.held_kv:
+                self._transfers[out.request_id] = self.engine.export_kv(out.request_id)
         stats = self.engine.stats()
         deliver = []
         with self._cond:
@@ -238,6 +288,8 @@ class AsyncEngine:
                 self._abort_all = True
                 self._cond.notify()
             self._thread.join(5)
+        if not self._thread.is_alive():
+            self.engine.close()  # tensor-parallel workers, if any
 
 
 def _failed_output(request_id: str, prompt_token_ids: list[int], error: str) -> RequestOutput:

@@ -46,9 +46,10 @@ def postprocessor(params: dict[str, str]):
 
 
 def engine_model(params: dict[str, str], metrics=None, parent_pid: int | None = None):
+    from .disagg import engine_front
     from .engine_model import EngineModel
 
     cfg = engine_config_from_parameters(params)
     if cfg.model is None:
         cfg.model = str(model_dir(params))
-    return EngineModel(cfg, metrics, parent_pid=parent_pid)
+    return EngineModel(cfg, metrics, engine=engine_front(cfg), parent_pid=parent_pid)

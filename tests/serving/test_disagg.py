@@ -1,0 +1,141 @@
+"""Prefill/decode disaggregation in one process: a PrefillFront and a DecodeFront over real engines,
+talking the real pyzmq protocol on loopback; the real two-server setup is tests/e2e/test_disaggregation.py."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from ernie_serve.config import EngineConfig
+from ernie_serve.engine.async_engine import AsyncEngine, RequestFailedError
+from ernie_serve.serving import disagg
+from ernie_serve.serving.launcher import free_port
+from ernie_serve.sampling_params import SamplingParams
+
+ENGINE = dict(max_model_len=256, block_size=16, max_num_seqs=8, num_gpu_blocks_override=64, disable_progress_bar=True)
+PROMPTS = [np.random.default_rng(i).integers(3, 4000, size=n).tolist() for i, n in enumerate((1, 16, 17, 40))]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir):
+    port = free_port()
+    base = dict(ENGINE, model=str(tiny_model_dir))
+    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port))
+    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port)))
+    mixed = AsyncEngine(EngineConfig(**base))
+    yield prefill, decode, mixed
+    for front in (decode, prefill, mixed):
+        front.shutdown(drain=False)
+
+
+def _collect(front, rid: str, prompt: list[int], params: SamplingParams):
+    """Submit; returns a queue of (output, error) and an event set on the final one."""
+    q: queue.Queue = queue.Queue()
+    front.add_request(rid, prompt, params, lambda out, err: q.put((out, err)))
+    return q
+
+
+def _final(q: queue.Queue, timeout: float = 120):
+    while True:
+        out, err = q.get(timeout=timeout)
+        if out.finished or err is not None:
+            return out, err
+
+
+def _all_free(front) -> bool:
+    s = front.stats()
+    return s["num_free_blocks"] == s["num_total_blocks"] and not s["num_running"] and not s["num_waiting"]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                    SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12),
+                                    SamplingParams(temperature=0.8, seed=3, max_tokens=9, repetition_penalty=1.3,
+                                                   logprobs=2)],
+                         ids=["greedy", "seeded", "penalties_logprobs"])
+def test_one_prefill_one_decode_gives_the_tokens_of_one_mixed_server(servers, params):
+    prefill, decode, mixed = servers
+    runs = {name: [_collect(front, f"{name}-{i}-{params.seed}", p, params) for i, p in enumerate(PROMPTS)]
+            for name, front in (("pd", decode), ("mixed", mixed))}
+    finals = {name: [_final(q) for q in qs] for name, qs in runs.items()}
+    for (pd, pd_err), (mx, mx_err) in zip(finals["pd"], finals["mixed"]):
+        assert pd_err is None and mx_err is None
+        assert pd.outputs[0].token_ids == mx.outputs[0].token_ids
+        assert pd.outputs[0].finish_reason == mx.outputs[0].finish_reason
+        if params.logprobs:
+            assert [sorted(d) for d in pd.outputs[0].logprobs] == [sorted(d) for d in mx.outputs[0].logprobs]
+    for front in (prefill, decode):
+        _wait_for(lambda: _all_free(front))
+
+
+def _wait_for(predicate, rounds: int = 400) -> None:
+    ev = threading.Event()
+    for _ in range(rounds):
+        if predicate():
+            return
+        ev.wait(0.05)
+    raise AssertionError("condition not reached")
+
+
+def test_cancel_mid_stream_frees_the_blocks_on_both_servers(servers):
+    prefill, decode, _ = servers
+    streamed = threading.Event()
+    got: queue.Queue = queue.Queue()
+
+    def on_output(out, err):
+        got.put((out, err))
+        if out.outputs[0].token_ids:
+            streamed.set()
+
+    decode.add_request("cancel-mid", PROMPTS[3], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                       on_output)
+    assert streamed.wait(60)
+    assert decode.abort("cancel-mid")
+    out, err = _final(got)
+    assert out.outputs[0].finish_reason == "abort" and err is None
+    _wait_for(lambda: _all_free(decode))
+    _wait_for(lambda: _all_free(prefill))
+
+
+def test_cancel_while_the_prompt_is_at_the_prefill_server_reaches_it(servers):
+    prefill, decode, _ = servers
+    held, release = threading.Event(), threading.Event()
+
+    def hold(stats):  # the prefill server's loop waits here after its next step
+        if not release.is_set():
+            held.set()
+            release.wait(30)
+
+    prefill.step_listeners.append(hold)
+    try:
+        q = _collect(decode, "cancel-early", PROMPTS[3], SamplingParams(temperature=0, max_tokens=50))
+        assert held.wait(60)
+        assert decode.abort("cancel-early")
+        out, err = _final(q)  # at once, on the decode side
+        assert out.outputs[0].finish_reason == "abort" and err is None
+    finally:
+        release.set()
+        prefill.step_listeners.remove(hold)
+    _wait_for(lambda: _all_free(prefill))
+    _wait_for(lambda: _all_free(decode))
+
+
+def test_a_request_sent_to_the_prefill_server_directly_is_refused_saying_where_to_send_it(servers):
+    prefill, _, _ = servers
+    with pytest.raises(ValueError, match="this is a prefill server.*send requests to a decode server"):
+        prefill.add_request("direct", [5, 6], SamplingParams(max_tokens=2), lambda out, err: None)
+
+
+def test_a_dead_prefill_server_fails_its_requests_with_an_error_naming_it(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(disagg, "PREFILL_TIMEOUT_SECONDS", 1.0)
+    port = free_port()  # nothing listens there
+    decode = disagg.engine_front(EngineConfig(**ENGINE, model=str(tiny_model_dir), splitwise_role="decode",
+                                              innode_prefill_ports=str(port)))
+    try:
+        out, err = _final(_collect(decode, "orphan", [5, 6, 7], SamplingParams(max_tokens=4)), timeout=60)
+        assert isinstance(err, RequestFailedError) and out.outputs[0].finish_reason == "error"
+        assert f"prefill server 127.0.0.1:{port} has not answered" in str(err)
+        assert decode.is_healthy  # the decode engine itself serves on
+    finally:
+        decode.shutdown(drain=False)
