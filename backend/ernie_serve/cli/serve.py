@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     g.add_argument("--max-inflight-requests", type=int, default=None,
                    help="ensemble max_inflight_requests (needs a tritonserver newer than 2.51)")
-    g.add_argument("--engine-instances", type=int, default=None, help="ernie_moe instances (one engine each)")
+    g.add_argument("--engine-instances", type=int, default=None,
+                   help="ernie_moe instances (one engine each); --data-parallel-size N is the same with N")
     g.add_argument("--state-ttl-seconds", default=None, help="detokenizer per-request state TTL")
     g.add_argument("--run-dir", default=None, help="where the rendered repository and the log go")
     g.add_argument("--startup-timeout", type=float, default=600.0)
@@ -66,10 +67,11 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
            if k not in SERVER_FLAGS and v is not None}
     if args.state_ttl_seconds is not None:
         out["state_ttl_seconds"] = str(args.state_ttl_seconds)
-    # Fail here, with the flag's name, rather than inside a model's initialize.
+    # Fail here, with the flag's name, rather than inside a model's initialize. data_parallel_size is
+    # the launcher's (replicas as Triton instances), not one engine's.
     from ..serving.pb import engine_config_from_parameters
 
-    engine_config_from_parameters({k: v for k, v in out.items() if k != "state_ttl_seconds"})
+    engine_config_from_parameters({k: v for k, v in out.items() if k not in ("state_ttl_seconds", "data_parallel_size")})
     return out
 
 
@@ -85,11 +87,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ..serving.launcher import TritonServer
 
-    server = TritonServer(settings, http_port=args.http_port, grpc_port=args.grpc_port,
-                          metrics_port=args.metrics_port, host=args.host, run_dir=args.run_dir,
-                          engine_instances=args.engine_instances, max_inflight_requests=args.max_inflight_requests,
-                          openai_port=args.openai_port, log_to_console=args.log_to_console,
-                          drain_timeout=args.drain_timeout, api_key=args.api_key, admin_api_key=args.admin_api_key)
+    try:
+        server = TritonServer(settings, http_port=args.http_port, grpc_port=args.grpc_port,
+                              metrics_port=args.metrics_port, host=args.host, run_dir=args.run_dir,
+                              engine_instances=args.engine_instances, max_inflight_requests=args.max_inflight_requests,
+                              openai_port=args.openai_port, log_to_console=args.log_to_console,
+                              drain_timeout=args.drain_timeout, api_key=args.api_key,
+                              admin_api_key=args.admin_api_key)
+    except ValueError as e:
+        print(f"ernie-serve: {e}", file=sys.stderr)
+        return 2
     stopping = []
 
     def on_signal(signum, _frame):

@@ -179,6 +179,25 @@ class _Child:
             time.sleep(0.05)
 
 
+def replicas(settings: dict[str, str], engine_instances: int | None) -> int | None:
+    """Data parallelism: --data-parallel-size N is N ernie_moe instances (Triton's instance_group count), each
+    its own stub process with its own engine and KV pool, as vLLM's backend serves replicas. The setting is
+    taken out of `settings` (one engine is one replica, so the engine itself refuses it)."""
+    raw = settings.pop("data_parallel_size", None) or settings.pop("data-parallel-size", None)
+    if raw is None:
+        return engine_instances
+    n = int(raw)
+    if n < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {n}")
+    if engine_instances is not None and engine_instances != n:
+        raise ValueError(f"--data-parallel-size {n} and --engine-instances {engine_instances} disagree: give one")
+    role = settings.get("splitwise_role") or settings.get("splitwise-role")
+    if n > 1 and role == "prefill":
+        raise ValueError(f"data_parallel_size={n} with splitwise_role=prefill: every replica would listen on the "
+                         f"one engine_worker_queue_port; start one prefill server per port instead")
+    return n
+
+
 class TritonServer:
     """A tritonserver process on a rendered copy of the repository (and the OpenAI shim); a context manager.
 
@@ -193,6 +212,7 @@ class TritonServer:
                  exit_timeout: int = 15, drain_timeout: float = 10.0, api_key: str | None = None,
                  admin_api_key: str | None = None, extra_args: tuple[str, ...] = (), log_to_console: bool = False):
         self.settings = dict(settings or {})
+        engine_instances = replicas(self.settings, engine_instances)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.host = host
         self.repository = Path(repository) if repository else default_repository()

@@ -1,0 +1,136 @@
+"""End-to-end: a tensor-parallel (TP=2) tritonserver, and a 1P1D pair of tritonservers (prefill and
+decode roles), each streaming through the `ernie` ensemble and agreeing with the one-rank offline engine."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from ernie_client.triton_client import build_inputs, stream_generate
+from ernie_serve import SamplingParams
+from ernie_serve.serving.launcher import TritonServer, free_port
+
+from conftest import SERVER_SETTINGS
+from e2e_helpers import scrape
+
+pytestmark = pytest.mark.e2e
+PROMPTS = ["The quick brown fox jumps over the lazy dog", "Tell me about paged attention",
+           " ".join(["many words make a long prompt"] * 6), "Hi"]
+
+
+def _start(settings: dict) -> TritonServer:
+    server = TritonServer({**SERVER_SETTINGS, **settings}, http_port=free_port(), grpc_port=free_port(),
+                          metrics_port=free_port())
+    try:
+        server.start(timeout=300)
+    except Exception:
+        server.cleanup()
+        raise
+    return server
+
+
+def _stop(*servers: TritonServer) -> None:
+    for server in servers:
+        server.stop()
+        server.cleanup()
+
+
+def _offline(llm, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+    return out.outputs[0].text, list(out.outputs[0].token_ids)
+
+
+def _concurrent_streams(server: TritonServer, prompts: list[str], max_tokens: int) -> dict[str, tuple[str, list]]:
+    results: dict[str, tuple[str, list]] = {}
+
+    def one(prompt: str) -> None:
+        deltas = list(stream_generate(server.grpc_url, text=prompt, max_tokens=max_tokens, temperature=0))
+        results[prompt] = ("".join(d.text for d in deltas), [t for d in deltas for t in d.output_ids])
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return results
+
+
+def _wait_all_free(server: TritonServer, rounds: int = 100) -> dict:
+    for _ in range(rounds):
+        now = scrape(server)
+        if now["ernie:kv_cache_free_blocks"] == now["ernie:kv_cache_total_blocks"] and \
+                now.get("ernie:num_requests_running", 0) == 0:
+            return now
+        time.sleep(0.2)
+    return now
+
+
+# ---------------------------------------------------------------- tensor parallel
+@pytest.fixture(scope="module")
+def tp2_server():
+    server = _start({"tensor_parallel_size": "2"})
+    yield server
+    _stop(server)
+
+
+def test_a_tensor_parallel_server_streams_the_tokens_of_one_rank(tp2_server, offline_llm):
+    got = _concurrent_streams(tp2_server, PROMPTS, 20)
+    for prompt in PROMPTS:
+        assert got[prompt] == _offline(offline_llm, prompt, 20), prompt
+    assert _wait_all_free(tp2_server)["ernie:engine_healthy"] == 1
+
+
+# ---------------------------------------------------------------- prefill / decode disaggregation
+@pytest.fixture(scope="module")
+def pd_servers():
+    port = free_port()
+    prefill = _start({"splitwise_role": "prefill", "engine_worker_queue_port": str(port)})
+    try:
+        decode = _start({"splitwise_role": "decode", "innode_prefill_ports": str(port)})
+    except Exception:
+        _stop(prefill)
+        raise
+    yield prefill, decode
+    _stop(decode, prefill)
+
+
+def test_one_prefill_one_decode_server_stream_the_tokens_of_one_mixed_server(pd_servers, offline_llm):
+    prefill, decode = pd_servers
+    before = scrape(prefill)["ernie:prompt_tokens_total"] if "ernie:prompt_tokens_total" in scrape(prefill) else 0
+    got = _concurrent_streams(decode, PROMPTS, 20)
+    for prompt in PROMPTS:
+        assert got[prompt] == _offline(offline_llm, prompt, 20), prompt
+    assert scrape(prefill)["ernie:prompt_tokens_total"] > before  # the prompts really were prefilled there
+    for server in pd_servers:
+        assert _wait_all_free(server)["ernie:kv_cache_free_blocks"] == scrape(server)["ernie:kv_cache_total_blocks"]
+
+
+def test_cancel_mid_stream_on_the_decode_server_frees_blocks_on_both(pd_servers):
+    prefill, decode = pd_servers
+    client = grpcclient.InferenceServerClient(decode.grpc_url)
+    seen: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: seen.put((result, error)))
+    client.async_stream_infer("ernie", build_inputs(text=PROMPTS[2], max_tokens=400, temperature=0),
+                              request_id="to-cancel")
+    for _ in range(5):
+        result, error = seen.get(timeout=60)
+        assert error is None, error
+    assert scrape(decode)["ernie:kv_cache_free_blocks"] < scrape(decode)["ernie:kv_cache_total_blocks"]
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    for server in (decode, prefill):
+        now = _wait_all_free(server)
+        assert now["ernie:kv_cache_free_blocks"] == now["ernie:kv_cache_total_blocks"], now
+    assert scrape(decode)["ernie:generation_tokens_total"] < 300 + 4 * 20  # it really stopped
+
+
+def test_a_dead_prefill_server_fails_the_decode_servers_requests_with_an_error(pd_servers):
+    prefill, decode = pd_servers
+    prefill.kill()  # last test of the module: the pair is not used again
+    with pytest.raises(Exception) as e:
+        list(stream_generate(decode.grpc_url, text=PROMPTS[0], max_tokens=8, temperature=0))
+    assert "prefill server" in str(e.value) and "has not answered" in str(e.value), e.value
+    assert scrape(decode)["ernie:engine_healthy"] == 1  # the decode server itself serves on
