@@ -15,7 +15,9 @@ fp32, at most 16 running, no prefix cache, greedy, ignore_eos with a fixed outpu
      1 req/s; concurrency 1, 4, 16), stop;
   3. `offline`: the engine alone (ernie_serve.LLM's engine, in a subprocess) replays every load point
      with the same arrivals, timed with aiperf's definitions (scripts/peers/aiperf_run.py).
-Prints one table and writes out/bench_serving.json; aiperf's own artifacts go to out/bench_serving/.
+Prints the table (and, for ours, the averages seen through the shim, inside the engine from Triton's
+ernie:* histograms, and offline: where the serving path's time goes) and writes out/bench_serving.json;
+aiperf's own artifacts and the servers' logs go to out/bench_serving/.
 The box is shared: each load point records the load average and the CPU time of the server's processes
 and of aiperf's.
 """
@@ -121,7 +123,7 @@ def start_ours(model: Path, max_num_seqs: int, run_dir: Path):
     except BaseException:
         server.stop()
         raise
-    return server, url, lambda: [server.proc.pid, server.openai_proc.pid]
+    return server, url, lambda: [server.proc.pid, server.openai_proc.pid], server.metrics_url
 
 
 def start_vllm(model: Path, max_num_seqs: int, run_dir: Path, threads: int, trace_path: Path):
@@ -130,7 +132,39 @@ def start_vllm(model: Path, max_num_seqs: int, run_dir: Path, threads: int, trac
     kv_gib = run_vllm.kv_cache_gib(common.load_model_config(model), common.load_workload(trace_path))
     server = VllmServer(VLLM_PYTHON, model, free_port(), SERVED_MODEL, max_num_seqs, MAX_MODEL_LEN, threads,
                         kv_gib, run_dir / "vllm_serve.log").start()
-    return server, server.url, lambda: [server.proc.pid]
+    return server, server.url, lambda: [server.proc.pid], None
+
+
+ENGINE_HISTOGRAMS = {"engine_ttft_avg_ms": "ernie:time_to_first_token_seconds",
+                     "engine_itl_avg_ms": "ernie:time_per_output_token_seconds"}
+
+
+def engine_histograms(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of our engine's TTFT and per-token histograms on Triton's metrics port.
+
+    They are the engine's own view inside the server (arrival in the engine -> first token; the same
+    per-request ITL as aiperf's): aiperf's figures minus these are what the shim, gRPC and the ensemble's
+    tokenizer and detokenizer steps add."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    totals = {}
+    for key, name in ENGINE_HISTOGRAMS.items():
+        parts = []
+        for suffix in ("_sum", "_count"):
+            values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " ")]
+            parts.append(sum(values))
+        totals[key] = (parts[0], parts[1])
+    return totals
+
+
+def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """Mean of each histogram over the observations between two scrapes, in ms."""
+    out = {}
+    for key in ENGINE_HISTOGRAMS:
+        (s0, c0), (s1, c1) = before[key], after[key]
+        out[key] = round(1000 * (s1 - s0) / (c1 - c0), 2) if c1 > c0 else None
+    return out
 
 
 def warm_up(url: str, warmup_path: Path, extra: dict) -> None:
@@ -148,13 +182,15 @@ def warm_up(url: str, warmup_path: Path, extra: dict) -> None:
 
 
 def measure_point(system: str, url: str, server_pids: list[int], point: LoadPoint, model: Path, input_file: Path,
-                  extra: dict, artifacts: Path, threads: int) -> dict:
-    """One aiperf run; its figures with the CPU time and load average around it."""
+                  extra: dict, artifacts: Path, threads: int, metrics_url: str | None) -> dict:
+    """One aiperf run; its figures with the CPU time and load average around it (and our engine's own
+    means, from `metrics_url`, when given)."""
     point_dir = artifacts / point.name
     shutil.rmtree(point_dir, ignore_errors=True)
     point_dir.mkdir(parents=True)
     cmd = aiperf_command(AIPERF, url, SERVED_MODEL, model, input_file, point, extra, point_dir, POINT_TIMEOUT_S)
     load_before = os.getloadavg()
+    engine0 = engine_histograms(metrics_url) if metrics_url else None
     server_cpu0 = sum(common.process_tree_cpu_s(pid) for pid in server_pids)
     aiperf_cpu0 = _children_cpu_s()
     t0 = time.monotonic()
@@ -166,9 +202,10 @@ def measure_point(system: str, url: str, server_pids: list[int], point: LoadPoin
         raise RuntimeError(f"aiperf failed on {system} / {point.name} (exit {proc.returncode}); "
                            f"see {point_dir / 'aiperf_console.log'}")
     metrics = read_export(point_dir)
+    engine = engine_means(engine0, engine_histograms(metrics_url)) if metrics_url else {}
     return {"metrics": metrics.to_json(), "load_before": _load(load_before), "load_after": _load(os.getloadavg()),
             "wall_s": round(wall, 1), **_cpu_figures(server_cpu, metrics, threads),
-            "aiperf_cpu_s": round(_children_cpu_s() - aiperf_cpu0, 1)}
+            "aiperf_cpu_s": round(_children_cpu_s() - aiperf_cpu0, 1), **engine}
 
 
 def _cpu_figures(cpu_s: float, m: PointMetrics, threads: int) -> dict:
@@ -200,9 +237,9 @@ def run_served(system: str, model: Path, out: Path, trace_path: Path, warmup_pat
     log(f"{system}: starting the server")
     t0 = time.monotonic()
     if system == "ours":
-        server, url, pids = start_ours(model, max_num_seqs, artifacts / "run")
+        server, url, pids, metrics_url = start_ours(model, max_num_seqs, artifacts / "run")
     else:
-        server, url, pids = start_vllm(model, max_num_seqs, artifacts, threads, trace_path)
+        server, url, pids, metrics_url = start_vllm(model, max_num_seqs, artifacts, threads, trace_path)
     result = {"startup_s": round(time.monotonic() - t0, 1), "extra_inputs": {k: v for k, v in extra.items()
                                                                              if k != "allowed_token_ids"},
               "points": {}}
@@ -213,11 +250,13 @@ def run_served(system: str, model: Path, out: Path, trace_path: Path, warmup_pat
         warm_up(url, warmup_path, extra)
         for point in points:
             log(f"{system}: {point.label} ...")
-            r = measure_point(system, url, pids(), point, model, input_file, extra, artifacts, threads)
+            r = measure_point(system, url, pids(), point, model, input_file, extra, artifacts, threads, metrics_url)
             m = PointMetrics.from_json(r["metrics"])
             r["problems"] = m.problems(point, len(trace["requests"][0]["prompt_token_ids"]), trace["requests"][0]["max_tokens"])
             result["points"][point.name] = r
-            log(f"{system}: {point.label}: {_brief(m)}, server CPU share {r['server_cpu_share']}, aiperf "
+            engine = (f", inside the engine TTFT {r['engine_ttft_avg_ms']} / ITL {r['engine_itl_avg_ms']} ms avg"
+                      if "engine_itl_avg_ms" in r else "")
+            log(f"{system}: {point.label}: {_brief(m)}{engine}, server CPU share {r['server_cpu_share']}, aiperf "
                 f"{r['aiperf_cpu_s']} CPU-s, load {r['load_before'][0]} -> {r['load_after'][0]}"
                 + (f"; PROBLEMS: {'; '.join(r['problems'])}" if r["problems"] else ""))
     finally:
@@ -227,8 +266,8 @@ def run_served(system: str, model: Path, out: Path, trace_path: Path, warmup_pat
 
 
 def _brief(m: PointMetrics) -> str:
-    return (f"TTFT p50 {m.ttft_p50_ms:.0f} ms, ITL p50 {m.itl_p50_ms:.1f} ms, {m.output_tok_s:.1f} tok/s, "
-            f"{m.requests} ok / {m.errors} failed")
+    return (f"TTFT p50 {m.ttft_p50_ms:.0f} / avg {m.ttft_avg_ms:.0f} ms, ITL p50 {m.itl_p50_ms:.1f} / avg "
+            f"{m.itl_avg_ms:.1f} ms, {m.output_tok_s:.1f} tok/s, {m.requests} ok / {m.errors} failed")
 
 
 # ---------------------------------------------------------------- the offline engine
@@ -330,6 +369,26 @@ def format_table(systems: dict[str, dict], points: Sequence[LoadPoint]) -> str:
     return "\n".join(lines)
 
 
+def format_overhead(systems: dict[str, dict], points: Sequence[LoadPoint]) -> str:
+    """Our averages seen three ways: by aiperf through the shim, by the engine inside the server (Triton
+    metrics), and by the offline replay. aiperf - engine: the shim, gRPC, tokenizer and detokenizer steps;
+    engine - offline: the engine slowed down by sharing the cores with the server's other processes."""
+    head = f"{'load point':24}" + "".join(f"{c:>14}" for c in ("TTFT aiperf", "TTFT engine", "TTFT offline",
+                                                              "ITL aiperf", "ITL engine", "ITL offline"))
+    lines = [head, "-" * len(head)]
+    for point in points:
+        served = systems.get("ours", {}).get("points", {}).get(point.name)
+        offline = systems.get("offline", {}).get("points", {}).get(point.name)
+        if served is None:
+            continue
+        m = PointMetrics.from_json(served["metrics"])
+        o = PointMetrics.from_json(offline["metrics"]) if offline else None
+        cells = [m.ttft_avg_ms, served.get("engine_ttft_avg_ms"), o.ttft_avg_ms if o else None,
+                 m.itl_avg_ms, served.get("engine_itl_avg_ms"), o.itl_avg_ms if o else None]
+        lines.append(f"{point.label:24}" + "".join(f"{c:14.1f}" if c is not None else f"{'-':>14}" for c in cells))
+    return "\n".join(lines)
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
@@ -401,6 +460,9 @@ def main() -> None:
     summary["load_end"] = _load(os.getloadavg())
     summary["total_s"] = round(time.monotonic() - T0, 1)
     print("\n" + format_table(summary["systems"], POINTS))
+    if "ours" in summary["systems"]:
+        print("\nours, averages in ms: through the shim (aiperf), inside the engine, offline\n"
+              + format_overhead(summary["systems"], POINTS))
     path = args.out / "bench_serving.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nload average {summary['load_start'][0]} at start, {summary['load_end'][0]} at end "

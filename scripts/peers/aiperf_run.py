@@ -59,8 +59,10 @@ def aiperf_command(aiperf: Path, url: str, model: str, tokenizer: Path, input_fi
            "--request-count", str(point.num_requests),
            "--extra-inputs", json.dumps(extra_inputs),
            "--request-timeout-seconds", str(request_timeout_s),
-           # one worker and one record processor: aiperf's own processes share the two cores with the server
-           "--workers-max", "1", "--record-processor-service-count", "1",
+           # aiperf shares the cores with the server: one worker, one record processor, and no scraping
+           # of the server's /metrics (it polls every second or so) or of GPU telemetry
+           "--workers-max", "1", "--record-processor-service-count", "1", "--no-server-metrics",
+           "--no-gpu-telemetry",
            "--random-seed", "0", "--ui-type", "none", "--output-artifact-dir", str(artifact_dir)]
     if point.concurrency is not None:
         cmd += ["--concurrency", str(point.concurrency)]
@@ -79,6 +81,8 @@ class PointMetrics:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    ttft_avg_ms: float
+    itl_avg_ms: float
     prompt_tokens: tuple[int, int]  # min, max over requests
     output_tokens: tuple[int, int]
 
@@ -94,11 +98,12 @@ class PointMetrics:
     def from_samples(cls, ttft_s: Sequence[float], latency_s: Sequence[float], prompt_tokens: Sequence[int],
                      output_tokens: Sequence[int], duration_s: float) -> "PointMetrics":
         """aiperf's metrics from per-request timings (seconds from each request's start)."""
-        itl = [(lat - t) / (n - 1) for t, lat, n in zip(ttft_s, latency_s, output_tokens) if n > 1]
-        ms = [t * 1000 for t in ttft_s]
+        itl = [1000 * (lat - t) / (n - 1) for t, lat, n in zip(ttft_s, latency_s, output_tokens) if n > 1]
+        ttft = [t * 1000 for t in ttft_s]
         return cls(len(latency_s), 0, round(duration_s, 3), round(sum(output_tokens) / duration_s, 2),
-                   round(percentile(ms, 50), 2), round(percentile(ms, 99), 2),
-                   round(percentile([x * 1000 for x in itl], 50), 2), round(percentile([x * 1000 for x in itl], 99), 2),
+                   round(percentile(ttft, 50), 2), round(percentile(ttft, 99), 2),
+                   round(percentile(itl, 50), 2), round(percentile(itl, 99), 2),
+                   round(_mean(ttft), 2), round(_mean(itl), 2),
                    (min(prompt_tokens), max(prompt_tokens)), (min(output_tokens), max(output_tokens)))
 
     def problems(self, point: LoadPoint, prompt_len: int, output_len: int) -> list[str]:
@@ -126,6 +131,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
 def read_export(artifact_dir: Path) -> PointMetrics:
     """The figures of one aiperf run from its summary export (profile_export_aiperf.json)."""
     path = Path(artifact_dir) / EXPORT_FILE
@@ -149,6 +158,8 @@ def read_export(artifact_dir: Path) -> PointMetrics:
         ttft_p99_ms=round(stat("time_to_first_token", "p99"), 2),
         itl_p50_ms=round(stat("inter_token_latency", "p50"), 2),
         itl_p99_ms=round(stat("inter_token_latency", "p99"), 2),
+        ttft_avg_ms=round(stat("time_to_first_token", "avg"), 2),
+        itl_avg_ms=round(stat("inter_token_latency", "avg"), 2),
         prompt_tokens=_min_max(data, "input_sequence_length"),
         output_tokens=_min_max(data, "output_sequence_length"))
 

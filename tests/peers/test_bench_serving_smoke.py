@@ -6,6 +6,7 @@ with ERNIE_PEER_TESTS=1 and .peers/vllm + .peers/aiperf present (scripts/setup_p
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -43,6 +44,7 @@ def test_aiperf_export_is_read_into_the_reported_metrics(tmp_path):
     m = read_export(_export_dir(tmp_path, "aiperf_profile_export.json"))
     assert (m.requests, m.errors, m.prompt_tokens, m.output_tokens) == (4, 0, (128, 128), (32, 32))
     assert (m.ttft_p50_ms, m.itl_p50_ms, m.output_tok_s, m.duration_s) == (1037.98, 105.62, 15.27, 8.376)
+    assert (m.ttft_avg_ms, m.itl_avg_ms) == (949.57, 103.49)
     assert m.ttft_p99_ms >= m.ttft_p50_ms and m.itl_p99_ms >= m.itl_p50_ms
     assert m.problems(C2, prompt_len=128, output_len=32) == []
 
@@ -66,7 +68,7 @@ def test_percentiles_interpolate_linearly_as_aiperf_does():
 def test_offline_metrics_follow_aiperf_definitions():
     # two requests: TTFT 0.1 / 0.3 s, latency 1.0 / 2.1 s, 10 output tokens each, over 3 s
     m = PointMetrics.from_samples([0.1, 0.3], [1.0, 2.1], [128, 128], [10, 10], duration_s=3.0)
-    assert m.itl_p50_ms == pytest.approx(((0.9 / 9) + (1.8 / 9)) / 2 * 1000, abs=0.01)
+    assert m.itl_p50_ms == pytest.approx(((0.9 / 9) + (1.8 / 9)) / 2 * 1000, abs=0.01) == m.itl_avg_ms
     assert (m.ttft_p50_ms, m.output_tok_s, m.requests, m.output_tokens) == (200.0, pytest.approx(6.67), 2, (10, 10))
 
 
@@ -85,7 +87,7 @@ def test_aiperf_command_sends_the_trace_in_order_with_server_token_counts(tmp_pa
                           C2, {"ignore_eos": True}, tmp_path / "a", 600)
     for cmd in (rate, conc):
         assert cmd[cmd.index("--dataset-sampling-strategy") + 1] == "sequential"
-        assert "--use-server-token-count" in cmd and "--streaming" in cmd
+        assert "--use-server-token-count" in cmd and "--streaming" in cmd and "--no-server-metrics" in cmd
         assert json.loads(cmd[cmd.index("--extra-inputs") + 1]) == {"ignore_eos": True}
     assert rate[rate.index("--arrival-pattern") + 1] == "constant" and "--concurrency" not in rate
     assert conc[conc.index("--concurrency") + 1] == "2" and "--request-rate" not in conc
@@ -164,3 +166,28 @@ def test_both_servers_and_the_offline_engine_do_the_trace_work_on_small_points(t
             assert r["problems"] == [], (name, point.name, r["problems"])
             assert PointMetrics.from_json(r["metrics"]).prompt_tokens == (64, 64)
     assert len(bench_serving.format_table(systems, points).splitlines()) == 2 + 2 * 5
+
+
+def test_engine_histogram_means_are_taken_between_two_scrapes(monkeypatch):
+    scrapes = iter([
+        'ernie:time_to_first_token_seconds_sum{model="ernie_moe",version="1"} 1.5\n'
+        'ernie:time_to_first_token_seconds_count{model="ernie_moe",version="1"} 3\n'
+        'ernie:time_per_output_token_seconds_sum{model="ernie_moe",version="1"} 0.3\n'
+        'ernie:time_per_output_token_seconds_count{model="ernie_moe",version="1"} 3\n',
+        'ernie:time_to_first_token_seconds_sum{model="ernie_moe",version="1"} 2.5\n'
+        'ernie:time_to_first_token_seconds_count{model="ernie_moe",version="1"} 5\n'
+        'ernie:time_per_output_token_seconds_sum{model="ernie_moe",version="1"} 0.3\n'
+        'ernie:time_per_output_token_seconds_count{model="ernie_moe",version="1"} 3\n'])
+
+    monkeypatch.setattr(bench_serving.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(next(scrapes).encode()))
+    before, after = bench_serving.engine_histograms("m"), bench_serving.engine_histograms("m")
+    # two requests in between, 1.0 s of TTFT between them; no per-token observation in between
+    assert bench_serving.engine_means(before, after) == {"engine_ttft_avg_ms": 500.0, "engine_itl_avg_ms": None}
+
+
+def test_overhead_table_puts_the_three_views_of_our_averages_side_by_side(tmp_path):
+    ours = read_export(_export_dir(tmp_path, "aiperf_profile_export.json"))
+    served = {**_point_result(ours, 0.9, 3.0), "engine_ttft_avg_ms": 400.0, "engine_itl_avg_ms": 90.0}
+    systems = {"ours": {"points": {"c2": served}}, "offline": {"points": {"c2": _point_result(ours, 0.5, 3.1)}}}
+    row = bench_serving.format_overhead(systems, [C2]).splitlines()[2].split()
+    assert row[3:] == ["949.6", "400.0", "949.6", "103.5", "90.0", "103.5"]
