@@ -23,6 +23,7 @@ import paddle
 
 from ..model.attention import AttentionMetadata
 from ..model.ernie import ErnieForCausalLM
+from ..model.host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
 from ..sampling_params import GREEDY_EPSILON
@@ -75,7 +76,7 @@ class MTPDrafter:
                 limits.append(limit)
         if not reqs:
             return drafts
-        h = paddle.index_select(out, paddle.to_tensor(np.asarray(last_rows, dtype=np.int64)))
+        h = paddle.index_select(out, to_paddle(np.asarray(last_rows, dtype=np.int64)))
         positions = np.asarray([req.num_tokens - 2 for req in reqs], dtype=np.int64)
         for j in range(max(limits)):
             tokens = self._pick(self.target.compute_logits(h), reqs, drafts)
@@ -85,7 +86,7 @@ class MTPDrafter:
             reqs = [reqs[i] for i in live]
             limits = [limits[i] for i in live]
             positions = positions[live] + 1
-            h = self._one_position(paddle.index_select(h, paddle.to_tensor(np.asarray(live, dtype=np.int64))),
+            h = self._one_position(paddle.index_select(h, to_paddle(np.asarray(live, dtype=np.int64))),
                                    [tokens[i] for i in live], reqs, positions)
         return drafts
 
@@ -98,7 +99,7 @@ class MTPDrafter:
             q_lens.append(end - start)
             seq_lens.append(end)
             tables.append(req.block_ids)
-        h = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, dtype=np.int64)))
+        h = paddle.index_select(hidden, to_paddle(np.asarray(rows, dtype=np.int64)))
         return self._run(ids, h, np.concatenate(positions), q_lens, seq_lens, tables)
 
     def _one_position(self, h: paddle.Tensor, tokens: list[int], reqs: list[Request],
@@ -111,8 +112,8 @@ class MTPDrafter:
                                 zip(tables, np.split(positions, np.cumsum(q_lens)[:-1]))])
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, slots, int(positions.max()),
                                        self.max_decode_query_len)
-        return self.head(self.target, paddle.to_tensor(np.asarray(ids, dtype=np.int64)), h,
-                         paddle.to_tensor(positions), meta, self.cache)
+        return self.head(self.target, to_paddle(np.asarray(ids, dtype=np.int64)), h,
+                         to_paddle(positions), meta, self.cache)
 
     @staticmethod
     def _pick(logits: paddle.Tensor, reqs: list[Request], drafts: Drafts) -> list[int]:

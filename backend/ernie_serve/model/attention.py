@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 import paddle
 
+from .host_tensor import to_paddle
 from .kv_cache import PagedKVCache
 from .reference_attention import MASKED, FreshKV, PagedKV, batched_attention, tiled_causal_attention
 
@@ -136,14 +137,14 @@ def _decode_batch(meta: AttentionMetadata) -> _DecodeBatch:
     q_index = np.where(r < q_lens[:, None], starts + r, starts)  # padding repeats the sequence's first token
     out_index = None
     if (q_lens != q).any():
-        out_index = paddle.to_tensor(np.concatenate([i * q + np.arange(m) for i, m in enumerate(q_lens)]))
+        out_index = to_paddle(np.concatenate([i * q + np.arange(m) for i, m in enumerate(q_lens)]))
     i = np.arange(q)[None, :, None]
     j = np.arange(nb * meta.block_size)[None, None, :]
     qn, cn = q_lens[:, None, None], ctx_lens[:, None, None]
     visible = (j <= cn - qn + i) & (i < qn)
     visible |= (i >= qn) & (j == 0)  # padded query rows: keep one key so the row stays finite
     mask = np.where(visible, 0.0, MASKED).astype(np.float32)[:, None, None, :, :]
-    return _DecodeBatch(q, paddle.to_tensor(q_index.reshape(-1)), out_index, block_ids, paddle.to_tensor(mask))
+    return _DecodeBatch(q, to_paddle(q_index.reshape(-1)), out_index, block_ids, to_paddle(mask))
 
 
 def paged_attention(

@@ -17,6 +17,7 @@ import numpy as np
 import paddle
 
 from ..quantization import formats as fmt
+from .host_tensor import to_paddle
 
 
 @dataclass
@@ -73,11 +74,11 @@ class PagedKVCache:
         flat = block_ids.reshape(-1)
         if self.quant is not None:
             k, v = self._int8.blocks(layer, flat)
-            return (_as_paddle(k.reshape(shape).transpose(0, 2, 1, 3)),
-                    _as_paddle(v.reshape(shape).transpose(0, 2, 1, 3)))
+            return (to_paddle(k.reshape(shape).transpose(0, 2, 1, 3)),
+                    to_paddle(v.reshape(shape).transpose(0, 2, 1, 3)))
         k = np.take(self.k[layer], flat, axis=0).reshape(shape).transpose(0, 2, 1, 3)
         v = np.take(self.v[layer], flat, axis=0).reshape(shape).transpose(0, 2, 1, 3)
-        return _as_paddle(k), _as_paddle(v)
+        return to_paddle(k), to_paddle(v)
 
     # Whole-block copies, all layers at once: the CPU swap tier and prefill/decode KV transfer use these.
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
@@ -166,12 +167,6 @@ class _Int8Storage:
                 self.scales[layer][j][ids] = np.where(np.abs(x).max(axis=(1, 3)) > 0, s, 0.0)
 
 
-def _as_paddle(a: np.ndarray) -> paddle.Tensor:
-    """Zero-copy when `a` is contiguous. DLPack refuses read-only arrays, which is what np.from_dlpack
-    returns for a Paddle tensor: such views must not come here (transpose reshapes them instead)."""
-    return paddle.utils.dlpack.from_dlpack(np.ascontiguousarray(a))
-
-
 def transpose(x: paddle.Tensor, perm: list[int]) -> paddle.Tensor:
     """A contiguous transpose. On CPU tensors outside autograd it goes through numpy (zero-copy
     in, one copy out): Paddle's strided CPU matmul on a transposed view was measured at 17 ms where
@@ -180,5 +175,5 @@ def transpose(x: paddle.Tensor, perm: list[int]) -> paddle.Tensor:
     if moved == sorted(moved):  # only size-1 axes move (one KV head, say): the order of the data is kept
         return x.reshape([x.shape[p] for p in perm])
     if x.stop_gradient and x.place.is_cpu_place():
-        return _as_paddle(np.from_dlpack(x).transpose(perm))
+        return to_paddle(np.from_dlpack(x).transpose(perm))
     return paddle.transpose(x, perm).contiguous()

@@ -11,6 +11,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from .config import ErnieModelConfig
+from .host_tensor import to_paddle
 from .layers import MLP, silu_and_mul
 from .parallel import SINGLE_RANK, ParallelLayout
 
@@ -93,8 +94,8 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
             return paddle.zeros_like(x)
         counts = np.bincount(flat_ids[mine], minlength=experts.num_experts)
         order = mine[np.argsort(flat_ids[mine], kind="stable")]
-    token_of = paddle.to_tensor(order // k)
-    w = paddle.index_select(topk_weights.reshape([-1]), paddle.to_tensor(order)).astype(x.dtype)
+    token_of = to_paddle(order // k)
+    w = paddle.index_select(topk_weights.reshape([-1]), to_paddle(order)).astype(x.dtype)
     if hasattr(experts, "batched_forward") and _use_batched(counts):
         ys = _batched(experts, x, flat_ids, order, counts, k)
     else:
@@ -127,9 +128,9 @@ def _batched(experts, x: paddle.Tensor, flat_ids: np.ndarray, order: np.ndarray,
     gather = np.full(num_experts * cap, t, dtype=np.int64)  # row t of the padded input is zeros
     gather[rows] = order // k
     padded = paddle.concat([x, paddle.zeros([1, x.shape[1]], x.dtype)])
-    xs = paddle.index_select(padded, paddle.to_tensor(gather)).reshape([num_experts, cap, -1])
+    xs = paddle.index_select(padded, to_paddle(gather)).reshape([num_experts, cap, -1])
     ys = experts.batched_forward(xs).reshape([num_experts * cap, -1])
-    return paddle.index_select(ys, paddle.to_tensor(rows))
+    return paddle.index_select(ys, to_paddle(rows))
 
 
 def make_experts(cfg: ErnieModelConfig, quant_method: str | None, layout: ParallelLayout = SINGLE_RANK) -> nn.Layer:

@@ -18,6 +18,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from .host_tensor import to_paddle
 from .kv_cache import PagedKVCache, transpose
 
 MASKED = -1e30  # finite, so a fully masked row stays finite (and contributes nothing once a real key arrives)
@@ -133,4 +134,4 @@ def tiled_causal_attention(q: paddle.Tensor, kv: FreshKV | PagedKV, first_positi
 def _diagonal_mask(top: int, nq: int, ka: int, kb: int) -> paddle.Tensor:
     """[nq, kb-ka] additive: query i (at position top + i) sees key j iff j <= top + i."""
     visible = np.arange(ka, kb)[None, :] <= top + np.arange(nq)[:, None]
-    return paddle.to_tensor(np.where(visible, 0.0, MASKED).astype(np.float32))
+    return to_paddle(np.where(visible, 0.0, MASKED).astype(np.float32))
