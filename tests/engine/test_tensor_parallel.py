@@ -164,3 +164,21 @@ def test_kv_swaps_to_the_cpu_tier_reach_every_rank(tiny_model_dir):
         assert llm.engine.kv.stats.host_hit_tokens > 0, "expected prefix hits served from the CPU tier"
         llm.engine.close()
     assert results[2] == results[1]
+
+
+def test_guided_decoding_and_seeded_sampling_are_unchanged_by_tensor_parallelism(tiny_model_dir):
+    # Sampling (penalties, grammars, generators) runs on rank 0 over all-gathered logits: it cannot tell.
+    from ernie_serve.sampling_params import GuidedDecodingParams
+
+    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=40,
+                             guided_decoding=GuidedDecodingParams(regex="(yes|no|maybe) [a-z]{2,8}")),
+              SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=16, repetition_penalty=1.2)]
+    prompts = ["Is the sky blue?", "Write a word:"]
+    texts = {}
+    for tp in (1, 2):
+        llm = LLM(model=str(tiny_model_dir), tensor_parallel_size=tp, max_model_len=256, block_size=16,
+                  num_gpu_blocks_override=64, disable_progress_bar=True)
+        texts[tp] = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.close()
+    assert texts[2] == texts[1]
+    assert texts[1][0].split(" ")[0] in ("yes", "no", "maybe")

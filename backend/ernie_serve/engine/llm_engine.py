@@ -266,6 +266,13 @@ class LLMEngine:
         first token was EOS); otherwise its outputs come from step() like any other request's."""
         if transfer.block_size != self.config.block_size:
             raise ValueError(f"KV transfer block_size {transfer.block_size} != this engine's {self.config.block_size}")
+        cache = self.runner.cache
+        want = (cache.num_layers, 2, self.kv.num_blocks_for(transfer.num_computed_tokens), transfer.block_size,
+                cache.num_kv_heads, cache.head_dim)
+        if tuple(transfer.data.shape) != want:
+            raise ValueError(f"KV transfer of shape {list(transfer.data.shape)} does not fit this engine's cache "
+                             f"(expected {list(want)}): the prefill and decode servers must serve the same model "
+                             f"and speculative_config")
         if sampling_params.n != 1:
             raise ValueError("n must be 1 for a prefilled request")
         group = self.make_request_group(transfer.request_id, transfer.prompt_token_ids, sampling_params)
