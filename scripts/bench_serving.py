@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import common  # noqa: E402  (CPU-time bookkeeping shared with the offline peers)
 import run_vllm  # noqa: E402
 import serving_trace  # noqa: E402
-from aiperf_run import LoadPoint, PointMetrics, aiperf_command, read_export  # noqa: E402
+from aiperf_run import Arrivals, LoadPoint, PointMetrics, aiperf_command, read_export  # noqa: E402
 from vllm_server import VllmServer, wait_healthy  # noqa: E402
 
 POINTS = (LoadPoint("rate1", 16, request_rate=1.0), LoadPoint("c1", 8, concurrency=1),
@@ -273,10 +273,12 @@ def _brief(m: PointMetrics) -> str:
 # ---------------------------------------------------------------- the offline engine
 
 def replay(engine, requests: list[common.Request], point: LoadPoint) -> PointMetrics:
-    """The load point's arrivals fed straight to the engine's step loop, timed as aiperf times a server."""
+    """The load point's arrivals (as aiperf would send them) fed straight to the engine's step loop, timed
+    as aiperf times a server: from each request's send time, which the engine sees at its next step."""
     from ernie_serve import SamplingParams
 
     n = point.num_requests
+    arrivals = Arrivals(point)
     sent: dict[str, float] = {}
     first: dict[str, float] = {}
     ended: dict[str, float] = {}
@@ -286,22 +288,22 @@ def replay(engine, requests: list[common.Request], point: LoadPoint) -> PointMet
     for _ in range(max_steps):
         if len(ended) == n:
             break
-        while len(sent) < n and (len(sent) - len(ended) < point.concurrency if point.concurrency is not None
-                                 else point.arrival_s(len(sent)) <= time.perf_counter() - t0):
+        for t in arrivals.due(time.perf_counter() - t0):
             i = len(sent)
             engine.add_request(str(i), requests[i].prompt_token_ids,
                                SamplingParams(temperature=0, max_tokens=requests[i].max_tokens, ignore_eos=True))
-            sent[str(i)] = time.perf_counter()
-        if not engine.has_unfinished_requests():  # open loop, between arrivals
-            time.sleep(max(0.0, point.arrival_s(len(sent)) - (time.perf_counter() - t0)))
+            sent[str(i)] = t
+        if not engine.has_unfinished_requests():  # between two sends
+            time.sleep(max(0.0, arrivals.next_send() - (time.perf_counter() - t0)))
             continue
         for out in engine.step():
-            now = time.perf_counter()
+            now = time.perf_counter() - t0
             if out.request_id not in first and out.outputs[0].text_delta:
                 first[out.request_id] = now
             if out.finished:
                 ended[out.request_id] = now
                 out_tokens[out.request_id] = len(out.outputs[0].token_ids)
+                arrivals.finished(now)
     else:
         raise RuntimeError(f"offline replay of {point.name} did not finish in {max_steps} steps")
     ok = [rid for rid in sent if rid in first]  # aiperf fails a request that streamed no text at all

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
 EXPORT_FILE = "profile_export_aiperf.json"
+# aiperf 0.13's plain --concurrency mode re-checks for a free slot in a loop that only yields to its event
+# loop: its timing_manager process keeps ~0.55 of a core busy for the whole run (measured here), a quarter
+# of this 2-core box taken from the server it measures. Given a request rate too, it checks once per tick
+# instead, so a concurrency point also sets this rate: a freed slot is refilled at the next tick (<= 20 ms
+# later), one request per tick.
+CONCURRENCY_TICK_RATE = 50.0
 
 
 @dataclass(frozen=True)
@@ -44,9 +51,51 @@ class LoadPoint:
             return f"{self.request_rate:g} req/s x{self.num_requests}"
         return f"concurrency {self.concurrency} x{self.num_requests}"
 
-    def arrival_s(self, index: int) -> float:
-        """When request `index` is sent in open-loop mode (aiperf's constant arrival pattern)."""
-        return index / self.request_rate
+    @property
+    def tick_s(self) -> float:
+        """aiperf's interval between two send attempts (constant arrival pattern)."""
+        return 1.0 / (self.request_rate if self.request_rate is not None else CONCURRENCY_TICK_RATE)
+
+
+class Arrivals:
+    """When aiperf sends each request of a load point, from when earlier ones finished: the schedule the
+    offline replay follows. Times are seconds from the start of the point.
+
+    Every tick (tick_s apart) aiperf sends at most one request; open loop it always can, closed loop only
+    while fewer than `concurrency` are in flight (a tick without a free slot is skipped)."""
+
+    def __init__(self, point: LoadPoint):
+        self.point = point
+        self.sent = 0
+        self._next_tick = 0.0
+        self._free_slots: deque[float] = deque([0.0] * point.concurrency) if point.concurrency else deque()
+
+    def finished(self, t: float) -> None:
+        """A request returned at `t`: closed loop, its slot is free from then on."""
+        if self.point.concurrency is not None:
+            self._free_slots.append(t)
+
+    def next_send(self) -> float | None:
+        """When the next request goes out if nothing else finishes first (None: not until one does)."""
+        if self.sent == self.point.num_requests:
+            return None
+        if self.point.concurrency is None:
+            return self._next_tick
+        if not self._free_slots:
+            return None
+        tick = self.point.tick_s
+        return max(self._next_tick, math.ceil(self._free_slots[0] / tick - 1e-9) * tick)
+
+    def due(self, now: float) -> list[float]:
+        """Send times of the requests sent by `now` and not yet handed out, in order."""
+        out = []
+        while (t := self.next_send()) is not None and t <= now:
+            out.append(t)
+            self.sent += 1
+            self._next_tick = t + self.point.tick_s
+            if self.point.concurrency is not None:
+                self._free_slots.popleft()
+        return out
 
 
 def aiperf_command(aiperf: Path, url: str, model: str, tokenizer: Path, input_file: Path, point: LoadPoint,
@@ -66,9 +115,7 @@ def aiperf_command(aiperf: Path, url: str, model: str, tokenizer: Path, input_fi
            "--random-seed", "0", "--ui-type", "none", "--output-artifact-dir", str(artifact_dir)]
     if point.concurrency is not None:
         cmd += ["--concurrency", str(point.concurrency)]
-    else:
-        cmd += ["--request-rate", str(point.request_rate), "--arrival-pattern", "constant"]
-    return cmd
+    return cmd + ["--request-rate", f"{1.0 / point.tick_s:g}", "--arrival-pattern", "constant"]
 
 
 @dataclass

@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_serving  # noqa: E402  (puts scripts/peers on sys.path)
 import serving_trace  # noqa: E402
-from aiperf_run import LoadPoint, PointMetrics, aiperf_command, percentile, read_export  # noqa: E402
+from aiperf_run import Arrivals, LoadPoint, PointMetrics, aiperf_command, percentile, read_export  # noqa: E402
 
 C2 = LoadPoint("c2", 4, concurrency=2)
 
@@ -77,7 +77,25 @@ def test_load_point_needs_exactly_one_of_rate_and_concurrency():
         LoadPoint("x", 4)
     with pytest.raises(ValueError, match="exactly one of concurrency and request_rate"):
         LoadPoint("x", 4, concurrency=2, request_rate=1.0)
-    assert LoadPoint("r", 4, request_rate=2.0).arrival_s(3) == 1.5
+
+
+def test_open_loop_arrivals_are_evenly_spaced_whatever_finishes():
+    arrivals = Arrivals(LoadPoint("r", 4, request_rate=2.0))
+    assert arrivals.due(0.0) == [0.0] and arrivals.due(0.9) == [0.5] and arrivals.next_send() == 1.0
+    arrivals.finished(1.2)
+    assert arrivals.due(5.0) == [1.0, 1.5] and arrivals.next_send() is None
+
+
+def test_closed_loop_arrivals_refill_a_freed_slot_at_the_next_tick_one_per_tick():
+    arrivals = Arrivals(LoadPoint("c", 5, concurrency=2))  # ticks 20 ms apart
+    assert arrivals.due(1.0) == [0.0, 0.02]  # both slots at once, one per tick; then none free
+    assert arrivals.next_send() is None and arrivals.due(5.0) == []
+    arrivals.finished(0.333)
+    arrivals.finished(0.333)
+    assert arrivals.next_send() == pytest.approx(0.34)
+    assert arrivals.due(0.35) == [pytest.approx(0.34)] and arrivals.due(1.0) == [pytest.approx(0.36)]
+    arrivals.finished(2.0)
+    assert arrivals.due(3.0) == [pytest.approx(2.0)] and arrivals.next_send() is None
 
 
 def test_aiperf_command_sends_the_trace_in_order_with_server_token_counts(tmp_path):
@@ -89,8 +107,11 @@ def test_aiperf_command_sends_the_trace_in_order_with_server_token_counts(tmp_pa
         assert cmd[cmd.index("--dataset-sampling-strategy") + 1] == "sequential"
         assert "--use-server-token-count" in cmd and "--streaming" in cmd and "--no-server-metrics" in cmd
         assert json.loads(cmd[cmd.index("--extra-inputs") + 1]) == {"ignore_eos": True}
-    assert rate[rate.index("--arrival-pattern") + 1] == "constant" and "--concurrency" not in rate
-    assert conc[conc.index("--concurrency") + 1] == "2" and "--request-rate" not in conc
+    assert rate[rate.index("--request-rate") + 1] == "1" and "--concurrency" not in rate
+    # concurrency with a 50/s tick: aiperf's plain concurrency mode spins a core's half away
+    assert conc[conc.index("--concurrency") + 1] == "2" and conc[conc.index("--request-rate") + 1] == "50"
+    for cmd in (rate, conc):
+        assert cmd[cmd.index("--arrival-pattern") + 1] == "constant"
 
 
 def test_only_vllm_is_sent_the_tokenizer_mask():
