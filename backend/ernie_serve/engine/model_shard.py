@@ -10,6 +10,7 @@ import numpy as np
 import paddle
 
 from ..model.ernie import ErnieForCausalLM
+from ..model.host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
 from .kv_cache_manager import KVOp
 from .step_input import StepInput
@@ -47,8 +48,8 @@ class ModelShard:
         if not step.num_tokens:
             return None, None
         meta = step.attention_metadata(self.block_size)
-        hidden = self.model(paddle.to_tensor(step.token_ids), paddle.to_tensor(step.positions), meta, self.cache)
+        hidden = self.model(to_paddle(step.token_ids), to_paddle(step.positions), meta, self.cache)
         if not step.sample_rows.size:
             return hidden, None
-        picked = paddle.index_select(hidden, paddle.to_tensor(step.sample_rows))
+        picked = paddle.index_select(hidden, to_paddle(step.sample_rows))
         return hidden, self.model.compute_logits(picked)
