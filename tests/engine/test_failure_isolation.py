@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from ernie_serve.config import EngineConfig
-from ernie_serve.engine.async_engine import AsyncEngine, RequestFailedError
+from ernie_serve.engine.async_engine import AsyncEngine, EngineOverloadedError, RequestFailedError
 from ernie_serve.sampling_params import SamplingParams
 from engine_helpers import assert_no_leaks, make_engine
 
@@ -137,3 +137,43 @@ def test_async_front_delivers_request_failed_error_and_stays_healthy(tiny_model_
     finally:
         front.shutdown()
     assert_no_leaks(front.engine)
+
+
+def test_the_waiting_bound_counts_requests_handed_over_while_a_step_runs(tiny_model_dir):
+    """Requests the loop took from the inbox but that no stats snapshot shows yet still count as waiting:
+    otherwise, for the length of a step, the bound would let twice as many in."""
+    front = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=256, block_size=16, max_num_seqs=1,
+                                     disable_progress_bar=True, max_waiting_requests=2))
+    steps = threading.Semaphore(0)
+    entered = threading.Semaphore(0)
+    execute = front.engine.runner.execute
+
+    def one_step_at_a_time(so):
+        entered.release()
+        assert steps.acquire(timeout=60)
+        return execute(so)
+
+    front.engine.runner.execute = one_step_at_a_time
+    long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    accepted, refused = [], []
+
+    def submit(rid):
+        try:
+            front.add_request(rid, [40, 41], long, lambda o, e: None)
+            accepted.append(rid)
+        except EngineOverloadedError:
+            refused.append(rid)
+
+    try:
+        submit("running")
+        assert entered.acquire(timeout=30)  # its first step is held
+        submit("w1")
+        submit("w2")
+        steps.release()  # the loop finishes the step, drains w1/w2 into the scheduler, holds the next step
+        assert entered.acquire(timeout=30)
+        submit("w3")  # two are waiting (max_num_seqs=1): this one must be refused
+        assert refused == ["w3"] and accepted == ["running", "w1", "w2"]
+    finally:
+        for _ in range(500):
+            steps.release()
+        front.shutdown(drain=False)

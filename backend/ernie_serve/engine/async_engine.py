@@ -67,7 +67,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: deque[tuple[str, RequestGroup | str]] = deque()
         self._pending: dict[str, _Pending] = {}
-        self._num_queued = 0  # adds in the inbox, not yet seen by the scheduler
+        self._num_queued = 0  # adds in the inbox, not yet in the scheduler's waiting queue
         self._stop = False
         self._abort_all = False
         self.error: Exception | None = None
@@ -113,7 +113,9 @@ class AsyncEngine:
             self._check_running()
             if request_id in self._pending:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            waiting = self._stats["num_waiting"] + self._num_queued
+            # The scheduler's queue length is read live (one atomic len() of a deque the loop thread owns):
+            # a snapshot would miss what the loop took from the inbox during the step that is running.
+            waiting = len(self.engine.scheduler.waiting) + self._num_queued
             if waiting >= self.config.max_waiting_requests:
                 raise EngineOverloadedError(f"overloaded: {waiting} requests already waiting "
                                             f"(max_waiting_requests={self.config.max_waiting_requests})")
@@ -183,7 +185,6 @@ class AsyncEngine:
                 while not (self._stop or self._inbox or self.engine.has_unfinished_requests()):
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, deque()
-                self._num_queued = 0
                 abort_all = self._abort_all
             try:
                 outputs = self._drain(inbox, abort_all)
@@ -207,6 +208,8 @@ class AsyncEngine:
                     self.engine.add_request_group(item)
                 except ValueError as e:
                     outputs.append(_failed_output(item.request_id, item.requests[0].prompt_token_ids, str(e)))
+                with self._cond:
+                    self._num_queued -= 1  # in the scheduler's waiting queue now (or failed)
             elif kind == "prefilled":
                 transfer, params = item
                 try:
