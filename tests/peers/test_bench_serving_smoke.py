@@ -178,7 +178,7 @@ def test_both_servers_and_the_offline_engine_do_the_trace_work_on_small_points(t
     model = bench_checkpoint()
     trace, warmup = bench_serving.build_traces(model, tmp_path, 4, 64, 8, 16)
     assert bench_serving.check_peer_tokenizer(model, trace)["requests_with_other_ids"] == []
-    systems = {s: bench_serving.run_served(s, model, tmp_path, trace, warmup, points, 16, 2) for s in ("ours", "vllm")}
+    systems = {s: bench_serving.run_served(s, model, tmp_path / s, trace, warmup, points, 16, 2) for s in ("ours", "vllm")}
     bench_serving.run_offline(model, trace, warmup, tmp_path / "offline.json", points, 16, 2)
     systems["offline"] = json.loads((tmp_path / "offline.json").read_text())
     for name, result in systems.items():
@@ -212,3 +212,13 @@ def test_overhead_table_puts_the_three_views_of_our_averages_side_by_side(tmp_pa
     systems = {"ours": {"points": {"c2": served}}, "offline": {"points": {"c2": _point_result(ours, 0.5, 3.1)}}}
     row = bench_serving.format_overhead(systems, [C2]).splitlines()[2].split()
     assert row[3:] == ["949.6", "400.0", "949.6", "103.5", "90.0", "103.5"]
+
+
+def test_the_table_takes_each_points_least_disturbed_round():
+    def point(share):
+        return {"metrics": {}, "server_cpu_share": share}
+
+    rounds = [{"points": {"c2": point(0.4), "c9": point(0.9)}}, {"points": {"c2": point(0.8), "c9": point(0.5)}}]
+    picked = bench_serving.least_disturbed(rounds, [C2, LoadPoint("c9", 9, concurrency=9)])
+    assert (picked["points"]["c2"]["round"], picked["points"]["c9"]["round"]) == (1, 0)
+    assert picked["rounds"] == rounds
