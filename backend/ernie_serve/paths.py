@@ -22,6 +22,15 @@ def models_dir() -> Path:
     return (root / ".cache" / "models") if root else Path.home() / ".cache" / "ernie_serve" / "models"
 
 
+def build_dir() -> Path:
+    """Git-ignored home of native code compiled on this machine (ERNIE_BUILD_DIR overrides it)."""
+    env = os.environ.get("ERNIE_BUILD_DIR")
+    if env:
+        return Path(env)
+    root = repo_root()
+    return (root / ".cache" / "build") if root else Path.home() / ".cache" / "ernie_serve" / "build"
+
+
 def tiny_model_dir() -> Path:
     """The embedded demo model every entry point defaults to."""
     return models_dir() / "tiny-ernie-moe"

@@ -21,9 +21,11 @@ from paddle import nn
 from ernie_serve.model.host_tensor import empty_host, to_paddle
 from ernie_serve.model.layers import silu_and_mul
 from ernie_serve.model.moe import grouped_expert_forward
+from ernie_serve.quantization import cpu_gemm
 from ernie_serve.quantization import formats as fmt
 
 METHODS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
+_WEIGHT_ONLY_BITS = {"wint8": 8, "wint4": 4, "w4a8": 4}  # formats cpu_gemm multiplies directly
 _TILE_BYTES = 16 << 20  # fp32 bytes of one dequantized weight tile
 
 
@@ -285,9 +287,15 @@ class QuantLinear(nn.Layer):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects x [T, {self.in_features}], got {list(x.shape)}")
         xq = self._quantize_input(x.astype("float32"))
-        outs = [self._tile_matmul(xq, n0, min(n0 + self.tile_n, self.out_features))
-                for n0 in range(0, self.out_features, self.tile_n)]
-        y = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
+        bits = _WEIGHT_ONLY_BITS.get(self.method)
+        if bits and xq.shape[0] <= cpu_gemm.MAX_ROWS and xq.place.is_cpu_place() and cpu_gemm.available():
+            # decode sizes: each weight byte read once (cpu_gemm.c), not dequantized to an fp32 tile first
+            y = cpu_gemm.weight_only_gemm(np.from_dlpack(xq), self.tensors["quant_weight"],
+                                          self.tensors["weight_scale"], bits)
+        else:
+            outs = [self._tile_matmul(xq, n0, min(n0 + self.tile_n, self.out_features))
+                    for n0 in range(0, self.out_features, self.tile_n)]
+            y = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=-1)
         if self.method == "w4a8":  # integer-valued operands: the fp32 matmul equals the int32 one
             y = y * self.act_scale
         return y

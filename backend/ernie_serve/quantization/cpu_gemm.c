@@ -1,0 +1,126 @@
+/* Weight-only int8 / int4 GEMM for the CPU reference path at decode sizes (few rows).
+ *
+ *   y[M, N] = (x[M, K] @ W[K, N]) * scale[N]      W int8 [K, N], or int4 packed two rows a byte [K/2, N]
+ *                                                  (low nibble row 2i, high nibble row 2i+1, two's complement)
+ *
+ * Why: at decode a weight is read once per step for a handful of rows, so the step is bound by weight
+ * bytes; dequantizing to fp32 first (Paddle has no int8 or int4 matmul on CPU) reads more bytes than fp32
+ * itself. Here each weight byte is read once, widened to fp32 in registers, and multiplied into every row.
+ * Columns are split across the OpenMP threads of the runtime Paddle itself uses (linked against its
+ * libiomp5, so the two never compete for the cores). Built by cpu_gemm.py on first use.
+ */
+#include <stdint.h>
+
+#define ROWS 8   /* rows per register block */
+#define COLS 32  /* columns per thread task: two 16-float vectors */
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 widen_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* The two nibbles of 16 bytes as two vectors of 16 floats (low nibbles, high nibbles). */
+static inline void widen_i4(const int8_t *p, __m512 *lo, __m512 *hi) {
+    __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    /* low nibble: shift left 28 then arithmetic right 28 sign-extends it; high nibble: the byte >> 4 */
+    *lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28));
+    *hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(b, 4));
+}
+
+/* One block of `mb` rows (a compile-time constant in each instance, so the accumulators stay in registers)
+ * and COLS columns from n0. */
+#define BLOCK(NAME, BITS, mb)                                                                               \
+static void NAME(const float *x, int K, const int8_t *w, int N, const float *s, float *y, int n0) {         \
+    __m512 a0[mb], a1[mb];                                                                                  \
+    for (int m = 0; m < mb; m++) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }             \
+    if (BITS == 8) {                                                                                        \
+        const int8_t *wp = w + n0;                                                                          \
+        for (int k = 0; k < K; k++, wp += N) {                                                              \
+            __m512 w0 = widen_i8(wp), w1 = widen_i8(wp + 16);                                               \
+            for (int m = 0; m < mb; m++) {                                                                  \
+                __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);                                          \
+                a0[m] = _mm512_fmadd_ps(xv, w0, a0[m]);                                                     \
+                a1[m] = _mm512_fmadd_ps(xv, w1, a1[m]);                                                     \
+            }                                                                                               \
+        }                                                                                                   \
+    } else {                                                                                                \
+        const int8_t *wp = w + n0;                                                                          \
+        for (int k = 0; k < K; k += 2, wp += N) {                                                           \
+            __m512 l0, h0, l1, h1;                                                                          \
+            widen_i4(wp, &l0, &h0);                                                                         \
+            widen_i4(wp + 16, &l1, &h1);                                                                    \
+            for (int m = 0; m < mb; m++) {                                                                  \
+                __m512 xe = _mm512_set1_ps(x[(int64_t)m * K + k]);                                          \
+                __m512 xo = _mm512_set1_ps(x[(int64_t)m * K + k + 1]);                                      \
+                a0[m] = _mm512_fmadd_ps(xo, h0, _mm512_fmadd_ps(xe, l0, a0[m]));                            \
+                a1[m] = _mm512_fmadd_ps(xo, h1, _mm512_fmadd_ps(xe, l1, a1[m]));                            \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+    __m512 s0 = _mm512_loadu_ps(s + n0), s1 = _mm512_loadu_ps(s + n0 + 16);                                 \
+    for (int m = 0; m < mb; m++) {                                                                          \
+        _mm512_storeu_ps(y + (int64_t)m * N + n0, _mm512_mul_ps(a0[m], s0));                                \
+        _mm512_storeu_ps(y + (int64_t)m * N + n0 + 16, _mm512_mul_ps(a1[m], s1));                           \
+    }                                                                                                       \
+}
+typedef void (*block_fn)(const float *, int, const int8_t *, int, const float *, float *, int);
+#define INSTANCES(P, BITS) BLOCK(P##1, BITS, 1) BLOCK(P##2, BITS, 2) BLOCK(P##3, BITS, 3) BLOCK(P##4, BITS, 4) \
+    BLOCK(P##5, BITS, 5) BLOCK(P##6, BITS, 6) BLOCK(P##7, BITS, 7) BLOCK(P##8, BITS, 8)                       \
+    static const block_fn P##s[ROWS + 1] = {0, P##1, P##2, P##3, P##4, P##5, P##6, P##7, P##8};
+INSTANCES(block_i8_, 8)
+INSTANCES(block_i4_, 4)
+#endif
+
+/* Columns [n0, n1) of any format, plainly (the tail that is not a multiple of COLS; every column on CPUs
+ * without AVX-512). */
+static void columns_plain(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y,
+                          int n0, int n1, int bits) {
+    for (int m = 0; m < M; m++)
+        for (int n = n0; n < n1; n++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) {
+                int8_t q;
+                if (bits == 8) {
+                    q = w[(int64_t)k * N + n];
+                } else {
+                    int8_t byte = w[(int64_t)(k / 2) * N + n];
+                    q = (k & 1) ? (int8_t)(byte >> 4) : (int8_t)((int8_t)(byte << 4) >> 4);
+                }
+                acc += x[(int64_t)m * K + k] * (float)q;
+            }
+            y[(int64_t)m * N + n] = acc * s[n];
+        }
+}
+
+static void gemm(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y, int bits) {
+    int vec_cols = 0;
+#ifdef __AVX512F__
+    vec_cols = N / COLS * COLS;
+    const block_fn *blocks = bits == 8 ? block_i8_s : block_i4_s;
+    #pragma omp parallel for schedule(static)
+    for (int b = 0; b < N / COLS; b++)
+        for (int m0 = 0; m0 < M; m0 += ROWS) {
+            int mb = M - m0 < ROWS ? M - m0 : ROWS;
+            blocks[mb](x + (int64_t)m0 * K, K, w, N, s, y + (int64_t)m0 * N, b * COLS);
+        }
+#endif
+    if (vec_cols < N) columns_plain(x, M, K, w, N, s, y, vec_cols, N, bits);
+}
+
+void ernie_gemm_wint8(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y) {
+    gemm(x, M, K, w, N, s, y, 8);
+}
+
+void ernie_gemm_wint4(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y) {
+    gemm(x, M, K, w, N, s, y, 4);
+}
+
+int ernie_gemm_has_avx512(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
