@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT / "kernels"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from ernie_kernels import fused_moe, paged_decode_attention, rms_norm, weight_only_linear  # noqa: E402
+from ernie_kernels import fused_moe, rms_norm, weight_only_linear  # noqa: E402
+from ernie_kernels.unified_attention import attention_programs, queries_per_program, unified_attention  # noqa: E402
 from ernie_kernels import reference as ref  # noqa: E402
 
 
@@ -111,18 +112,37 @@ def correctness() -> None:
         # activation-quantizing methods see bf16-rounded inputs quantized on GPU: a few code flips
         check(f"fused_moe {method}", y, expect, tol * (3 if method in ("w4a8", "block_wise_fp8") else 1))
 
-    b, hq, kvh, d, page, nblk = 3, 8, 2, 64, 16, 12
-    q = rng.standard_normal((b, hq, d)).astype(np.float32)
+    # one mixed step: a decode, a 3-token verification, a prefill chunk over cached blocks, a fresh prefill
+    hq, kvh, d, page = 8, 2, 64, 16
+    q_lens, lens = np.array([1, 3, 20, 9]), np.array([5, 40, 36, 9], np.int32)
+    need = -(-lens // page)
+    nblk = int(need.sum()) + 2
+    order = rng.permutation(nblk)
+    tables = np.zeros((4, int(need.max())), np.int32)
+    for i, (a, n) in enumerate(zip(np.concatenate([[0], np.cumsum(need)[:-1]]), need)):
+        tables[i, :n] = order[a:a + n]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = rng.standard_normal((int(qsl[-1]), hq, d)).astype(np.float32)
     kc = rng.standard_normal((nblk, page, kvh, d)).astype(np.float32)
     vc = rng.standard_normal((nblk, page, kvh, d)).astype(np.float32)
-    lens = np.array([5, 40, 16], np.int32)
-    tables = np.array([[3, 0, 0], [1, 7, 11], [5, 0, 0]], np.int32)
-    out = paged_decode_attention(t(q, act=True), t(kc, act=True), t(vc, act=True), t(tables), t(lens))
-    check("paged_decode_attention bf16", out, ref.paged_decode_attention(q, kc, vc, tables, lens), tol)
     ks, vs = F.calibrate_kv_scale(kc), F.calibrate_kv_scale(vc)
     k8, v8 = F.quantize_kv_static(kc, ks), F.quantize_kv_static(vc, vs)
-    out = paged_decode_attention(t(q, act=True), t(k8), t(v8), t(tables), t(lens), None, t(ks), t(vs))
-    check("paged_decode_attention int8 C8", out, ref.paged_decode_attention(q, k8, v8, tables, lens, None, ks, vs), tol)
+    for name, kk, vv, sk, sv in (("bf16", t(kc, act=True), t(vc, act=True), None, None),
+                                 ("int8 C8", t(k8), t(v8), t(ks), t(vs))):
+        out = attention(t(q, act=True), kk, vv, tables, lens, qsl, sk, sv)
+        expect = ref.unified_attention(q, k8 if sk is not None else kc, v8 if sv is not None else vc, tables, lens,
+                                       qsl, d ** -0.5, ks if sk is not None else None, vs if sv is not None else None)
+        check(f"unified_attention mixed step {name}", out, expect, tol)
+
+
+def attention(q, k_cache, v_cache, tables: np.ndarray, lens: np.ndarray, qsl: np.ndarray, k_scale=None,
+              v_scale=None):
+    """unified_attention with its per-step index data built as the engine builds it."""
+    block_q = queries_per_program(q.shape[1] // k_cache.shape[2], int(np.diff(qsl).max()))
+    seq, q0 = attention_programs(qsl, block_q)
+    out = torch.empty_like(q)
+    return unified_attention(q, k_cache, v_cache, out, t(tables), t(lens), t(qsl), t(seq), t(q0), block_q,
+                             q.shape[2] ** -0.5, k_scale, v_scale)
 
 
 def _moe_weights(ug: np.ndarray, dn: np.ndarray, method, calib_x: np.ndarray):
@@ -202,20 +222,29 @@ def timing(bw: float) -> None:
     q = torch.randn(b, hq, d, device=DEV, dtype=ACT)
     kc = torch.randn(nblk, page, kvh, d, device=DEV, dtype=ACT)
     vc = torch.randn(nblk, page, kvh, d, device=DEV, dtype=ACT)
-    tables = torch.randperm(nblk, device=DEV, dtype=torch.int32).reshape(b, -1)
-    lens = torch.full((b,), seq, device=DEV, dtype=torch.int32)
+    tables_np = rng.permutation(nblk).astype(np.int32).reshape(b, -1)
+    lens_np = np.full(b, seq, np.int32)
+    qsl_np = np.arange(b + 1, dtype=np.int32)
+    tables = t(tables_np)
     kd = kc[tables.long()].reshape(b, -1, kvh, d).transpose(1, 2).contiguous()  # pre-gathered: torch best case
     vd = vc[tables.long()].reshape(b, -1, kvh, d).transpose(1, 2).contiguous()
 
     def torch_attn():
         return torch.nn.functional.scaled_dot_product_attention(q[:, :, None, :], kd, vd, enable_gqa=True)
-    bench(f"paged_decode bf16 B={b} S={seq}", lambda: paged_decode_attention(q, kc, vc, tables, lens),
-          torch_attn, 2 * b * seq * kvh * d * 2, bw)
+    block_q = queries_per_program(hq // kvh, 1)
+    seqs, q0 = (t(a) for a in attention_programs(qsl_np, block_q))
+    lens, qsl, out = t(lens_np), t(qsl_np), torch.empty_like(q)  # the step's index data, built once
+
+    def ours(k_cache, v_cache, k_scale=None, v_scale=None):
+        return unified_attention(q, k_cache, v_cache, out, tables, lens, qsl, seqs, q0, block_q, d ** -0.5,
+                                 k_scale, v_scale)
+    bench(f"unified_attention decode bf16 B={b} S={seq}", lambda: ours(kc, vc), torch_attn,
+          2 * b * seq * kvh * d * 2, bw)
     k8 = torch.randint(-127, 128, kc.shape, device=DEV, dtype=torch.int8)
     v8 = torch.randint(-127, 128, vc.shape, device=DEV, dtype=torch.int8)
     sc = torch.ones(kvh * d, device=DEV, dtype=torch.float32)
-    bench(f"paged_decode int8 C8 B={b} S={seq}", lambda: paged_decode_attention(q, k8, v8, tables, lens, None, sc, sc),
-          None, 2 * b * seq * kvh * d, bw)
+    bench(f"unified_attention decode int8 C8 B={b} S={seq}", lambda: ours(k8, v8, sc, sc), None,
+          2 * b * seq * kvh * d, bw)
 
 
 def main() -> int:

@@ -1,4 +1,5 @@
-"""triton-lang kernels for ERNIE-4.5 serving, each with a NumPy reference in `reference`.
+"""triton-lang kernels for ERNIE-4.5 serving. Each is tested against a reference: a NumPy one in `reference`,
+or the engine's own reference layer for what the engine already defines (RoPE, the router, the C8 cache).
 
 Launchers are imported lazily so `import ernie_kernels` (and the engine) works without triton.
 """
@@ -13,7 +14,11 @@ _LAUNCHERS = {
     "weight_only_linear": "weight_only_gemm",
     "moe_align_block_size": "moe_align",
     "fused_moe": "moe_fused",
-    "paged_decode_attention": "paged_attention",
+    "unified_attention": "unified_attention",
+    "kv_write": "kv_write",
+    "rope_inplace": "rope",
+    "silu_and_mul": "activation",
+    "router_topk": "router",
 }
 
 __all__ = list(_LAUNCHERS)

@@ -92,29 +92,33 @@ def moe_align_block_size(topk_ids: np.ndarray, num_experts: int, block_m: int):
     return np.array(sorted_ids, np.int32), np.array(expert_ids, np.int32), len(sorted_ids)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=None, k_scale=None, v_scale=None):
-    """Gather each sequence's tokens from its pages, dequantize, plain softmax attention in fp32."""
-    b, hq, d = q.shape
-    nb, page, kvh, _ = k_cache.shape
-    scale = sm_scale or d ** -0.5
+def _dequant_cache(c: np.ndarray, s) -> np.ndarray:
+    c = c.astype(np.float32)
+    if s is None:
+        return c
+    s = np.asarray(s, np.float32)
+    kvh, d = c.shape[2:]
+    return c * (s.reshape(1, 1, kvh, d) if s.ndim == 1 else s[:, None, :, None]) / 127.0
 
-    def deq(c, s):
-        c = c.astype(np.float32)
-        if s is None:
-            return c
-        s = np.asarray(s, np.float32)
-        return c * (s.reshape(1, 1, kvh, d) if s.ndim == 1 else s[:, None, :, None]) / 127.0
 
-    kf, vf = deq(k_cache, k_scale), deq(v_cache, v_scale)
-    out = np.zeros((b, hq, d), np.float32)
-    for i in range(b):
-        n = int(seq_lens[i])
+def unified_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sm_scale, k_scale=None,
+                      v_scale=None):
+    """Per sequence: gather its pages, dequantize, causal softmax attention of its new queries in fp32."""
+    t, hq, d = q.shape
+    kvh = k_cache.shape[2]
+    page = k_cache.shape[1]
+    kf, vf = _dequant_cache(k_cache, k_scale), _dequant_cache(v_cache, v_scale)
+    out = np.zeros((t, hq, d), np.float32)
+    for i in range(len(seq_lens)):
+        a, b, n = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
         pages = block_tables[i, : -(-n // page)]
         ks = kf[pages].reshape(-1, kvh, d)[:n]
         vs = vf[pages].reshape(-1, kvh, d)[:n]
-        for h in range(hq):
-            kv = h // (hq // kvh)
-            s = (q[i, h].astype(np.float32) @ ks[:, kv].T) * scale
-            p = np.exp(s - s.max())
-            out[i, h] = (p / p.sum()) @ vs[:, kv]
+        for j in range(b - a):
+            pos = n - (b - a) + j
+            for h in range(hq):
+                kv = h // (hq // kvh)
+                s = (q[a + j, h].astype(np.float32) @ ks[: pos + 1, kv].T) * sm_scale
+                p = np.exp(s - s.max())
+                out[a + j, h] = (p / p.sum()) @ vs[: pos + 1, kv]
     return out
