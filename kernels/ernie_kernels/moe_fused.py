@@ -7,24 +7,23 @@ memory); GEMM2 multiplies by the routed weight; a small kernel sums the k slots 
 Weights are [E, K, N] (Paddle layout), quantized per formats.py: wint8 / wint4 (per-channel scale after
 the K loop), w4a8 (int8 x int4 -> int32 dot with a static per-expert activation scale, quantized as the
 tile is loaded), block_wise_fp8 (activations quantized per token per 128 group as the tile is loaded,
-fp8 dot, block scales applied per K step).
+fp8 dot, block scales applied per K step), wint2 (CCQ codes decoded in registers, 64-row group scales
+applied per K step).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ernie_kernels._dequant import QUANT_CODES, load_weight_tile, round_half_away
+from ernie_kernels._dequant import (A_NONE, A_QUANT_CODES, Q_WINT2, QUANT_CODES, block_k_for, load_weight_tile,
+                                    quantize_a_tile, wint2_group_scale)
 from ernie_kernels._runtime import INTERPRET, contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, tl, triton
 from ernie_kernels.moe_align import moe_align_block_size
 
-A_NONE, A_FP8_GROUP, A_INT8_STATIC = 0, 1, 2
-
 
 @triton.jit
-def _tile_dot(a, w, a_scale, QUANT: tl.constexpr, A_QUANT: tl.constexpr, DOT: tl.constexpr,
-              FP8_DOT: tl.constexpr):
-    """One K step: a [BM, BK] (quantized when A_QUANT), w as load_weight_tile returns it."""
+def _tile_dot(a, w, A_QUANT: tl.constexpr, DOT: tl.constexpr, FP8_DOT: tl.constexpr):
+    """One K step: a [BM, BK] as quantize_a_tile returns it, w as load_weight_tile returns it."""
     if A_QUANT == 2:
         return tl.dot(a, w.to(tl.int8), out_dtype=tl.int32)
     elif A_QUANT == 1:
@@ -37,10 +36,10 @@ def _tile_dot(a, w, a_scale, QUANT: tl.constexpr, A_QUANT: tl.constexpr, DOT: tl
 
 
 @triton.jit
-def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, topk_w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                      N, K, num_slots, a_row_div, up_offset,
+def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, ls_ptr, cs_ptr, zp_ptr, topk_w_ptr, sorted_ptr,
+                      expert_ids_ptr, num_post_ptr, N, K, num_slots, a_row_div, up_offset,
                       stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-                      stride_bse, stride_bsk, stride_bsn,
+                      stride_bse, stride_bsk, stride_bsn, stride_lse, stride_lsk, stride_lsn, stride_cse,
                       QUANT: tl.constexpr, A_QUANT: tl.constexpr, SWIGLU: tl.constexpr, MUL_ROUTED: tl.constexpr,
                       DOT: tl.constexpr, FP8_DOT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -57,6 +56,10 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, topk_w_ptr, sorted_pt
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b_base = b_ptr + expert * stride_be
+    # wint2 only: the expert's 4-bit local scales, and its per-channel code scale / zero point
+    ls_base = ls_ptr + expert * stride_lse
+    cs_base = cs_ptr + expert * stride_cse
+    zp_base = zp_ptr + expert * stride_cse
     if A_QUANT == 2:
         acc_dtype = tl.int32
         a_scale = tl.load(as_ptr + expert).to(tl.float32)
@@ -70,26 +73,14 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, topk_w_ptr, sorted_pt
         k_mask = offs_k < K
         a = tl.load(a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-        if A_QUANT == 1:  # BLOCK_K == 128: this tile is exactly one quantization group per row
-            amax = tl.max(tl.abs(a), axis=1)
-            row_scale = tl.where(amax > 0, amax / 448.0, 1.0)
-            a = tl.minimum(tl.maximum(a / row_scale[:, None], -448.0), 448.0)
-            if FP8_DOT:
-                a = a.to(tl.float8e4nv)
-            else:
-                # the 3.2 interpreter drops the carry when rounding up into the next binade
-                # (126.1 -> 64, not 128; measured); such results are exactly half the right one
-                q = a.to(tl.float8e4nv).to(tl.float32)
-                a = tl.where(tl.abs(a) > 1.5 * tl.abs(q), 2.0 * q, q)
-        elif A_QUANT == 2:
-            a = tl.minimum(tl.maximum(round_half_away(a / a_scale), -127.0), 127.0).to(tl.int8)
+        a, row_scale = quantize_a_tile(a, a_scale, A_QUANT, FP8_DOT)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        w = load_weight_tile(b_base, offs_k, offs_n, w_mask, stride_bk, stride_bn, QUANT)
-        part = _tile_dot(a, w, a_scale, QUANT, A_QUANT, DOT, FP8_DOT)
+        w = load_weight_tile(b_base, offs_k, offs_n, w_mask, stride_bk, stride_bn, cs_base, zp_base, QUANT)
+        part = _tile_dot(a, w, A_QUANT, DOT, FP8_DOT)
         if SWIGLU:
-            w_up = load_weight_tile(b_base, offs_k, offs_n + up_offset, w_mask, stride_bk, stride_bn, QUANT)
-            part_up = _tile_dot(a, w_up, a_scale, QUANT, A_QUANT, DOT, FP8_DOT)
+            w_up = load_weight_tile(b_base, offs_k, offs_n + up_offset, w_mask, stride_bk, stride_bn, cs_base,
+                                    zp_base, QUANT)
+            part_up = _tile_dot(a, w_up, A_QUANT, DOT, FP8_DOT)
         if QUANT == 3:
             bs = bs_ptr + expert * stride_bse + (k0 // 128) * stride_bsk
             s = tl.load(bs + (offs_n // 128) * stride_bsn, mask=n_mask, other=0.0)
@@ -97,6 +88,13 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, topk_w_ptr, sorted_pt
             if SWIGLU:
                 s_up = tl.load(bs + ((offs_n + up_offset) // 128) * stride_bsn, mask=n_mask, other=0.0)
                 acc_up += part_up * row_scale[:, None] * s_up[None, :]
+        elif QUANT == 4:  # BLOCK_K == 64: this step is exactly one scale group
+            ss = bs_ptr + expert * stride_bse
+            g = wint2_group_scale(ls_base, ss, k0, offs_n, n_mask, stride_lsk, stride_lsn)
+            acc += part * g[None, :]
+            if SWIGLU:
+                g_up = wint2_group_scale(ls_base, ss, k0, offs_n + up_offset, n_mask, stride_lsk, stride_lsn)
+                acc_up += part_up * g_up[None, :]
         else:
             acc += part
             if SWIGLU:
@@ -128,30 +126,40 @@ def _sum_slots_kernel(c_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constex
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _scale_strides(scale: Any, quant: int) -> tuple[int, int, int]:
+WINT2_KEYS = ("weight_scale", "super_scales", "code_scale", "code_zp")
+
+
+def _scale_args(scale: Any, quant: int, dummy: Any) -> tuple[list, list]:
+    """The kernel's (bs, ls, cs, zp) pointers and (bse, bsk, bsn, lse, lsk, lsn, cse) strides.
+
+    bs: per-channel scales [E, N], fp8's block scales [E, K/128, N/128], or wint2's super scales [E, N];
+    ls / cs / zp: wint2's packed local scales [E, ceil(K/128), N] and per-channel code scale / zero point.
+    """
     if scale is None:
-        return 0, 0, 0
+        return [dummy] * 4, [0] * 7
+    if quant == Q_WINT2:
+        ls, ss, cs, zp = (contiguous(scale[k]) for k in WINT2_KEYS)
+        return [ss, ls, cs, zp], [ss.stride(0), 0, ss.stride(1), ls.stride(0), ls.stride(1), ls.stride(2),
+                                  cs.stride(0)]
+    scale = contiguous(scale)
     if quant == QUANT_CODES["block_wise_fp8"]:
-        return scale.stride(0), scale.stride(1), scale.stride(2)
-    return scale.stride(0), 0, scale.stride(1)
+        return [scale, dummy, dummy, dummy], [scale.stride(0), scale.stride(1), scale.stride(2), 0, 0, 0, 0]
+    return [scale, dummy, dummy, dummy], [scale.stride(0), 0, scale.stride(1), 0, 0, 0, 0]
 
 
 def _gemm(a, w, w_scale, a_scale, out, topk_w, sorted_ids, expert_ids, num_post, n, k, num_slots, a_row_div,
           method, swiglu, act_dtype, block_m):
     quant = QUANT_CODES[method]
-    a_quant = {"block_wise_fp8": A_FP8_GROUP, "w4a8": A_INT8_STATIC}.get(method, A_NONE)
     block_n = 64
-    block_k = 128 if quant == QUANT_CODES["block_wise_fp8"] else 64
     grid = (expert_ids.shape[0] * triton.cdiv(n, block_n),)
-    bse, bsk, bsn = _scale_strides(w_scale, quant)
-    dummy = w if w_scale is None else w_scale
+    (bs, ls, cs, zp), strides = _scale_args(w_scale, quant, w)
     _fused_moe_kernel[grid](
-        a, w, out, dummy, a_scale if a_scale is not None else dummy, topk_w, sorted_ids, expert_ids, num_post,
-        n, k, num_slots, a_row_div, n if swiglu else 0,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        bse, bsk, bsn,
-        QUANT=quant, A_QUANT=a_quant, SWIGLU=swiglu, MUL_ROUTED=not swiglu, DOT=dot_dtype(act_dtype),
-        FP8_DOT=not INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        a, w, out, bs, a_scale if a_scale is not None else bs, ls, cs, zp, topk_w, sorted_ids, expert_ids,
+        num_post, n, k, num_slots, a_row_div, n if swiglu else 0,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1), *strides,
+        QUANT=quant, A_QUANT=A_QUANT_CODES.get(method, A_NONE), SWIGLU=swiglu, MUL_ROUTED=not swiglu,
+        DOT=dot_dtype(act_dtype), FP8_DOT=not INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k_for(method), num_warps=4)
 
 
 def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any, method: str | None = None,
@@ -160,9 +168,10 @@ def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any,
     """Routed experts for x [T, H] -> [T, H] in x's dtype; torch or Paddle tensors.
 
     up_gate [E, H, 2I] ([gate | up] on the last dim), down [E, I, H]: float (method None) or quantized
-    per formats.py for method in wint8 / wint4 / w4a8 / block_wise_fp8 (int4 packed [E, K//2, N],
-    fp8 as float8_e4m3fn). *_scale: [E, N] per-channel, or [E, ceil(K/128), ceil(N/128)] for fp8.
-    *_act_scale: [E] static activation scales (w4a8). topk_ids [T, k], topk_weights [T, k].
+    per formats.py for method in wint8 / wint4 / w4a8 / block_wise_fp8 / wint2 (int4 packed [E, K//2, N],
+    fp8 as float8_e4m3fn, wint2 codes uint8 [E, K//4, N]). *_scale: [E, N] per-channel, [E, ceil(K/128),
+    ceil(N/128)] for fp8, or for wint2 a dict of formats.quantize_wint2's weight_scale / super_scales /
+    code_scale / code_zp. *_act_scale: [E] static activation scales (w4a8). topk_ids [T, k], topk_weights [T, k].
     """
     if method not in QUANT_CODES:
         raise ValueError(f"fused_moe method must be one of {[m for m in QUANT_CODES if m]} or None, got {method!r}")
@@ -170,6 +179,9 @@ def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any,
         raise ValueError(f"fused_moe method {method!r} needs up_gate_scale and down_scale")
     if method == "w4a8" and (up_gate_act_scale is None or down_act_scale is None):
         raise ValueError("fused_moe w4a8 needs up_gate_act_scale and down_act_scale")
+    if method == "wint2" and not all(isinstance(sc, dict) and set(WINT2_KEYS) <= set(sc)
+                                     for sc in (up_gate_scale, down_scale)):
+        raise ValueError(f"fused_moe wint2 scales must be dicts with {list(WINT2_KEYS)}")
     t, h = x.shape
     topk = topk_ids.shape[1]
     e = up_gate.shape[0]
@@ -177,6 +189,8 @@ def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any,
     if method == "block_wise_fp8" and (h % 128 or inter % 128):
         raise ValueError(f"block_wise_fp8 fused_moe needs hidden ({h}) and moe_intermediate ({inter}) "
                          "to be multiples of 128")
+    if method == "wint2" and (h % 64 or inter % 64):
+        raise ValueError(f"wint2 fused_moe needs hidden ({h}) and moe_intermediate ({inter}) to be multiples of 64")
     act = dtype_name(x)
     x = contiguous(x)
     if t == 0:

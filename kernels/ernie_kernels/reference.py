@@ -30,11 +30,29 @@ def dequant(w: np.ndarray, scale: np.ndarray | None, method: str | None) -> np.n
         return w.astype(np.float32) * scale[..., None, :]
     if method in ("wint4", "w4a8"):
         return unpack_int4(w) * scale[..., None, :]
+    if method == "wint2":
+        return wint2_dequant(w, scale)
     if method == "block_wise_fp8":
         k, n = w.shape[-2:]
         full = np.repeat(np.repeat(scale, 128, -2), 128, -1)[..., :k, :n]
         return w.view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32) * full
     raise ValueError(method)
+
+
+def wint2_dequant(codes: np.ndarray, s: dict) -> np.ndarray:
+    """CCQ: byte b -> v = floor(b * code_scale + code_zp + 0.5); the weights at k = 4r..4r+3 are the 6-bit
+    fields (v >> 9, 6, 3, 0) & 63 minus 32, times the 64-row group's 4-bit local scale (group 2j in the high
+    nibble of byte j) times the channel's super scale."""
+    b = codes.astype(np.float32)
+    v = np.floor(b * s["code_scale"][..., None, :] + s["code_zp"][..., None, :] + 0.5).astype(np.int64)
+    kq, n = codes.shape[-2:]
+    fields = np.empty(codes.shape[:-2] + (kq * 4, n), np.float32)
+    for i, shift in enumerate((9, 6, 3, 0)):
+        fields[..., i::4, :] = ((v >> shift) & 63) - 32
+    ls = s["weight_scale"].astype(np.int64)
+    nib = np.stack([ls >> 4, ls & 15], axis=-2).reshape(ls.shape[:-2] + (-1, n))[..., : kq * 4 // 64, :]
+    gs = nib.astype(np.float32) * s["super_scales"][..., None, :]
+    return fields * np.repeat(gs, 64, axis=-2)
 
 
 def weight_only_linear(x: np.ndarray, qweight: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:

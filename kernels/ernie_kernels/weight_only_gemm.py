@@ -28,7 +28,8 @@ def _wo_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
         k_mask = offs_k < K
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = load_weight_tile(b_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_bk, stride_bn, QUANT)
+        w = load_weight_tile(b_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_bk, stride_bn, s_ptr,
+                             s_ptr, QUANT)
         acc += tl.dot(a.to(DOT), w.to(tl.float32).to(DOT))
     scale = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     acc = acc * scale[None, :]

@@ -21,13 +21,16 @@ def _quantize(w, method):
         return w, None
     if method == "block_wise_fp8":
         return F.quantize_block_fp8(w)
+    if method == "wint2":
+        q = F.quantize_wint2(w)
+        return q.pop("quant_weight"), q
     return F.quantize_weight_only(w, 8 if method == "wint8" else 4)
 
 
 # fp32 operands in the interpreter; w4a8's int32 dot is exact. Tolerances cover summation order, plus for
 # the activation-quantizing methods a rare flip of one rounding decision between kernel and NumPy.
 @pytest.mark.parametrize("method,tol", [(None, 1e-4), ("wint8", 1e-4), ("wint4", 1e-4), ("block_wise_fp8", 2e-3),
-                                        ("w4a8", 2e-3)])
+                                        ("w4a8", 2e-3), ("wint2", 1e-4)])
 def test_fused_moe_matches_reference(fw, method, tol):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((T, H)).astype(np.float32)
@@ -41,7 +44,11 @@ def test_fused_moe_matches_reference(fw, method, tol):
         a1 = np.full(E, F.calibrate_activation_scale(x), np.float32)
         a2 = np.full(E, 0.02, np.float32)
     fp8 = method == "block_wise_fp8"
-    t = lambda a, **kw: None if a is None else fw.tensor(a, **kw)  # noqa: E731
+    def t(a, **kw):
+        if isinstance(a, dict):
+            return {k: fw.tensor(v) for k, v in a.items()}
+        return None if a is None else fw.tensor(a, **kw)
+
     y = fused_moe(t(x), t(qug, fp8=fp8), t(qdn, fp8=fp8), t(ids), t(wts), method, t(sug), t(sdn), t(a1), t(a2))
     expect = ref.fused_moe(x, qug, qdn, ids, wts, method, sug, sdn, a1, a2)
     assert tuple(y.shape) == (T, H)
@@ -69,3 +76,18 @@ def test_fused_moe_needs_scales_for_quantized_weights(fw):
     z = fw.tensor(np.zeros((1, 4), np.float32))
     with pytest.raises(ValueError, match="needs up_gate_scale"):
         fused_moe(z, z, z, fw.tensor(np.zeros((1, 1), np.int64)), z, "wint8")
+
+
+def test_wint2_reference_dequant_is_the_engines():
+    """The kernels' NumPy wint2 decoding (restated, no engine import) equals formats.dequantize_wint2."""
+    w = np.random.default_rng(3).standard_normal((2, 192, 80)).astype(np.float32)
+    q = F.quantize_wint2(w)
+    expect = F.dequantize_wint2(q["quant_weight"], q["weight_scale"], q["code_scale"], q["code_zp"],
+                                q["super_scales"])
+    np.testing.assert_array_equal(ref.dequant(q["quant_weight"], q, "wint2"), expect)
+
+
+def test_fused_moe_wint2_refuses_incomplete_scales(fw):
+    z = fw.tensor(np.zeros((1, 64), np.float32))
+    with pytest.raises(ValueError, match="wint2 scales must be dicts"):
+        fused_moe(z, z, z, fw.tensor(np.zeros((1, 1), np.int64)), z, "wint2", z, z)
