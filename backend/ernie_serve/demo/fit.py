@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from ..model.attention import AttentionMetadata
 from ..model.ernie import ErnieForCausalLM
-from ..model.loader import load_model, load_mtp, map_mtp_tensor_name, map_tensor_name
+from ..model.checkpoint_map import map_mtp_tensor_name, map_tensor_name
+from ..model.loader import load_model, load_mtp
 from ..paths import demo_data_dir
 
 IM_END = "<|im_end|>"

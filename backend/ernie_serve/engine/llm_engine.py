@@ -15,7 +15,8 @@ from .._env import use_all_cpu_threads
 from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
 from ..model.kv_cache import PagedKVCache
-from ..model.loader import QUANTIZED_SHARDS_UNSUPPORTED, load_model, load_mtp, read_mtp_checkpoint
+from ..model.checkpoint_map import read_mtp_checkpoint
+from ..model.loader import QUANTIZED_SHARDS_UNSUPPORTED, load_model, load_mtp
 from ..model.mtp import ErnieMTP
 from ..model.parallel import ParallelLayout
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

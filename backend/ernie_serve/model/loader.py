@@ -1,8 +1,9 @@
 """Load an ERNIE-4.5 checkpoint directory (HF "-PT" or "-Paddle" safetensors) into ErnieForCausalLM.
 
-Both dialects map onto one parameter layout: Paddle's [in, out], q/k/v fused as qkv_proj, gate/up
-fused as up_gate_proj (gate first), routed experts stacked. Tensors stream shard by shard from
-memory-mapped files; a fused parameter is assembled in a buffer until all its pieces arrived.
+Where each checkpoint tensor goes is model/checkpoint_map.py's business (framework free); this module
+builds the Paddle model and gives the assembler its parameters and quantized layers as targets. Tensors
+stream shard by shard from memory-mapped files; a fused parameter is assembled in a buffer until all its
+pieces arrived.
 
 Quantized loading (a QuantPlan from `quantization=` or config.json's quantization_config): the model
 is built with empty quantized layers, so no fp32 copy of a quantized weight is ever allocated whole.
@@ -16,52 +17,22 @@ already split per rank (rank0/, rank1/, ...) are refused: serve the full checkpo
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import paddle
-from tqdm.auto import tqdm
 
-from ..quantization.layers import QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS, QuantLinear, QuantMoEExperts
+from ..quantization.layers import QuantLinear, QuantMoEExperts
 from ..quantization.plan import QuantPlan
+from .checkpoint_map import (Assembler, Target, fill_from_checkpoint, map_mtp_tensor_name, note_checkpoint_layout,
+                             static_kv_scales)
 from .config import ErnieModelConfig
 from .ernie import ErnieForCausalLM
 from .kv_cache import KVCacheQuant
 from .parallel import SINGLE_RANK, ParallelLayout
-from .safetensors_io import iter_tensors, read_header
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Piece:
-    """Where one checkpoint tensor goes: `param[index] = tensor (transposed if torch layout)`."""
-
-    param: str
-    index: tuple = ()
-    transpose: bool = False
-
-
-@dataclass
-class QuantPiece:
-    """A pre-quantized tensor: `key` (quant_weight, weight_scale, ...) of the quantized weight `param`
-    (expert `expert` of a stacked experts parameter, or None)."""
-
-    param: str
-    expert: int | None
-    key: str
-
-
-@dataclass
-class KVScale:
-    """A C8 KV cache static scale: `which` is "k" or "v"."""
-
-    layer: int
-    which: str
 
 
 QUANTIZED_SHARDS_UNSUPPORTED = (
@@ -70,132 +41,10 @@ QUANTIZED_SHARDS_UNSUPPORTED = (
     "tensor parallelism, or the quantized one with tensor_parallel_size=1")
 
 
-def checkpoint_shards(model_dir: Path) -> list[Path]:
-    if (model_dir / "rank0").is_dir():
-        raise ValueError(f"{model_dir} is split per tensor-parallel rank (rank0/, rank1/, ...); this loader "
-                         f"slices a full checkpoint for each rank itself: give the full (unsplit) checkpoint")
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files and no model.safetensors.index.json")
-    return shards
-
-
-_LAYER = re.compile(r"^(?:model|ernie)\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|up_gate_proj)\.weight$")
-_MLP = re.compile(r"^mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj|up_gate_proj)\.weight$")
-
-
-def map_tensor_name(name: str, cfg: ErnieModelConfig) -> Piece | QuantPiece | KVScale | str | None:
-    """A Piece for model weights, a QuantPiece / KVScale for quantized checkpoints' tensors, "mtp" for
-    MTP-head tensors, "ignore" for known extras, None if unknown."""
-    base, _, suffix = name.rpartition(".")
-    if suffix in QUANT_TENSOR_SUFFIXES and ".mtp_" not in name:
-        return _map_quant_tensor(name, base, suffix, cfg)
-    torch_layout = name.startswith("model.") or (name == "lm_head.weight" and _is_torch_lm_head(cfg))
-    if ".mtp_" in name or name.startswith(("model.mtp", "ernie.mtp")):
-        return "mtp"
-    if name in ("model.embed_tokens.weight", "ernie.embed_tokens.weight"):
-        return Piece("embed_tokens.weight")
-    if name in ("model.norm.weight", "ernie.norm.weight"):
-        return Piece("norm.weight")
-    if name == "lm_head.weight":
-        return "ignore" if cfg.tie_word_embeddings else Piece("lm_head.weight", (), torch_layout)
-    m = _LAYER.match(name)
-    if not m:
-        return None
-    layer, rest = int(m.group(1)), m.group(2)
-    p = f"layers.{layer}."
-    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-        return Piece(p + rest)
-    q, kv = cfg.q_size, cfg.kv_size
-    qkv = {"self_attn.q_proj.weight": (0, q), "self_attn.k_proj.weight": (q, q + kv),
-           "self_attn.v_proj.weight": (q + kv, q + 2 * kv)}
-    if rest in qkv:
-        a, b = qkv[rest]
-        return Piece(p + "self_attn.qkv_proj.weight", (slice(None), slice(a, b)), True)
-    if rest in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight"):
-        return Piece(p + rest, (), torch_layout)
-    if rest == "mlp.gate.weight":
-        return Piece(p + "mlp.gate.weight", (), torch_layout)
-    if rest in ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.moe_statics.e_score_correction_bias"):
-        return Piece(p + "mlp.gate.e_score_correction_bias")
-    m = _EXPERT.match(rest)
-    if m:
-        e, kind = int(m.group(1)), m.group(2)
-        inter = cfg.moe_intermediate_size
-        if kind == "down_proj":
-            return Piece(p + "mlp.experts.down_proj", (e,), torch_layout)
-        cols = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "up_gate_proj": slice(None)}[kind]
-        return Piece(p + "mlp.experts.up_gate_proj", (e, slice(None), cols), torch_layout)
-    m = _MLP.match(rest)
-    if m:
-        shared, kind = m.group(1) or "", m.group(2)
-        base = p + "mlp." + shared
-        if kind in ("down_proj", "up_gate_proj"):
-            return Piece(base + kind + ".weight", (), torch_layout)
-        inter = cfg.intermediate_size if not shared else cfg.moe_intermediate_size * cfg.moe_num_shared_experts
-        cols = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
-        return Piece(base + "up_gate_proj.weight", (slice(None), cols), True)
-    return None
-
-
-_KV_SCALE = re.compile(r"^(?:model|ernie)\.layers\.(\d+)\.self_attn\.cache([kv])_matmul$")
-
-
-def _map_quant_tensor(name: str, base: str, suffix: str, cfg: ErnieModelConfig) -> QuantPiece | KVScale | None:
-    m = _KV_SCALE.match(base)
-    if m:
-        return KVScale(int(m.group(1)), m.group(2)) if suffix == "activation_scale" else None
-    piece = map_tensor_name(base + ".weight", cfg)
-    if not isinstance(piece, Piece):
-        return None
-    expert = None
-    if piece.param.endswith(("mlp.experts.up_gate_proj", "mlp.experts.down_proj")):
-        expert, rest = piece.index[0], piece.index[1:]
-    else:
-        rest = piece.index
-    if piece.transpose or any(r != slice(None) for r in rest):
-        raise ValueError(f"pre-quantized tensor {name!r}: only the \"-Paddle\" layout (ernie.*, fused qkv_proj "
-                         f"and up_gate_proj, [in, out]) is read for quantized weights")
-    return QuantPiece(piece.param, expert, suffix)
-
-
-def _is_torch_lm_head(cfg: ErnieModelConfig) -> bool:
-    return cfg.raw.get("_checkpoint_layout", "torch") == "torch"
-
-
-@dataclass
-class _Target:
-    """A parameter the checkpoint fills: a float Paddle parameter, a QuantLinear, or stacked experts
-    (one QuantLinear per expert, each filled and quantized on its own)."""
-
-    shape: tuple
-    sink: object  # paddle.Tensor | QuantLinear | list[QuantLinear]
-
-    @property
-    def per_expert(self) -> bool:
-        return isinstance(self.sink, list)
-
-    def layer(self, expert: int | None) -> QuantLinear | None:
-        sink = self.sink[expert] if self.per_expert else self.sink
-        return sink if isinstance(sink, QuantLinear) else None
-
-    def commit(self, expert: int | None, value: np.ndarray) -> None:
-        layer = self.layer(expert)
-        if layer is not None:
-            layer.load_float(value)  # quantized now; the caller drops value
-        else:
-            self.sink.set_value(np.ascontiguousarray(value, dtype=np.float32))
-
-
-def _targets(model: ErnieForCausalLM) -> dict[str, _Target]:
+def _targets(model: ErnieForCausalLM) -> dict[str, Target]:
     """Checkpoint targets by Piece.param name: every parameter, and the quantized layers under the
     name their float weight would have (`<path>.weight`, `<experts>.up_gate_proj` / `.down_proj`)."""
-    targets = {n: _Target(tuple(p.shape), p) for n, p in model.named_parameters()}
+    targets = {n: Target(tuple(p.shape), p) for n, p in model.named_parameters()}
     in_experts = set()
     for path, layer in model.named_sublayers():
         if isinstance(layer, QuantMoEExperts):
@@ -203,112 +52,11 @@ def _targets(model: ErnieForCausalLM) -> dict[str, _Target]:
                 linears = list(getattr(layer, kind))
                 in_experts.update(id(q) for q in linears)
                 first = linears[0]
-                targets[f"{path}.{kind}"] = _Target((len(linears), first.in_features, first.out_features), linears)
+                targets[f"{path}.{kind}"] = Target((len(linears), first.in_features, first.out_features), linears)
     for path, layer in model.named_sublayers():
         if isinstance(layer, QuantLinear) and id(layer) not in in_experts:
-            targets[f"{path}.weight"] = _Target((layer.in_features, layer.out_features), layer)
+            targets[f"{path}.weight"] = Target((layer.in_features, layer.out_features), layer)
     return targets
-
-
-def localize(piece: Piece, value: np.ndarray, layout: ParallelLayout,
-             cfg: ErnieModelConfig) -> tuple[Piece, np.ndarray] | None:
-    """This rank's part of a checkpoint piece (`value` already in the parameter's layout), indexed into
-    the rank's shard of the parameter; None when none of it belongs to this rank."""
-    shard = layout.shard_of(piece.param, cfg)
-    if shard is None:
-        return piece, value
-    axis, keep = shard
-    index = list(piece.index) + [slice(None)] * (axis + 1 - len(piece.index))
-    entry = index[axis]
-    if isinstance(entry, int):  # one expert of stacked experts, under expert parallelism
-        hit = np.flatnonzero(keep == entry)
-        if not hit.size:
-            return None
-        index[axis] = int(hit[0])
-        return Piece(piece.param, tuple(index)), value
-    value_axis = axis - sum(isinstance(i, int) for i in index[:axis])  # integer entries drop their axis
-    start = entry.start or 0
-    stop = entry.stop if entry.stop is not None else start + value.shape[value_axis]
-    pos = np.flatnonzero((keep >= start) & (keep < stop))
-    if not pos.size:
-        return None
-    if pos[-1] - pos[0] + 1 != pos.size:
-        raise AssertionError(f"shard of {piece.param} is not contiguous for {entry}")
-    value = np.take(value, keep[pos] - start, axis=value_axis)
-    whole = pos.size == keep.size and all(i == slice(None) for j, i in enumerate(index) if j != axis)
-    index[axis] = slice(None) if whole else slice(int(pos[0]), int(pos[-1]) + 1)
-    while index and index[-1] == slice(None):
-        index.pop()
-    return Piece(piece.param, tuple(index)), value
-
-
-class _Assembler:
-    """Fills targets piece by piece and tells which ones never got all their pieces. With a tensor-parallel
-    layout, each piece is first cut down to this rank's part (`localize`)."""
-
-    def __init__(self, targets: dict[str, _Target], layout: ParallelLayout = SINGLE_RANK,
-                 cfg: ErnieModelConfig | None = None):
-        self.targets = targets
-        self.layout, self.cfg = layout, cfg
-        self.buffers: dict[tuple, np.ndarray] = {}
-        self.buffer_filled: dict[tuple, int] = {}
-        self.quant_parts: dict[tuple, dict[str, np.ndarray]] = {}
-        self.filled: dict[str, int] = {}
-
-    def _target(self, tensor_name: str, param: str) -> _Target:
-        if param not in self.targets:
-            raise ValueError(f"checkpoint tensor {tensor_name!r} maps to {param!r}, which this model "
-                             f"config does not have (check moe_layer_* / tie_word_embeddings in config.json)")
-        return self.targets[param]
-
-    def put(self, tensor_name: str, piece: Piece, arr: np.ndarray) -> None:
-        target = self._target(tensor_name, piece.param)
-        value = arr.T if piece.transpose else arr
-        if self.layout.is_parallel:
-            local = localize(piece, value, self.layout, self.cfg)
-            if local is None:
-                return
-            piece, value = local
-        shape, index, expert = target.shape, piece.index, None
-        if target.per_expert:
-            expert, index, shape = index[0], index[1:], shape[1:]
-        if not index:
-            if tuple(value.shape) != shape:
-                raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr.shape)}, expected "
-                                 f"{list(shape[::-1]) if piece.transpose else list(shape)} for {piece.param}")
-            target.commit(expert, value)
-            self.filled[piece.param] = self.filled.get(piece.param, 0) + value.size
-            return
-        key = (piece.param, expert)
-        buf = self.buffers.get(key)
-        if buf is None:
-            buf = self.buffers[key] = np.zeros(shape, np.float32)
-        if buf[index].shape != value.shape:
-            raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr.shape)}, which does not fit "
-                             f"{piece.param}{list(buf[index].shape)} (check head_dim / intermediate sizes)")
-        buf[index] = value
-        self.filled[piece.param] = self.filled.get(piece.param, 0) + value.size
-        self.buffer_filled[key] = self.buffer_filled.get(key, 0) + value.size
-        if self.buffer_filled[key] == buf.size:
-            del self.buffer_filled[key]
-            target.commit(expert, self.buffers.pop(key))
-
-    def put_quantized(self, tensor_name: str, piece: QuantPiece, arr: np.ndarray) -> None:
-        target = self._target(tensor_name, piece.param)
-        layer = target.layer(piece.expert)
-        if layer is None:
-            raise ValueError(f"checkpoint tensor {tensor_name!r} is quantized but {piece.param} is fp32 in this "
-                             f"load: quantization_config (dense_quant_type / moe_quant_type) must name its method")
-        key = "weight_scale_inv" if layer.method == "block_wise_fp8" and piece.key == "weight_scale" else piece.key
-        parts = self.quant_parts.setdefault((piece.param, piece.expert), {})
-        parts[key] = np.array(arr)
-        if all(k in parts for k in REQUIRED_TENSORS[layer.method]):
-            layer.load_quantized(self.quant_parts.pop((piece.param, piece.expert)))
-            n = layer.in_features * layer.out_features
-            self.filled[piece.param] = self.filled.get(piece.param, 0) + n
-
-    def missing(self) -> list[str]:
-        return [n for n, t in self.targets.items() if self.filled.get(n, 0) != int(np.prod(t.shape))]
 
 
 def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_progress: bool = True,
@@ -322,9 +70,7 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
     """
     model_dir = Path(model_dir)
     cfg = cfg or ErnieModelConfig.from_pretrained(model_dir)
-    shards = checkpoint_shards(model_dir)
-    names = [n for s in shards for n in read_header(s)[0]]
-    cfg.raw["_checkpoint_layout"] = "paddle" if any(n.startswith("ernie.") for n in names) else "torch"
+    note_checkpoint_layout(model_dir, cfg)
     plan = QuantPlan.resolve(quantization, cfg.quantization_config)
     if plan is not None and layout.is_parallel:
         raise ValueError(QUANTIZED_SHARDS_UNSUPPORTED.format(n=layout.world_size))
@@ -338,31 +84,7 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
     model.eval()
     for p in model.parameters():
         p.stop_gradient = True
-    asm = _Assembler(_targets(model), layout, cfg)
-    mtp: dict[str, np.ndarray] = {}
-    kv_scales: dict[tuple[int, str], np.ndarray] = {}
-    with tqdm(total=len(names), desc=f"Loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
-        for shard in shards:
-            for name, arr, _code in iter_tensors(shard):
-                target = map_tensor_name(name, cfg)
-                if target is None:
-                    raise ValueError(f"unexpected tensor {name!r} in {shard.name}: not part of "
-                                     f"{cfg.architecture} with this config.json")
-                if target == "mtp":
-                    mtp[name] = np.array(arr, dtype=np.float32)
-                elif target == "ignore":
-                    log.info("ignoring %s (tie_word_embeddings is true)", name)
-                elif isinstance(target, KVScale):
-                    kv_scales[(target.layer, target.which)] = np.array(arr, dtype=np.float32).reshape(-1)
-                elif isinstance(target, QuantPiece):
-                    asm.put_quantized(name, target, arr)
-                else:
-                    asm.put(name, target, arr)
-                bar.update(1)
-    missing = asm.missing()
-    if missing:
-        raise ValueError(f"checkpoint {model_dir} is missing tensors for: {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    mtp, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(_targets(model), layout, cfg), show_progress)
     model.mtp_weights = mtp
     if plan is not None and plan.kv_cache == "int8":
         model.kv_cache_quant = _kv_cache_quant(kv_scales, cfg.num_hidden_layers)
@@ -373,32 +95,8 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
 
 def _kv_cache_quant(scales: dict[tuple[int, str], np.ndarray], num_layers: int) -> KVCacheQuant:
     """Static channel-wise scales when the checkpoint has them for every layer, else dynamic ones."""
-    if not scales:
-        return KVCacheQuant()
-    want = [(i, w) for i in range(num_layers) for w in "kv"]
-    absent = [f"layers.{i}.self_attn.cache{w}_matmul.activation_scale" for i, w in want if (i, w) not in scales]
-    if absent:
-        raise ValueError(f"C8 KV cache: the checkpoint has static scales for some layers but not {absent[:4]}")
-    return KVCacheQuant([scales[(i, "k")] for i in range(num_layers)], [scales[(i, "v")] for i in range(num_layers)])
-
-
-_MTP = re.compile(r"^(model|ernie)\.mtp_(emb_norm|hidden_norm|linear_proj|block)\.0\.(.+)$")
-
-
-def map_mtp_tensor_name(name: str, cfg: ErnieModelConfig) -> Piece | None:
-    """Where an MTP-head tensor goes in ErnieMTP ("-PT" `model.mtp_*` or "-Paddle" `ernie.mtp_*`); None if unknown.
-    The block's tensors are named like a decoder layer's and map as one more layer would."""
-    m = _MTP.match(name)
-    if not m:
-        return None
-    prefix, part, rest = m.groups()
-    if part in ("emb_norm", "hidden_norm", "linear_proj"):
-        return Piece(f"{part}.weight", (), part == "linear_proj" and prefix == "model") if rest == "weight" else None
-    layer = f"layers.{cfg.num_hidden_layers}."
-    piece = map_tensor_name(f"{prefix}.{layer}{rest}", cfg)
-    if not isinstance(piece, Piece):
-        return None
-    return Piece("block." + piece.param[len(layer):], piece.index, piece.transpose)
+    static = static_kv_scales(scales, num_layers)
+    return KVCacheQuant() if static is None else KVCacheQuant(*static)
 
 
 def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str) -> "ErnieMTP":
@@ -417,7 +115,7 @@ def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str)
     mtp.eval()
     for p in mtp.parameters():
         p.stop_gradient = True
-    asm = _Assembler(_targets(mtp))
+    asm = Assembler(_targets(mtp))
     for name, arr in tensors.items():
         piece = map_mtp_tensor_name(name, cfg)
         if piece is None:
@@ -430,18 +128,3 @@ def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str)
     return mtp
 
 
-_SHARED_WITH_TARGET = {"model.embed_tokens.weight", "ernie.embed_tokens.weight", "model.norm.weight", "ernie.norm.weight",
-                       "lm_head.weight"}
-
-
-def read_mtp_checkpoint(path: str | Path, cfg: ErnieModelConfig) -> dict[str, np.ndarray]:
-    """The MTP-head tensors of a separate checkpoint directory (speculative_config.model)."""
-    out = {}
-    for shard in checkpoint_shards(Path(path)):
-        for name, arr, _code in iter_tensors(shard):
-            if map_tensor_name(name, cfg) == "mtp":
-                out[name] = np.array(arr, dtype=np.float32)
-            elif name not in _SHARED_WITH_TARGET:  # the head uses the target's own copies of these
-                raise ValueError(f"unexpected tensor {name!r} in the MTP checkpoint {path}: only mtp_* tensors "
-                                 f"(and the shared embedding / norm / lm_head, which are not read) belong there")
-    return out

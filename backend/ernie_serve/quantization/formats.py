@@ -11,6 +11,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+METHODS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 128
 WINT2_GROUP = 64
@@ -302,3 +303,42 @@ def quantize_kv_dynamic(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_kv_dynamic(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * np.asarray(scale, np.float32)[:, None, :, None] / 127.0
+
+
+# ---------------------------------------------------------------- checkpoint tensors
+
+def check_method(method: str) -> str:
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; expected one of {', '.join(METHODS)}")
+    return method
+
+
+# Checkpoint tensors (suffixes after `<layer>.`) each method needs; block_wise_fp8's scale may also be
+# named weight_scale in a checkpoint and is renamed weight_scale_inv on load.
+REQUIRED_TENSORS = {"wint8": ("quant_weight", "weight_scale"), "wint4": ("quant_weight", "weight_scale"),
+                    "block_wise_fp8": ("quant_weight", "weight_scale_inv"),
+                    "wint2": ("quant_weight", "weight_scale", "super_scales", "code_scale", "code_zp"),
+                    "w4a8": ("quant_weight", "weight_scale", "activation_scale")}
+QUANT_TENSOR_SUFFIXES = ("quant_weight", "weight_scale", "weight_scale_inv", "super_scales", "code_scale",
+                         "code_zp", "activation_scale")
+
+
+def quantize_float(w_KN: np.ndarray, method: str, *, activation_scale: float | None = None,
+                   calib_x: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Quantize an fp32 weight [K, N] into checkpoint-named tensors (see REQUIRED_TENSORS)."""
+    method = check_method(method)
+    w = np.asarray(w_KN, np.float32)
+    if method in ("wint8", "wint4"):
+        q, s = quantize_weight_only(w, 8 if method == "wint8" else 4)
+        return {"quant_weight": q, "weight_scale": s}
+    if method == "block_wise_fp8":
+        q, s = quantize_block_fp8(w)
+        return {"quant_weight": q, "weight_scale_inv": s}
+    if method == "wint2":
+        return quantize_wint2(w)
+    if activation_scale is None:
+        if calib_x is None:
+            raise ValueError("w4a8 needs a static activation scale: pass activation_scale= or calib_x= "
+                             "(or write a calibrated checkpoint with scripts/quantize_checkpoint.py)")
+        activation_scale = calibrate_activation_scale(calib_x)
+    return quantize_w4a8(w, activation_scale)

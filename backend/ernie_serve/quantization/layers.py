@@ -23,16 +23,11 @@ from ernie_serve.model.layers import silu_and_mul
 from ernie_serve.model.moe import grouped_expert_forward
 from ernie_serve.quantization import cpu_gemm
 from ernie_serve.quantization import formats as fmt
+from ernie_serve.quantization.formats import (METHODS, QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS,  # noqa: F401
+                                           quantize_float)
 
-METHODS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 _WEIGHT_ONLY_BITS = {"wint8": 8, "wint4": 4, "w4a8": 4}  # formats cpu_gemm multiplies directly
 _TILE_BYTES = 16 << 20  # fp32 bytes of one dequantized weight tile
-
-
-def _check_method(method: str) -> str:
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; expected one of {', '.join(METHODS)}")
-    return method
 
 
 def _nbytes(t: paddle.Tensor) -> int:
@@ -110,37 +105,6 @@ def _quantize_act_int8(x: paddle.Tensor, scale: float) -> paddle.Tensor:
     return paddle.clip(paddle.round(x / scale), -127.0, 127.0)  # paddle.round: half away from zero
 
 
-# Checkpoint tensors (suffixes after `<layer>.`) each method needs; block_wise_fp8's scale may also be
-# named weight_scale in a checkpoint and is renamed weight_scale_inv on load.
-REQUIRED_TENSORS = {"wint8": ("quant_weight", "weight_scale"), "wint4": ("quant_weight", "weight_scale"),
-                    "block_wise_fp8": ("quant_weight", "weight_scale_inv"),
-                    "wint2": ("quant_weight", "weight_scale", "super_scales", "code_scale", "code_zp"),
-                    "w4a8": ("quant_weight", "weight_scale", "activation_scale")}
-QUANT_TENSOR_SUFFIXES = ("quant_weight", "weight_scale", "weight_scale_inv", "super_scales", "code_scale",
-                         "code_zp", "activation_scale")
-
-
-def quantize_float(w_KN: np.ndarray, method: str, *, activation_scale: float | None = None,
-                   calib_x: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Quantize an fp32 weight [K, N] into checkpoint-named tensors (see REQUIRED_TENSORS)."""
-    method = _check_method(method)
-    w = np.asarray(w_KN, np.float32)
-    if method in ("wint8", "wint4"):
-        q, s = fmt.quantize_weight_only(w, 8 if method == "wint8" else 4)
-        return {"quant_weight": q, "weight_scale": s}
-    if method == "block_wise_fp8":
-        q, s = fmt.quantize_block_fp8(w)
-        return {"quant_weight": q, "weight_scale_inv": s}
-    if method == "wint2":
-        return fmt.quantize_wint2(w)
-    if activation_scale is None:
-        if calib_x is None:
-            raise ValueError("w4a8 needs a static activation scale: pass activation_scale= or calib_x= "
-                             "(or write a calibrated checkpoint with scripts/quantize_checkpoint.py)")
-        activation_scale = fmt.calibrate_activation_scale(calib_x)
-    return fmt.quantize_w4a8(w, activation_scale)
-
-
 class QuantLinear(nn.Layer):
     """y = x @ W for a weight W [K, N] held quantized; forward(x [T, K]) -> [T, N] float32.
 
@@ -150,7 +114,7 @@ class QuantLinear(nn.Layer):
     def __init__(self, method: str, in_features: int, out_features: int,
                  tensors: dict[str, np.ndarray] | None = None):
         super().__init__()
-        self.method = _check_method(method)
+        self.method = fmt.check_method(method)
         self.in_features, self.out_features = in_features, out_features
         self.tensors: dict[str, paddle.Tensor] = {}
         self.tile_n = max(128, (_TILE_BYTES // (4 * max(in_features, 1))) // 128 * 128)
@@ -177,7 +141,7 @@ class QuantLinear(nn.Layer):
         code_zp (wint2), activation_scale (w4a8). Layouts are those of formats.py ([K, N]);
         transposed=True accepts a block_wise_fp8 weight in torch layout [N, K] with scale [N/128, K/128].
         """
-        method = _check_method(method)
+        method = fmt.check_method(method)
         qw = np.shape(tensors["quant_weight"])
         if method == "block_wise_fp8":
             k, n = qw[::-1] if transposed else qw

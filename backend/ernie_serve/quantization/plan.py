@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .layers import METHODS
+from .formats import METHODS
 
 KV_CACHE_TYPES = ("int8",)
 _DENSE_FOR = {"wint8": "wint8", "wint4": "wint4", "block_wise_fp8": "block_wise_fp8", "wint2": "wint8",
