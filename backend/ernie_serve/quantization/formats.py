@@ -342,3 +342,44 @@ def quantize_float(w_KN: np.ndarray, method: str, *, activation_scale: float | N
                              "(or write a calibrated checkpoint with scripts/quantize_checkpoint.py)")
         activation_scale = calibrate_activation_scale(calib_x)
     return quantize_w4a8(w, activation_scale)
+
+
+ROWS_PER_CODE_ROW = {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}
+
+
+def normalize_quantized(method: str, tensors: dict[str, np.ndarray], in_features: int, out_features: int, *,
+                        transposed: bool = False) -> dict[str, np.ndarray]:
+    """A quantized weight's checkpoint tensors in the layouts every consumer reads: quant_weight [K.., N]
+    (fp8 codes as ml_dtypes float8_e4m3fn), block_wise_fp8's scale named weight_scale_inv, scales float32
+    except wint2's packed uint8 local scales, w4a8's activation_scale as one value [1]. Checks that every
+    tensor the method needs is there and that quant_weight is a [in_features, out_features] weight.
+    transposed=True takes a block_wise_fp8 weight in torch layout [N, K] with scale [N/128, K/128]."""
+    method = check_method(method)
+    t = {k: np.asarray(v) for k, v in tensors.items()}
+    if method == "block_wise_fp8" and "weight_scale_inv" not in t and "weight_scale" in t:
+        t["weight_scale_inv"] = t.pop("weight_scale")
+    missing = [m for m in REQUIRED_TENSORS[method] if m not in t]
+    if missing:
+        raise ValueError(f"{method} checkpoint tensors missing {missing}; got {sorted(tensors)}")
+    qw = t.pop("quant_weight")
+    if method == "block_wise_fp8":
+        s = t.pop("weight_scale_inv")
+        if transposed:
+            qw, s = qw.T, s.T
+        out = {"quant_weight": np.ascontiguousarray(qw).view(np.uint8).view(ml_dtypes.float8_e4m3fn),
+               "weight_scale_inv": np.ascontiguousarray(s, np.float32)}
+        shape = qw.shape
+    else:
+        shape = (qw.shape[0] * ROWS_PER_CODE_ROW[method], qw.shape[1])
+        out = {"quant_weight": np.ascontiguousarray(qw)}
+        for name, arr in t.items():
+            out[name] = arr if arr.dtype == np.uint8 else arr.astype(np.float32)
+    if tuple(shape) != (in_features, out_features):
+        raise ValueError(f"{method} quant_weight of {list(qw.shape)} is a [{shape[0]}, {shape[1]}] weight, "
+                         f"expected [{in_features}, {out_features}] (Paddle [in, out] layout)")
+    if method == "w4a8":
+        a = out["activation_scale"].reshape(-1)
+        if a.size != 1:
+            raise ValueError(f"w4a8 activation_scale must be one value per matrix, got shape {list(a.shape)}")
+        out["activation_scale"] = a
+    return out

@@ -146,7 +146,7 @@ class QuantLinear(nn.Layer):
         if method == "block_wise_fp8":
             k, n = qw[::-1] if transposed else qw
         else:
-            k, n = qw[0] * {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}[method], qw[1]
+            k, n = qw[0] * fmt.ROWS_PER_CODE_ROW[method], qw[1]
         layer = cls(method, k, n)
         layer.load_quantized(tensors, transposed=transposed)
         return layer
@@ -162,38 +162,18 @@ class QuantLinear(nn.Layer):
         """Hold pre-quantized tensors (names and layouts as from_checkpoint's)."""
         if self.tensors:
             raise ValueError(f"QuantLinear [{self.in_features}, {self.out_features}] is already loaded")
-        t = {k: np.asarray(v) for k, v in tensors.items()}
-        method = self.method
-        if method == "block_wise_fp8" and "weight_scale_inv" not in t and "weight_scale" in t:
-            t["weight_scale_inv"] = t.pop("weight_scale")
-        missing = [m for m in REQUIRED_TENSORS[method] if m not in t]
-        if missing:
-            raise ValueError(f"{method} checkpoint tensors missing {missing}; got {sorted(tensors)}")
-        qw = t.pop("quant_weight")
-        if method == "block_wise_fp8":
-            s = t.pop("weight_scale_inv")
-            if transposed:
-                qw, s = qw.T, s.T
-            out = {"quant_weight": paddle.to_tensor(np.ascontiguousarray(qw).view(np.uint8)).view(paddle.float8_e4m3fn),
-                   "weight_scale_inv": paddle.to_tensor(np.ascontiguousarray(s, np.float32))}
-            shape = qw.shape
-        else:
-            rows = {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}[method]
-            shape = (qw.shape[0] * rows, qw.shape[1])
-            out = {"quant_weight": paddle.to_tensor(np.ascontiguousarray(qw))}
-            for name, arr in t.items():
-                out[name] = paddle.to_tensor(arr if arr.dtype == np.uint8 else arr.astype(np.float32))
-        if tuple(shape) != (self.in_features, self.out_features):
-            raise ValueError(f"{method} quant_weight of {list(qw.shape)} is a [{shape[0]}, {shape[1]}] weight, "
-                             f"expected [{self.in_features}, {self.out_features}] (Paddle [in, out] layout)")
+        t = fmt.normalize_quantized(self.method, tensors, self.in_features, self.out_features, transposed=transposed)
+        out = {}
+        for name, arr in t.items():
+            if name == "quant_weight" and self.method == "block_wise_fp8":
+                out[name] = paddle.to_tensor(np.ascontiguousarray(arr).view(np.uint8)).view(paddle.float8_e4m3fn)
+            else:
+                out[name] = paddle.to_tensor(np.ascontiguousarray(arr))
         for name, tensor in out.items():
             self.register_buffer(name, tensor)
         self.tensors = out
-        if method == "w4a8":  # one static scale per matrix; read once, not on every forward
-            a = np.asarray(tensors["activation_scale"], np.float32).reshape(-1)
-            if a.size != 1:
-                raise ValueError(f"w4a8 activation_scale must be one value per matrix, got shape {list(a.shape)}")
-            self.act_scale = float(a[0])
+        if self.method == "w4a8":  # one static scale per matrix; read once, not on every forward
+            self.act_scale = float(t["activation_scale"][0])
 
     def export(self) -> dict[str, np.ndarray]:
         """The held tensors as checkpoint arrays (fp8 codes as ml_dtypes float8_e4m3fn)."""
