@@ -91,10 +91,11 @@ def correctness() -> None:
     check("rms_norm+residual", y, ref.rms_norm(x, w, 1e-5, r)[0], tol)
 
     wt = rng.standard_normal((256, 192)).astype(np.float32)
-    for bits in (8, 4):
-        q, s = F.quantize_weight_only(wt, bits)
-        check(f"weight_only_linear int{bits}", weight_only_linear(t(x, act=True), t(q), t(s), bits),
-              ref.weight_only_linear(x, q, s, bits), tol)
+    for method in ("wint8", "wint4", "block_wise_fp8"):
+        fp8 = method == "block_wise_fp8"
+        q, s = F.quantize_block_fp8(wt) if fp8 else F.quantize_weight_only(wt, 8 if method == "wint8" else 4)
+        check(f"weight_only_linear {method}", weight_only_linear(t(x, act=True), t(q, fp8=fp8), t(s), method),
+              ref.weight_only_linear(x, q, s, method), tol if not fp8 else max(tol, 2e-3))
 
     e, h, i, tok, k = 8, 256, 128, 12, 2
     xm = rng.standard_normal((tok, h)).astype(np.float32)
@@ -178,11 +179,13 @@ def timing(bw: float) -> None:
     m, k, n = 16, 8192, 8192
     xa = torch.randn(m, k, device=DEV, dtype=ACT)
     wb = torch.randn(k, n, device=DEV, dtype=ACT) * 0.02
-    for bits in (8, 4):
-        q, s = F.quantize_weight_only(wb.float().cpu().numpy(), bits)
-        qd, sd = t(q), t(s)
-        bench(f"weight_only_linear int{bits} {m}x{k}x{n}", lambda: weight_only_linear(xa, qd, sd, bits),
-              lambda: xa @ wb, k * n * bits / 8 + 4 * n + 2 * m * (k + n), bw)
+    for method, bits in (("wint8", 8), ("wint4", 4), ("block_wise_fp8", 8)):
+        fp8 = method == "block_wise_fp8"
+        wnp = wb.float().cpu().numpy()
+        q, s = F.quantize_block_fp8(wnp) if fp8 else F.quantize_weight_only(wnp, bits)
+        qd, sd = t(q, fp8=fp8), t(s)
+        bench(f"weight_only_linear {method} {m}x{k}x{n}", lambda: weight_only_linear(xa, qd, sd, method),
+              lambda: xa @ wb, k * n * bits / 8 + 4 * s.size + 2 * m * (k + n), bw)
 
     # ERNIE-4.5-21B-A3B MoE layer: 64 experts, top-6, hidden 2560, moe_intermediate 1536
     e, h, i, k6 = 64, 2560, 1536, 6

@@ -55,8 +55,8 @@ def wint2_dequant(codes: np.ndarray, s: dict) -> np.ndarray:
     return fields * np.repeat(gs, 64, axis=-2)
 
 
-def weight_only_linear(x: np.ndarray, qweight: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
-    return x.astype(np.float32) @ dequant(qweight, scale, "wint8" if bits == 8 else "wint4")
+def weight_only_linear(x: np.ndarray, qweight: np.ndarray, scale: np.ndarray, method: str) -> np.ndarray:
+    return fake_quant_act(x, method) @ dequant(qweight, scale, method)
 
 
 def _round_half_away(x):
