@@ -9,7 +9,7 @@ from typing import Any
 
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
-EXECUTION_BACKENDS = ("reference",)
+EXECUTION_BACKENDS = ("auto", "reference", "kernels")
 # speculative_config keys per method; mtp's "model": a separate checkpoint holding the MTP head
 SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "max_ngram", "min_ngram"},
                     "mtp": {"method", "num_speculative_tokens", "model"}}
@@ -53,8 +53,10 @@ class EngineConfig:
     seed: int = 0
     max_waiting_requests: int = 1024
     disable_progress_bar: bool = False
-    execution_backend: str = "reference"  # "reference": the Paddle CPU path (the GPU "kernels" path is not built)
-    use_cudagraph: bool = False
+    # "reference": the Paddle CPU path (the oracle); "kernels": the triton-lang kernels (kernels_backend/) on a GPU,
+    # or on the CPU under TRITON_INTERPRET=1; "auto": kernels when a GPU is visible, else reference
+    execution_backend: str = "auto"
+    use_cudagraph: bool = False  # decode steps replayed from CUDA graphs (kernels backend on a GPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):
@@ -63,6 +65,10 @@ class EngineConfig:
             self.innode_prefill_ports = ",".join(str(p) for p in self.innode_prefill_ports)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192
+        if self.execution_backend == "auto":
+            from .kernels_backend.framework import gpu_visible
+
+            self.execution_backend = "kernels" if gpu_visible() else "reference"
         if not self.enable_chunked_prefill:
             # Without chunking a whole prompt must fit one step.
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
@@ -78,6 +84,8 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         need(self.block_size >= 1, "block_size", "must be >= 1")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        need(self.execution_backend in EXECUTION_BACKENDS, "execution_backend",
+             f"must be one of {', '.join(EXECUTION_BACKENDS)}")
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"must be one of {', '.join(QUANTIZATIONS)}")
         need(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", f"must be one of {', '.join(SPLITWISE_ROLES)}")
@@ -159,19 +167,34 @@ class EngineConfig:
                 refuse("tensor_parallel_size", f"splitwise_role={self.splitwise_role!r} exports and imports KV blocks "
                                                "from one rank's cache; serve prefill/decode servers with "
                                                "tensor_parallel_size 1")
-        if self.gpu_memory_utilization != 0.9:
-            refuse("gpu_memory_utilization", "it sizes the KV pool on a GPU, and this engine runs on the CPU; size the "
-                                             "pool with kv_cache_memory (bytes) or num_gpu_blocks_override")
+        if self.execution_backend == "reference":
+            if self.gpu_memory_utilization != 0.9:
+                refuse("gpu_memory_utilization", "it sizes the KV pool on a GPU (execution_backend='kernels'); the "
+                                                 "reference backend runs on the CPU: size its pool with "
+                                                 "kv_cache_memory (bytes) or num_gpu_blocks_override")
+            if self.use_cudagraph:
+                refuse("use_cudagraph", "CUDA graphs replay the kernels backend's decode steps on a GPU; the "
+                                        "reference backend has none (use execution_backend='kernels')")
+        else:
+            self._refuse_for_kernels()
         if self.kv_cache_ratio != 0.75:
             refuse("kv_cache_ratio", "it belongs to FastDeploy's V0 scheduler; this V1 scheduler shares one block "
                                      "pool between prefill and decode (only the default 0.75 is accepted)")
         if self.load_choices != "default_v1":
             refuse("load_choices", "there is one checkpoint loader; only 'default_v1' is supported")
-        if self.execution_backend not in EXECUTION_BACKENDS:
-            refuse("execution_backend", "the triton-lang 'kernels' backend is not wired into the engine yet; "
-                                        f"supported: {', '.join(EXECUTION_BACKENDS)}")
-        if self.use_cudagraph:
-            refuse("use_cudagraph", "CUDA graphs need the GPU kernels backend; only False is supported")
+
+    def _refuse_for_kernels(self) -> None:
+        """What the kernels backend does not run yet (the reference backend does)."""
+        def refuse(what: str) -> None:
+            raise ValueError(f"execution_backend='kernels' does not support {what} yet; use "
+                             f"execution_backend='reference' for it")
+
+        if self.tensor_parallel_size > 1:
+            refuse(f"tensor_parallel_size={self.tensor_parallel_size} (one device per engine)")
+        if self.speculative_config and self.speculative_config.get("method") == "mtp":
+            refuse("speculative_config method 'mtp' (ngram works)")
+        if self.splitwise_role != "mixed":
+            refuse(f"splitwise_role={self.splitwise_role!r}")
 
     @property
     def prefill_chunk_limit(self) -> int:

@@ -14,16 +14,34 @@ REFUSED = [
     ("gpu_memory_utilization", 0.5, "kv_cache_memory"),
     ("kv_cache_ratio", 0.5, "V0 scheduler"),
     ("load_choices", "default", "only 'default_v1'"),
-    ("execution_backend", "kernels", "supported: reference"),
-    ("use_cudagraph", True, "CUDA graphs"),
+    ("use_cudagraph", True, "CUDA graphs replay the kernels backend's decode steps"),
 ]
 
 
 @pytest.mark.parametrize("name,value,hint", REFUSED, ids=[f"{n}={v}" for n, v, _ in REFUSED])
 def test_unbuilt_flags_are_refused_naming_the_flag_and_what_is_supported(name, value, hint):
     with pytest.raises(ValueError) as e:
-        EngineConfig(**{name: value})
+        EngineConfig(**{name: value}, execution_backend="reference")
     assert f"{name}={value!r} is not supported" in str(e.value) and hint in str(e.value)
+
+
+@pytest.mark.parametrize("kw,what", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+    (dict(speculative_config={"method": "mtp"}), "speculative_config method 'mtp'"),
+    (dict(splitwise_role="prefill", engine_worker_queue_port=9100), "splitwise_role='prefill'"),
+])
+def test_the_kernels_backend_refuses_what_it_does_not_run(kw, what):
+    with pytest.raises(ValueError, match="execution_backend='kernels' does not support") as e:
+        EngineConfig(execution_backend="kernels", **kw)
+    assert what in str(e.value) and "execution_backend='reference'" in str(e.value)
+
+
+def test_execution_backend_names_are_checked_and_auto_follows_the_gpu():
+    from ernie_serve.kernels_backend.framework import gpu_visible
+
+    with pytest.raises(ValueError, match="execution_backend must be one of auto, reference, kernels"):
+        EngineConfig(execution_backend="cuda")
+    assert EngineConfig().execution_backend == ("kernels" if gpu_visible() else "reference")
 
 
 @pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2", "--speculative-config", '{"method": "mtp"}'],

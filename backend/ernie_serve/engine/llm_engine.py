@@ -11,28 +11,25 @@ from pathlib import Path
 
 import numpy as np
 
-from .._env import use_all_cpu_threads
+from typing import TYPE_CHECKING
+
 from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
-from ..model.kv_cache import PagedKVCache
-from ..model.checkpoint_map import read_mtp_checkpoint
-from ..model.loader import QUANTIZED_SHARDS_UNSUPPORTED, load_model, load_mtp
-from ..model.mtp import ErnieMTP
-from ..model.parallel import ParallelLayout
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..quantization.layers import weight_memory_report
-from ..quantization.plan import QuantPlan
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .guided import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner
-from .model_shard import ModelShard
 from .output_processor import TextState
 from .request import Request, RequestStatus
 from .scheduler import RequestUpdate, Scheduler
 from .spec_decode import draft_limit, make_proposer
+
+if TYPE_CHECKING:
+    from ..model.mtp import ErnieMTP
+    from .model_shard import ModelShard
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -71,24 +68,32 @@ def read_eos_token_ids(model_dir: Path, tokenizer: ErnieTokenizer | None, model_
     return ids
 
 
+def _log_weight_memory(model, where: str) -> None:
+    from ..quantization.layers import weight_memory_report
+
+    mem = weight_memory_report(model)
+    log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
+             "%.1f MiB)", where, mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
+             mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.cpu_threads = use_all_cpu_threads()
         model_dir = resolve_model_dir(config)
         self.model_dir = model_dir
         self.tokenizer = None if config.skip_tokenizer_init else ErnieTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.model_config = ErnieModelConfig.from_pretrained(model_dir)
         self.eos_token_ids = read_eos_token_ids(model_dir, self.tokenizer, self.model_config)
-        self.layout = ParallelLayout(0, config.tensor_parallel_size, config.enable_expert_parallel)
-        self.layout.check(self.model_config)  # before any worker starts
         spec = config.speculative_config or {}
-        executor = self._start_ranks() if self.layout.is_parallel else self._load_single_rank(spec)
+        self.mtp = None
+        if config.execution_backend == "kernels":
+            executor = self._load_kernels()
+        elif config.tensor_parallel_size > 1:
+            executor = self._start_ranks()
+        else:
+            executor = self._load_single_rank(spec)
         self.model = executor.model
-        mem = weight_memory_report(self.model)
-        log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
-                 "%.1f MiB)", " on rank 0" if self.layout.is_parallel else "", mem["total_bytes"] / 2**20,
-                 mem["quantized_bytes"] / 2**20, mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
         num_blocks, num_host_blocks = executor.cache.num_blocks, self._num_host_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
@@ -112,32 +117,66 @@ class LLMEngine:
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off", self.cpu_threads)
 
-    def _load_single_rank(self, spec: dict) -> ModelShard:
+    def _load_kernels(self):
+        """The triton-lang kernels backend (kernels_backend/): one device, weights in their serving formats."""
+        from ..kernels_backend.loading import load_kernels_shard
+
         c = self.config
+        shard = load_kernels_shard(c, self.model_dir, self.model_config,
+                                   len(self.tokenizer) if self.tokenizer else self.model_config.vocab_size,
+                                   (c.swap_space or 0) * (1 << 30))
+        self._num_host_blocks = 0 if shard.host_cache is None else shard.host_cache.shape[0]
+        self.cpu_threads = 0
+        if shard.ops.name == "paddle" and not shard.ops.on_gpu:
+            from .._env import use_all_cpu_threads
+
+            self.cpu_threads = use_all_cpu_threads()
+        return shard
+
+    def _load_single_rank(self, spec: dict) -> ModelShard:
+        from .._env import use_all_cpu_threads
+        from ..model.loader import load_model
+        from .model_shard import ModelShard
+
+        c = self.config
+        self.cpu_threads = use_all_cpu_threads()
+        self._check_layout()
         model = load_model(self.model_dir, num_output_ids=len(self.tokenizer) if self.tokenizer else None,
                            show_progress=not c.disable_progress_bar, quantization=c.quantization)
         self.model = model
+        _log_weight_memory(model, "")
         self.mtp = self._load_mtp(spec) if spec.get("method") == "mtp" else None
         layers = self.model_config.num_hidden_layers + (self.mtp is not None)  # the MTP head has its own cache layer
         num_blocks, self._num_host_blocks = self._size_kv_pool(layers, model.kv_cache_quant is not None)
         return ModelShard(model, num_blocks, c.block_size, self._num_host_blocks, layers)
 
+    def _check_layout(self):
+        from ..model.parallel import ParallelLayout
+
+        self.layout = ParallelLayout(0, self.config.tensor_parallel_size, self.config.enable_expert_parallel)
+        self.layout.check(self.model_config)  # before any worker starts
+
     def _start_ranks(self):
         """Rank 0 here, ranks 1..N-1 in worker processes (engine/workers.py), each with its shard and KV pool."""
-        from .workers import TensorParallelExecutor, threads_per_rank
         from paddle.base import core
 
+        from ..model.loader import QUANTIZED_SHARDS_UNSUPPORTED
+        from ..quantization.plan import QuantPlan
+        from .workers import TensorParallelExecutor, threads_per_rank
+
         c = self.config
+        self._check_layout()
         if QuantPlan.resolve(c.quantization, self.model_config.quantization_config) is not None:
             raise ValueError(QUANTIZED_SHARDS_UNSUPPORTED.format(n=c.tensor_parallel_size))  # before workers start
         self.cpu_threads = threads_per_rank(c.tensor_parallel_size)
         core.set_num_threads(self.cpu_threads)
-        self.mtp = None  # refused with tensor parallelism (config.py)
         num_blocks, self._num_host_blocks = self._size_kv_pool(self.model_config.num_hidden_layers, False)
-        return TensorParallelExecutor(dict(
+        executor = TensorParallelExecutor(dict(
             model_dir=str(self.model_dir), num_output_ids=len(self.tokenizer) if self.tokenizer else None,
             num_blocks=num_blocks, block_size=c.block_size, num_host_blocks=self._num_host_blocks,
             world_size=c.tensor_parallel_size, expert_parallel=c.enable_expert_parallel))
+        _log_weight_memory(executor.model, " on rank 0")
+        return executor
 
     def close(self) -> None:
         """Stop the worker ranks, if any (they also die with this process)."""
@@ -147,6 +186,9 @@ class LLMEngine:
 
     def _load_mtp(self, spec: dict) -> ErnieMTP:
         """The MTP head: from the checkpoint's own mtp_* tensors, or from speculative_config.model."""
+        from ..model.checkpoint_map import read_mtp_checkpoint
+        from ..model.loader import load_mtp
+
         source = spec.get("model")
         weights = read_mtp_checkpoint(source, self.model_config) if source else self.model.mtp_weights
         head = load_mtp(self.model_config, weights, source or str(self.model_dir))
@@ -159,6 +201,8 @@ class LLMEngine:
     def _size_kv_pool(self, layers: int, c8: bool) -> tuple[int, int]:
         """Device and CPU-tier blocks of one rank's pool (kv_cache_memory is per rank: a tensor-parallel
         rank's blocks hold only its KV heads)."""
+        from ..model.kv_cache import PagedKVCache
+
         c, m = self.config, self.model_config
         shape = (layers, c.block_size, len(self.layout.kv_heads(m)), m.head_dim)
         per_block = PagedKVCache.bytes_per_block(*shape, int8=c8)

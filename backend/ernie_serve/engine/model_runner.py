@@ -6,21 +6,21 @@ sampled rows' logits, so sampling, penalties and guided decoding never depend on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import paddle
 
-from ..model.attention import AttentionMetadata
-from ..model.kv_cache import PagedKVCache
-from ..model.mtp import ErnieMTP
-from .kv_cache_manager import KVOp
-from .mtp_drafter import Drafts, MTPDrafter, StepRow
-from .request import Request
+from ..model.attention_metadata import AttentionMetadata
 from .guided import GrammarRows
+from .kv_cache_manager import KVOp
+from .request import Request
 from .sampler import Sampler, SamplingBatch
-from .scheduler import SchedulerOutput, ScheduledRequest
+from .scheduler import ScheduledRequest, SchedulerOutput
+from .spec_decode import Drafts, StepRow
 from .step_input import StepInput
+
+if TYPE_CHECKING:
+    from ..model.mtp import ErnieMTP
 
 MAX_BATCHED_QUERY = 8  # sequences computing at most this many tokens share the batched attention path
 
@@ -34,12 +34,14 @@ class ModelRunnerOutput:
 
 
 class StepExecutor(Protocol):
-    """Runs a StepInput on the whole model: engine/model_shard.ModelShard (one rank) or
-    engine/workers.TensorParallelExecutor (every rank). `cache` is this process's KV cache."""
+    """Runs a StepInput on the whole model: engine/model_shard.ModelShard (the reference backend, one rank),
+    engine/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
+    backend). `cache` is this process's KV cache (num_blocks, read_blocks / write_blocks for whole blocks).
+    execute returns (the step's final hidden states, the sampled rows' logits as a Paddle tensor or NumPy)."""
 
-    cache: PagedKVCache
+    cache: Any
 
-    def execute(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | None]: ...
+    def execute(self, step: StepInput) -> tuple[Any, Any]: ...
 
 
 class ModelRunner:
@@ -50,12 +52,16 @@ class ModelRunner:
         self.executor = executor
         self.block_size = block_size
         self.sampler = Sampler(sampling_method)
-        self.drafter = None if mtp is None else MTPDrafter(executor.model, mtp, executor.cache, num_speculative_tokens,
-                                                           max_model_len, MAX_BATCHED_QUERY)
-        self._last_step: tuple[paddle.Tensor, list[StepRow]] | None = None  # for the drafter
+        self.drafter = None
+        if mtp is not None:
+            from .mtp_drafter import MTPDrafter
+
+            self.drafter = MTPDrafter(executor.model, mtp, executor.cache, num_speculative_tokens, max_model_len,
+                                      MAX_BATCHED_QUERY)
+        self._last_step: tuple[Any, list[StepRow]] | None = None  # for the drafter
 
     @property
-    def cache(self) -> PagedKVCache:
+    def cache(self) -> Any:
         return self.executor.cache
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:

@@ -16,8 +16,6 @@ the speculative-sampling rule, so the output is distributed exactly as without d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import paddle
 
@@ -29,22 +27,7 @@ from ..model.mtp import ErnieMTP
 from ..sampling_params import GREEDY_EPSILON
 from .request import Request
 from .sampler import draw, sampling_distribution
-from .spec_decode import draft_limit
-
-
-@dataclass
-class StepRow:
-    """Where one request's tokens sat in the step the runner just ran."""
-    request: Request
-    start: int  # first position computed in the step
-    num_tokens: int
-    offset: int  # its first row in the step's hidden states
-
-
-@dataclass
-class Drafts:
-    token_ids: dict[Request, list[int]]
-    probs: dict[Request, list[np.ndarray]]  # only for sampling requests: q of each draft
+from .spec_decode import Drafts, StepRow, draft_limit
 
 
 class MTPDrafter:

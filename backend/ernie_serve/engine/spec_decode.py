@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .request import Request
 
 
@@ -56,3 +58,18 @@ def make_proposer(speculative_config: dict | None) -> NgramProposer | None:
 def draft_limit(req: Request, max_model_len: int) -> int:
     """Drafts must leave room for the bonus token within max_tokens and max_model_len."""
     return min(req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1)
+
+
+@dataclass
+class StepRow:
+    """Where one request's tokens sat in the step the runner just ran."""
+    request: Request
+    start: int  # first position computed in the step
+    num_tokens: int
+    offset: int  # its first row in the step's hidden states
+
+
+@dataclass
+class Drafts:
+    token_ids: dict[Request, list[int]]
+    probs: dict[Request, list[np.ndarray]]  # only for sampling requests: q of each draft

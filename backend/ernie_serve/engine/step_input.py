@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..model.attention import AttentionMetadata
+from ..model.attention_metadata import AttentionMetadata
 from .kv_cache_manager import KVOp
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -1,0 +1,396 @@
+"""The one place the kernels backend touches a tensor framework: Paddle (production, paddlepaddle-gpu) or
+torch (the GPU box this project borrows has torch and triton but no Paddle).
+
+Everything else in the backend holds framework tensors opaquely and hands them to ernie_kernels, whose
+launchers take both. What differs is only here: allocation, host <-> device copies, the dense matmul,
+row gathers, synchronization, memory figures and CUDA graphs. On a machine without a GPU the same code
+runs on CPU tensors with the kernels in triton's interpreter (TRITON_INTERPRET=1), in float32 (the 3.2
+interpreter gets bf16 arithmetic wrong); on a GPU activations and float weights are bfloat16.
+
+ERNIE_TENSOR_FRAMEWORK=paddle|torch picks one; by default Paddle when it is installed, else torch.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Callable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+FRAMEWORK_ENV = "ERNIE_TENSOR_FRAMEWORK"
+FRAMEWORKS = ("paddle", "torch")
+
+
+class TensorOps:
+    """The operations the kernels backend needs from a framework (see the module doc)."""
+
+    name: str
+    on_gpu: bool
+
+    @property
+    def act_dtype(self) -> str:
+        """Activations and float weights: bf16 on a GPU, fp32 in the interpreter."""
+        return "bfloat16" if self.on_gpu else "float32"
+
+    # ---- allocation and copies
+    def tensor(self, a: np.ndarray, dtype: str | None = None) -> Any:
+        """A new device tensor holding a copy of `a` (fp8 codes stay fp8), cast to `dtype` if given."""
+        raise NotImplementedError
+
+    def empty(self, shape: Sequence[int], dtype: str) -> Any:
+        raise NotImplementedError
+
+    def zeros(self, shape: Sequence[int], dtype: str) -> Any:
+        raise NotImplementedError
+
+    def to_host(self, t: Any) -> np.ndarray:
+        """A NumPy copy; floating tensors come back as float32."""
+        raise NotImplementedError
+
+    def write(self, dst: Any, a: np.ndarray) -> Any:
+        """Copy host data into the leading rows of a persistent buffer; returns that view dst[:len(a)]."""
+        raise NotImplementedError
+
+    # ---- math the kernels do not cover
+    def matmul(self, x: Any, w: Any) -> Any:
+        """x [T, K] @ w [K, N], in x's dtype (cuBLAS / MKL: dense float weights need no kernel of ours)."""
+        raise NotImplementedError
+
+    def matmul_nt(self, x: Any, w: Any) -> Any:
+        """x [T, K] @ w [N, K]^T (a tied lm_head reads the embedding table as it is)."""
+        raise NotImplementedError
+
+    def rows(self, t: Any, index: Any) -> Any:
+        """t[index] for an integer index tensor (embedding lookups, picking sampled rows)."""
+        raise NotImplementedError
+
+    def heads(self, fused: Any, col: int, num_heads: int, head_dim: int) -> Any:
+        """Columns [col, col + num_heads * head_dim) of fused [T, W] as [T, num_heads, head_dim] (a view where
+        the framework allows; the kernels take any token and head strides)."""
+        raise NotImplementedError
+
+    def cast(self, t: Any, dtype: str) -> Any:
+        raise NotImplementedError
+
+    def add_(self, dst: Any, src: Any) -> Any:
+        raise NotImplementedError
+
+    def copy_(self, dst: Any, src: Any) -> None:
+        raise NotImplementedError
+
+    # ---- device
+    def synchronize(self) -> None:
+        pass
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        raise NotImplementedError
+
+    def allocated(self) -> int:
+        """Bytes this framework's allocator holds for tensors on the device now."""
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def peak_allocated(self) -> int:
+        """The most bytes allocated at once on the device since reset_peak."""
+        raise NotImplementedError
+
+    def cuda_graph(self) -> "Graph":
+        raise NotImplementedError
+
+    @staticmethod
+    def nbytes(t: Any) -> int:
+        return int(np.prod([int(s) for s in t.shape])) * int(t.element_size())
+
+
+class Graph:
+    """A captured CUDA graph: capture(fn) runs fn once under capture, replay() reruns its kernels on
+    whatever the persistent buffers it read hold now."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        raise NotImplementedError
+
+    def replay(self) -> None:
+        raise NotImplementedError
+
+
+def _host_copy(a: np.ndarray) -> np.ndarray:
+    """A writable contiguous copy (checkpoint arrays may be read-only memory maps); fp8 as its uint8 codes."""
+    a = np.array(a, copy=True, order="C")
+    return a.view(np.uint8) if a.dtype == ml_dtypes.float8_e4m3fn else a
+
+
+class TorchOps(TensorOps):
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda" if self.on_gpu else "cpu")
+
+    def _dtype(self, name: str):
+        return getattr(self.torch, name)
+
+    def tensor(self, a, dtype=None):
+        fp8 = np.asarray(a).dtype == ml_dtypes.float8_e4m3fn
+        t = self.torch.from_numpy(_host_copy(a)).to(self.device)
+        if fp8:
+            t = t.view(self.torch.float8_e4m3fn)
+        return t if dtype is None else t.to(self._dtype(dtype))
+
+    def empty(self, shape, dtype):
+        return self.torch.empty([int(s) for s in shape], dtype=self._dtype(dtype), device=self.device)
+
+    def zeros(self, shape, dtype):
+        return self.torch.zeros([int(s) for s in shape], dtype=self._dtype(dtype), device=self.device)
+
+    def to_host(self, t):
+        if t.dtype == self.torch.float8_e4m3fn:
+            return t.view(self.torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn)
+        if t.is_floating_point():
+            t = t.float()
+        return t.detach().cpu().numpy()
+
+    def write(self, dst, a):
+        n = int(a.shape[0])
+        view = dst[:n]
+        if n:
+            view.copy_(self.torch.from_numpy(np.ascontiguousarray(a, dtype=self.to_np_dtype(dst))))
+        return view
+
+    def to_np_dtype(self, t) -> np.dtype:
+        return np.dtype(str(t.dtype).split(".")[-1])
+
+    def matmul(self, x, w):
+        return self.torch.matmul(x, w)
+
+    def matmul_nt(self, x, w):
+        return self.torch.matmul(x, w.t())
+
+    def rows(self, t, index):
+        return self.torch.index_select(t, 0, index)
+
+    def heads(self, fused, col, num_heads, head_dim):
+        return fused[:, col:col + num_heads * head_dim].view(fused.shape[0], num_heads, head_dim)
+
+    def cast(self, t, dtype):
+        return t.to(self._dtype(dtype))
+
+    def add_(self, dst, src):
+        return dst.add_(src)
+
+    def copy_(self, dst, src):
+        dst.copy_(src)
+
+    def synchronize(self):
+        if self.on_gpu:
+            self.torch.cuda.synchronize()
+
+    def memory_info(self):
+        if not self.on_gpu:
+            raise RuntimeError("device memory figures need a GPU")
+        free, total = self.torch.cuda.mem_get_info()
+        return int(free), int(total)
+
+    def allocated(self):
+        return int(self.torch.cuda.memory_allocated()) if self.on_gpu else 0
+
+    def reset_peak(self):
+        if self.on_gpu:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def peak_allocated(self):
+        return int(self.torch.cuda.max_memory_allocated()) if self.on_gpu else 0
+
+    def cuda_graph(self):
+        return _TorchGraph(self.torch)
+
+
+class _TorchGraph(Graph):
+    def __init__(self, torch):
+        self.torch = torch
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn):
+        torch = self.torch
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up off the default stream: triton compiles, allocators settle
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph):
+            out = fn()
+        return out
+
+    def replay(self):
+        self.graph.replay()
+
+
+class PaddleOps(TensorOps):
+    name = "paddle"
+
+    def __init__(self):
+        import paddle
+
+        self.paddle = paddle
+        self.on_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+        self.place = paddle.CUDAPlace(0) if self.on_gpu else paddle.CPUPlace()
+
+    def _new(self, a: np.ndarray):
+        if self.on_gpu:
+            return self.paddle.to_tensor(a, place=self.place)
+        from ..model.host_tensor import to_paddle  # Paddle's own constructors leak a list per call on CPU
+
+        return to_paddle(a)
+
+    def tensor(self, a, dtype=None):
+        fp8 = np.asarray(a).dtype == ml_dtypes.float8_e4m3fn
+        t = self._new(_host_copy(a))
+        if fp8:
+            t = t.view(self.paddle.float8_e4m3fn)
+        return t if dtype is None else t.astype(dtype)
+
+    def empty(self, shape, dtype):
+        t = self.paddle.empty([int(s) for s in shape], dtype=dtype)
+        return t.to(self.place) if self.on_gpu and not t.place.is_gpu_place() else t
+
+    def zeros(self, shape, dtype):
+        t = self.paddle.zeros([int(s) for s in shape], dtype=dtype)
+        return t.to(self.place) if self.on_gpu and not t.place.is_gpu_place() else t
+
+    def to_host(self, t):
+        if t.dtype == self.paddle.float8_e4m3fn:
+            return t.view(self.paddle.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+        if t.is_floating_point():
+            t = t.astype("float32")
+        return t.numpy()
+
+    def write(self, dst, a):
+        n = int(a.shape[0])
+        view = dst[:n]
+        if not n:
+            return view
+        if self.on_gpu:
+            view.copy_(self._host(a, dst), True)
+        else:  # straight into the CPU buffer's memory: no Paddle constructor on the step path
+            _numpy_view(dst)[:n] = a
+        return view
+
+    def _host(self, a, like):
+        from ..model.host_tensor import to_paddle
+
+        return to_paddle(np.ascontiguousarray(a, dtype=np.dtype(str(like.dtype).split(".")[-1])))
+
+    def matmul(self, x, w):
+        return self.paddle.matmul(x, w)
+
+    def matmul_nt(self, x, w):
+        return self.paddle.matmul(x, w, transpose_y=True)
+
+    def rows(self, t, index):
+        return self.paddle.index_select(t, index)
+
+    def heads(self, fused, col, num_heads, head_dim):
+        return fused[:, col:col + num_heads * head_dim].reshape([fused.shape[0], num_heads, head_dim])
+
+    def cast(self, t, dtype):
+        return t.astype(dtype)
+
+    def add_(self, dst, src):
+        return dst.add_(src)
+
+    def copy_(self, dst, src):
+        dst.copy_(src, True)
+
+    def synchronize(self):
+        if self.on_gpu:
+            self.paddle.device.synchronize()
+
+    def memory_info(self):
+        if not self.on_gpu:
+            raise RuntimeError("device memory figures need a GPU")
+        free, total = self.paddle.cuda.mem_get_info()
+        return int(free), int(total)
+
+    def allocated(self):
+        return int(self.paddle.device.cuda.memory_allocated(0)) if self.on_gpu else 0
+
+    def reset_peak(self):
+        if self.on_gpu:
+            self.paddle.device.cuda.reset_max_memory_allocated(0)
+
+    def peak_allocated(self):
+        return int(self.paddle.device.cuda.max_memory_allocated(0)) if self.on_gpu else 0
+
+    def cuda_graph(self):
+        return _PaddleGraph(self.paddle)
+
+
+class _PaddleGraph(Graph):
+    def __init__(self, paddle):
+        from paddle.device.cuda.graphs import CUDAGraph
+
+        self.graph = CUDAGraph()
+
+    def capture(self, fn):
+        fn()  # warm-up: triton compiles outside the capture
+        self.graph.capture_begin()
+        try:
+            out = fn()
+        finally:
+            self.graph.capture_end()
+        return out
+
+    def replay(self):
+        self.graph.replay()
+
+
+def _numpy_view(t: Any) -> np.ndarray:
+    """A writable NumPy view of a contiguous CPU tensor's memory (np.from_dlpack's is read-only)."""
+    import ctypes
+
+    dtype = np.dtype(str(t.dtype).split(".")[-1])
+    n = int(np.prod([int(s) for s in t.shape])) * dtype.itemsize
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    return np.frombuffer(buf, dtype=dtype).reshape([int(s) for s in t.shape])
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def default_framework() -> str:
+    """ERNIE_TENSOR_FRAMEWORK, or Paddle when it is installed, else torch."""
+    return os.environ.get(FRAMEWORK_ENV) or ("paddle" if _installed("paddle") else "torch")
+
+
+def gpu_visible() -> bool:
+    """Whether the default framework sees a CUDA GPU (what execution_backend='auto' decides on)."""
+    name = default_framework()
+    if name not in FRAMEWORKS or not _installed(name):
+        return False
+    if name == "torch":
+        import torch
+
+        return bool(torch.cuda.is_available())
+    import paddle
+
+    return bool(paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
+
+
+def make_tensor_ops(name: str | None = None) -> TensorOps:
+    """The framework named (or the default one, see default_framework)."""
+    name = name or default_framework()
+    if name not in FRAMEWORKS:
+        raise ValueError(f"{FRAMEWORK_ENV}={name!r}: supported: {', '.join(FRAMEWORKS)}")
+    if not _installed(name):
+        raise ValueError(f"{FRAMEWORK_ENV}={name!r} but {name} is not installed")
+    return PaddleOps() if name == "paddle" else TorchOps()

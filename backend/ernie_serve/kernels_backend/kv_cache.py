@@ -1,0 +1,88 @@
+"""The paged KV cache as device tensors: per layer K and V [num_blocks, block_size, kv_heads, head_dim], in
+the activation dtype, or int8 for the C8 cache with static channel-wise scales [kv_heads * head_dim] (from
+the checkpoint) or dynamic per-(block, kv head) scales [num_blocks, kv_heads] that the KV-write kernel
+keeps up to date. The interface is model/kv_cache.PagedKVCache's where the engine uses it: whole-block
+reads and writes in float32 on the host, for the CPU swap tier and prefill/decode KV transfer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..quantization import formats as fmt
+from .framework import TensorOps
+
+
+class DeviceKVCache:
+    def __init__(self, ops: TensorOps, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, int8: bool = False, static_scales: tuple[list[Any], list[Any]] | None = None):
+        self.ops = ops
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = [num_blocks, block_size, num_kv_heads, head_dim]
+        dtype = "int8" if int8 else ops.act_dtype
+        self.k = [ops.zeros(shape, dtype) for _ in range(num_layers)]
+        self.v = [ops.zeros(shape, dtype) for _ in range(num_layers)]
+        self.int8 = int8
+        self.static = static_scales
+        self.dynamic = None
+        if int8 and static_scales is None:
+            self.dynamic = [[ops.zeros([num_blocks, num_kv_heads], "float32") for _ in range(2)]
+                            for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def scales(self, layer: int) -> tuple[Any, Any]:
+        """(k_scale, v_scale) as the kernels take them; (None, None) for a float cache."""
+        if self.static is not None:
+            return self.static[0][layer], self.static[1][layer]
+        if self.dynamic is not None:
+            return self.dynamic[layer][0], self.dynamic[layer][1]
+        return None, None
+
+    def _index(self, block_ids: list[int]) -> Any:
+        return self.ops.tensor(np.asarray(block_ids, dtype=np.int64))
+
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """[num_layers, 2, n, block_size, kv_heads, head_dim] float32 host copy (dequantized for C8)."""
+        idx = self._index(block_ids)
+        out = np.empty((self.num_layers, 2, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim),
+                       np.float32)
+        for layer in range(self.num_layers):
+            for j, store in enumerate((self.k[layer], self.v[layer])):
+                codes = self.ops.to_host(self.ops.rows(store, idx))
+                out[layer, j] = self._dequantize(layer, j, codes, idx)
+        return out
+
+    def _dequantize(self, layer: int, j: int, codes: np.ndarray, idx: Any) -> np.ndarray:
+        if not self.int8:
+            return codes
+        if self.static is not None:
+            return fmt.dequantize_kv_static(codes, self.ops.to_host(self.static[j][layer]))
+        return fmt.dequantize_kv_dynamic(codes, self.ops.to_host(self.ops.rows(self.dynamic[layer][j], idx)))
+
+    def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
+        """Overwrite whole blocks from a read_blocks-shaped float32 array."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for layer in range(self.num_layers):
+            for j, store in enumerate((self.k[layer], self.v[layer])):
+                x = data[layer, j]
+                if not self.int8:
+                    codes = x
+                elif self.static is not None:
+                    codes = fmt.quantize_kv_static(x, self.ops.to_host(self.static[j][layer]))
+                else:
+                    codes, s = fmt.quantize_kv_dynamic(x)
+                    self._put_rows(self.dynamic[layer][j], ids, np.where(np.abs(x).max(axis=(1, 3)) > 0, s, 0.0))
+                self._put_rows(store, ids, codes)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Device-side block copies (copy-on-fork of a partial block)."""
+        self.write_blocks(dst, self.read_blocks(src))
+
+    def _put_rows(self, t: Any, ids: np.ndarray, rows: np.ndarray) -> None:
+        for n, i in enumerate(ids.tolist()):
+            self.ops.copy_(t[i], self.ops.tensor(rows[n], str(t.dtype).split(".")[-1]))

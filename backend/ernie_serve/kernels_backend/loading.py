@@ -1,0 +1,129 @@
+"""Build the kernels backend for an engine: check the runtime, load the weights, size the KV pool, capture
+the decode graphs. Everything that can be refused is refused here, at start-up, naming what is supported."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..engine.step_input import StepInput
+from ..model.config import ErnieModelConfig
+from .framework import TensorOps, make_tensor_ops
+from .kv_cache import DeviceKVCache
+from .model import KernelModel
+from .shard import KernelShard
+from .step_buffers import StepBuffers
+from .weights import load_device_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def check_runtime(ops: TensorOps, config: EngineConfig) -> None:
+    """The kernels need a GPU, or triton's CPU interpreter (tests); CPU-only flags and GPU-only flags are refused
+    where they cannot take effect."""
+    if not ops.on_gpu:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"execution_backend='kernels' needs a CUDA GPU and {ops.name} sees none; on a CPU the "
+                             "kernels run only in triton's interpreter (set TRITON_INTERPRET=1 before start-up: slow, "
+                             "for tests), or serve with execution_backend='reference'")
+        if config.use_cudagraph:
+            raise ValueError("use_cudagraph=True is not supported here: CUDA graphs need a GPU (this kernels backend "
+                             "runs in triton's CPU interpreter)")
+        if config.gpu_memory_utilization != 0.9:
+            raise ValueError("gpu_memory_utilization is not supported here: it sizes the KV pool on a GPU (this "
+                             "kernels backend runs on the CPU); size the pool with kv_cache_memory or "
+                             "num_gpu_blocks_override")
+    elif config.kv_cache_memory is not None:
+        raise ValueError("kv_cache_memory sizes the KV pool on the CPU; on a GPU use gpu_memory_utilization "
+                         "(or num_gpu_blocks_override)")
+
+
+def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig, num_output_ids: int,
+                       num_host_kv_bytes: float) -> KernelShard:
+    """The executor the engine's ModelRunner drives. num_host_kv_bytes: the CPU tier (swap_space) in bytes."""
+    ops = make_tensor_ops()
+    check_runtime(ops, config)
+    weights, plan = load_device_weights(model_dir, model_cfg, ops, config.quantization,
+                                        show_progress=not config.disable_progress_bar)
+    max_positions = config.max_model_len + config.num_lookahead_tokens
+    model = KernelModel(model_cfg, weights, ops, num_output_ids, max_positions)
+    int8 = plan is not None and plan.kv_cache == "int8"
+    if int8 and weights.kv_scales is None and config.use_cudagraph:
+        raise ValueError("use_cudagraph=True with a C8 KV cache needs the checkpoint's static KV scales "
+                         "(cachek/cachev_matmul.activation_scale): dynamic per-block scales change the KV write's "
+                         "launch shape every step; serve without use_cudagraph, or with a calibrated checkpoint")
+    itemsize = 1 if int8 else (2 if ops.on_gpu else 4)
+    shape = (model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim)
+    per_block = DeviceKVCache.bytes_per_block(*shape, itemsize)
+    num_blocks = _num_blocks(config, ops, model, per_block)
+    min_blocks = -(-config.max_model_len // config.block_size)
+    if num_blocks < min_blocks:
+        raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one max_model_len={config.max_model_len} "
+                         f"sequence ({min_blocks} blocks of {config.block_size}); lower max_model_len, or give the KV "
+                         f"pool more memory")
+    cache = DeviceKVCache(ops, model_cfg.num_hidden_layers, num_blocks, config.block_size,
+                          model_cfg.num_key_value_heads, model_cfg.head_dim, int8, weights.kv_scales)
+    host_blocks = int(num_host_kv_bytes // DeviceKVCache.bytes_per_block(*shape, 4))
+    log.info("kernels backend (%s on %s): weights %.1f MiB%s, KV pool %d blocks of %d tokens (%s, %.1f MiB)%s",
+             ops.name, "GPU" if ops.on_gpu else "CPU, triton interpreter", weights.nbytes / 2**20,
+             f" ({plan.method_name})" if plan is not None and plan.quantizes_weights else "", num_blocks,
+             config.block_size, "int8" if int8 else ops.act_dtype, num_blocks * per_block / 2**20,
+             ", CUDA graphs on" if config.use_cudagraph else "")
+    return KernelShard(model, cache, ops, config.max_num_batched_tokens + config.max_num_seqs * config.num_lookahead_tokens,
+                       config.max_num_seqs, config.max_model_len, host_blocks, config.use_cudagraph)
+
+
+def _num_blocks(config: EngineConfig, ops: TensorOps, model: KernelModel, per_block: int) -> int:
+    if config.num_gpu_blocks_override:
+        return config.num_gpu_blocks_override
+    if not ops.on_gpu:
+        return int((config.kv_cache_memory or DEFAULT_CPU_KV_BYTES) // per_block)
+    return gpu_kv_blocks(config, ops, model, per_block)
+
+
+def gpu_kv_blocks(config: EngineConfig, ops: TensorOps, model: KernelModel, per_block: int) -> int:
+    """FastDeploy's / vLLM's sizing: run one forward at max_num_batched_tokens to measure the activation
+    peak, then give gpu_memory_utilization * total - (in use + that peak) to KV blocks."""
+    free, total = ops.memory_info()
+    peak = profile_forward_peak(config, ops, model)
+    in_use = total - free
+    budget = int(total * config.gpu_memory_utilization) - in_use - peak
+    num = max(budget, 0) // per_block
+    log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading (weights %.2f GiB), forward peak %.2f GiB at "
+             "%d tokens, gpu_memory_utilization %.2f -> %.2f GiB for %d KV blocks", total / 2**30, in_use / 2**30,
+             model.weights.nbytes / 2**30, peak / 2**30, config.max_num_batched_tokens, config.gpu_memory_utilization,
+             max(budget, 0) / 2**30, num)
+    if num < 1:
+        raise ValueError(f"the model does not fit: {total * config.gpu_memory_utilization / 2**30:.1f} GiB "
+                         f"(gpu_memory_utilization {config.gpu_memory_utilization}) leaves nothing for the KV cache after "
+                         f"{in_use / 2**30:.1f} GiB in use and a {peak / 2**30:.1f} GiB forward peak; quantize "
+                         f"(--quantization wint8 / wint4), lower max_num_batched_tokens, or raise gpu_memory_utilization")
+    return int(num)
+
+
+def profile_forward_peak(config: EngineConfig, ops: TensorOps, model: KernelModel) -> int:
+    """Peak extra device memory of one forward + logits over max_num_batched_tokens tokens (sequences of at most
+    max_model_len), against a one-block cache that nothing writes to (every slot is -1)."""
+    cfg = model.config
+    cache = DeviceKVCache(ops, cfg.num_hidden_layers, 1, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
+    t, per_seq = config.max_num_batched_tokens, config.max_model_len
+    lens = [min(per_seq, t - s) for s in range(0, t, per_seq)]
+    step = StepInput(
+        token_ids=np.zeros(t, np.int64), positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int64),
+        query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), seq_lens=np.asarray(lens, np.int64),
+        block_tables=np.zeros((len(lens), 1), np.int64), slot_mapping=np.full(t, -1, np.int64),
+        sample_rows=np.arange(min(t, config.max_num_seqs), dtype=np.int64))
+    buffers = StepBuffers(ops, t, len(lens), -(-per_seq // config.block_size),
+                          cfg.num_attention_heads // cfg.num_key_value_heads, False)
+    ops.synchronize()
+    ops.reset_peak()
+    before = ops.allocated()
+    st = buffers.fill(step, config.block_size)
+    model.compute_logits(ops.rows(model.forward(st, cache), st.logit_rows))
+    ops.synchronize()
+    return max(ops.peak_allocated() - before, 0)

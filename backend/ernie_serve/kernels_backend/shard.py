@@ -1,0 +1,75 @@
+"""The kernels backend's StepExecutor: runs the engine's StepInputs on KernelModel over a DeviceKVCache.
+
+It is what engine/model_shard.ModelShard is for the reference backend, with the same contract to the model
+runner: apply the step's KV block moves, run the forward, return the sampled rows' logits (float32, on the
+host, where the sampler runs). A decode-only step replays a CUDA graph when graphs are on.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..engine.kv_cache_manager import KVOp
+from ..engine.step_input import StepInput
+from .cuda_graphs import CudaGraphRunner, graph_batch_sizes
+from .framework import TensorOps
+from .kv_cache import DeviceKVCache
+from .model import KernelModel
+from .step_buffers import StepBuffers
+
+
+class KernelShard:
+    def __init__(self, model: KernelModel, cache: DeviceKVCache, ops: TensorOps, max_tokens: int, max_seqs: int,
+                 max_model_len: int, num_host_blocks: int = 0, use_cudagraph: bool = False):
+        cfg = model.config
+        self.model, self.cache, self.ops = model, cache, ops
+        self.block_size = cache.block_size
+        self.buffers = StepBuffers(ops, max(max_tokens, max_seqs), max_seqs, -(-max_model_len // cache.block_size),
+                                   cfg.num_attention_heads // cfg.num_key_value_heads, cache.dynamic is not None)
+        shape = (num_host_blocks, cache.num_layers, 2, cache.block_size, cache.num_kv_heads, cache.head_dim)
+        self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
+        self.graphs = None
+        if use_cudagraph:
+            self.graphs = CudaGraphRunner(graph_batch_sizes(max_seqs), ops.cuda_graph)
+            self.graphs.capture_all(self._fill_padding, self._graph_forward)
+
+    def apply_kv_ops(self, kv_ops: list[KVOp]) -> None:
+        """Swaps to / from the CPU tier and block copies, in the order the block pool recorded them."""
+        for op in kv_ops:
+            if op.kind == "swap_out":
+                self.host_cache[op.dst] = self.cache.read_blocks([op.src])[:, :, 0]
+            elif op.kind == "swap_in":
+                self.cache.write_blocks([op.dst], self.host_cache[op.src][:, :, None])
+            else:
+                self.cache.copy_blocks([op.src], [op.dst])
+
+    def execute(self, step: StepInput) -> tuple[Any, np.ndarray | None]:
+        """(final hidden states [T, H] on the device, host float32 logits [R, vocab] of step.sample_rows);
+        None for what the step has not got. A graph replay returns no hidden states (nothing drafts from them)."""
+        self.apply_kv_ops(step.kv_ops)
+        if not step.num_tokens:
+            return None, None
+        bucket = self.graphs.bucket(step) if self.graphs is not None else None
+        if bucket is not None:
+            self.buffers.fill(step, self.block_size, pad_seqs_to=bucket)
+            logits = self.graphs.replay(bucket)
+            return None, self.ops.to_host(logits)[: len(step.sample_rows)]
+        st = self.buffers.fill(step, self.block_size)
+        hidden = self.model.forward(st, self.cache)
+        if not step.sample_rows.size:
+            return hidden, None
+        logits = self.model.compute_logits(self.ops.rows(hidden, st.logit_rows))
+        return hidden, self.ops.to_host(logits)
+
+    # ---------------------------------------------------------------- graph capture
+    def _fill_padding(self, size: int) -> None:
+        """A decode step of `size` padding sequences: every buffer a graph reads is sized for `size`."""
+        self._graph_step = self.buffers.fill(StepInput(
+            token_ids=np.zeros(0, np.int64), positions=np.zeros(0, np.int64), query_start_loc=np.zeros(1, np.int64),
+            seq_lens=np.zeros(0, np.int64), block_tables=np.zeros((0, 1), np.int64),
+            slot_mapping=np.zeros(0, np.int64), sample_rows=np.zeros(0, np.int64)), self.block_size, pad_seqs_to=size)
+
+    def _graph_forward(self) -> Any:
+        st = self._graph_step
+        return self.model.compute_logits(self.ops.rows(self.model.forward(st, self.cache), st.logit_rows))

@@ -1,0 +1,253 @@
+"""The model's weights for the kernels backend: read from the checkpoint into host arrays, then placed on the
+device once, in the form the kernels read.
+
+Reading needs no Paddle (model/checkpoint_map.py maps and assembles; quantization/formats.py quantizes), so
+the same loader serves a torch-only GPU box. A quantized weight is quantized the moment its last piece
+arrives, one expert at a time, so no fp32 copy of a quantized matrix is ever held whole. On the device:
+float weights in the activation dtype (bf16 on a GPU), the router gate and its bias in fp32, quantized
+weights as int8 / packed int4 / fp8 / wint2 codes plus their scales, routed experts stacked [E, ...].
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..model.checkpoint_map import Assembler, Target, fill_from_checkpoint, note_checkpoint_layout, static_kv_scales
+from ..model.config import ErnieModelConfig
+from ..quantization import formats as fmt
+from ..quantization.plan import QuantPlan
+from .framework import TensorOps
+
+log = logging.getLogger(__name__)
+
+
+class HostFloat:
+    """An assembler sink for a float parameter."""
+
+    def __init__(self):
+        self.value: np.ndarray | None = None
+
+    def set_value(self, v: np.ndarray) -> None:
+        self.value = np.array(v, dtype=np.float32)
+
+
+class HostQuant:
+    """An assembler sink for a quantized matrix [K, N]: holds formats.normalize_quantized's tensors."""
+
+    def __init__(self, method: str, in_features: int, out_features: int):
+        self.method = fmt.check_method(method)
+        self.in_features, self.out_features = in_features, out_features
+        self.tensors: dict[str, np.ndarray] | None = None
+
+    def load_float(self, w_KN: np.ndarray, **calibration) -> None:
+        if tuple(np.shape(w_KN)) != (self.in_features, self.out_features):
+            raise ValueError(f"a [{self.in_features}, {self.out_features}] {self.method} weight got shape "
+                             f"{list(np.shape(w_KN))}")
+        self.load_quantized(fmt.quantize_float(w_KN, self.method, **calibration))
+
+    def load_quantized(self, tensors: dict[str, np.ndarray], *, transposed: bool = False) -> None:
+        self.tensors = fmt.normalize_quantized(self.method, tensors, self.in_features, self.out_features,
+                                               transposed=transposed)
+
+
+def _linear_sink(k: int, n: int, method: str | None) -> HostFloat | HostQuant:
+    return HostFloat() if method is None else HostQuant(method, k, n)
+
+
+def host_targets(cfg: ErnieModelConfig, plan: QuantPlan | None) -> dict[str, Target]:
+    """Every parameter of the model (by checkpoint_map's names) with a host sink of the right kind."""
+    h, dense = cfg.hidden_size, plan.dense if plan else None
+    t: dict[str, Target] = {"embed_tokens.weight": Target((cfg.vocab_size, h), HostFloat()),
+                            "norm.weight": Target((h,), HostFloat())}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = Target((h, cfg.vocab_size), HostFloat())
+
+    def linear(name: str, k: int, n: int, method: str | None) -> None:
+        t[name] = Target((k, n), _linear_sink(k, n, method))
+
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        t[p + "input_layernorm.weight"] = Target((h,), HostFloat())
+        t[p + "post_attention_layernorm.weight"] = Target((h,), HostFloat())
+        linear(p + "self_attn.qkv_proj.weight", h, cfg.q_size + 2 * cfg.kv_size, dense)
+        linear(p + "self_attn.o_proj.weight", cfg.q_size, h, dense)
+        if cfg.is_moe_layer(i):
+            e, inter = cfg.moe_num_experts, cfg.moe_intermediate_size
+            t[p + "mlp.gate.weight"] = Target((h, e), HostFloat())
+            t[p + "mlp.gate.e_score_correction_bias"] = Target((1, e), HostFloat())
+            method = plan.moe_method(i) if plan else None
+            for kind, k, n in (("up_gate_proj", h, 2 * inter), ("down_proj", inter, h)):
+                sink = HostFloat() if method is None else [HostQuant(method, k, n) for _ in range(e)]
+                t[p + f"mlp.experts.{kind}"] = Target((e, k, n), sink)
+            if cfg.moe_num_shared_experts:
+                shared = inter * cfg.moe_num_shared_experts
+                linear(p + "mlp.shared_experts.up_gate_proj.weight", h, 2 * shared, dense)
+                linear(p + "mlp.shared_experts.down_proj.weight", shared, h, dense)
+        else:
+            linear(p + "mlp.up_gate_proj.weight", h, 2 * cfg.intermediate_size, dense)
+            linear(p + "mlp.down_proj.weight", cfg.intermediate_size, h, dense)
+    return t
+
+
+# ---------------------------------------------------------------- on the device
+
+@dataclass
+class DeviceLinear:
+    """One linear [K, N] on the device: a float weight, or quantized codes plus scales."""
+
+    in_features: int
+    out_features: int
+    method: str | None
+    weight: Any  # float [K, N] or quant_weight
+    scale: Any = None  # weight_scale [N] (wint8 / wint4) or weight_scale_inv [K/128, N/128] (block_wise_fp8)
+
+    @classmethod
+    def place(cls, ops: TensorOps, sink: HostFloat | HostQuant) -> "DeviceLinear":
+        if isinstance(sink, HostFloat):
+            k, n = sink.value.shape
+            return cls(k, n, None, ops.tensor(sink.value, ops.act_dtype))
+        t = sink.tensors
+        if sink.method not in DENSE_METHODS:
+            raise ValueError(f"a dense linear quantized as {sink.method!r}: the kernels backend runs dense layers in "
+                             f"{', '.join(DENSE_METHODS)} (FastDeploy's wint2 / w4a8 use wint8 for them)")
+        scale = t["weight_scale_inv"] if sink.method == "block_wise_fp8" else t["weight_scale"]
+        return cls(sink.in_features, sink.out_features, sink.method, ops.tensor(t["quant_weight"]), ops.tensor(scale))
+
+    @property
+    def nbytes(self) -> int:
+        return TensorOps.nbytes(self.weight) + (TensorOps.nbytes(self.scale) if self.scale is not None else 0)
+
+
+DENSE_METHODS = ("wint8", "wint4", "block_wise_fp8")
+
+
+@dataclass
+class DeviceExperts:
+    """Routed experts stacked [E, ...]: up_gate [E, H, 2I] (gate first), down [E, I, H], float or quantized
+    (scales as ernie_kernels.fused_moe takes them)."""
+
+    method: str | None
+    up_gate: Any
+    down: Any
+    up_gate_scale: Any = None
+    down_scale: Any = None
+    up_gate_act_scale: Any = None
+    down_act_scale: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.up_gate, self.down, self.up_gate_scale, self.down_scale, self.up_gate_act_scale,
+                 self.down_act_scale]
+        total = 0
+        for p in parts:
+            for t in (p.values() if isinstance(p, dict) else [p]):
+                total += TensorOps.nbytes(t) if t is not None else 0
+        return total
+
+
+def place_experts(ops: TensorOps, up_gate: HostFloat | list[HostQuant],
+                  down: HostFloat | list[HostQuant]) -> DeviceExperts:
+    if isinstance(up_gate, HostFloat):
+        return DeviceExperts(None, ops.tensor(up_gate.value, ops.act_dtype), ops.tensor(down.value, ops.act_dtype))
+    method = up_gate[0].method
+
+    def stacked(sinks: list[HostQuant], key: str) -> np.ndarray:
+        return np.stack([s.tensors[key] for s in sinks])
+
+    def scales(sinks: list[HostQuant]) -> Any:
+        if method == "wint2":
+            return {k: ops.tensor(stacked(sinks, k)) for k in ("weight_scale", "super_scales", "code_scale", "code_zp")}
+        return ops.tensor(stacked(sinks, "weight_scale_inv" if method == "block_wise_fp8" else "weight_scale"))
+
+    act = {}
+    if method == "w4a8":
+        act = {"up_gate_act_scale": ops.tensor(stacked(up_gate, "activation_scale").reshape(-1)),
+               "down_act_scale": ops.tensor(stacked(down, "activation_scale").reshape(-1))}
+    return DeviceExperts(method, ops.tensor(stacked(up_gate, "quant_weight")), ops.tensor(stacked(down, "quant_weight")),
+                         scales(up_gate), scales(down), **act)
+
+
+@dataclass
+class DeviceLayer:
+    input_norm: Any
+    post_norm: Any
+    qkv: DeviceLinear
+    o: DeviceLinear
+    mlp_up_gate: DeviceLinear | None = None  # a dense layer's MLP, or an MoE layer's shared experts
+    mlp_down: DeviceLinear | None = None
+    gate: Any = None  # router [H, E] fp32 (MoE layers)
+    gate_bias: Any = None  # [E] fp32
+    experts: DeviceExperts | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts is not None
+
+
+@dataclass
+class DeviceWeights:
+    embed: Any  # [V, H]
+    norm: Any
+    lm_head: Any  # [H, V], or None when tied to embed
+    layers: list[DeviceLayer]
+    kv_scales: tuple[list[Any], list[Any]] | None = None  # static C8 scales per layer (K, V)
+    mtp_tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        total = TensorOps.nbytes(self.embed) + TensorOps.nbytes(self.norm)
+        total += TensorOps.nbytes(self.lm_head) if self.lm_head is not None else 0
+        for layer in self.layers:
+            total += TensorOps.nbytes(layer.input_norm) + TensorOps.nbytes(layer.post_norm)
+            total += layer.qkv.nbytes + layer.o.nbytes
+            for lin in (layer.mlp_up_gate, layer.mlp_down):
+                total += lin.nbytes if lin is not None else 0
+            if layer.is_moe:
+                total += TensorOps.nbytes(layer.gate) + TensorOps.nbytes(layer.gate_bias) + layer.experts.nbytes
+        return total
+
+
+def load_device_weights(model_dir: str | Path, cfg: ErnieModelConfig, ops: TensorOps, quantization: str | None,
+                        show_progress: bool = True) -> tuple[DeviceWeights, QuantPlan | None]:
+    """Read the checkpoint (quantizing as FastDeploy's --quantization / the checkpoint's quantization_config
+    say) and place every weight on the device. Returns the weights and the resolved quantization plan."""
+    model_dir = Path(model_dir)
+    note_checkpoint_layout(model_dir, cfg)
+    plan = QuantPlan.resolve(quantization, cfg.quantization_config)
+    targets = host_targets(cfg, plan if plan and plan.quantizes_weights else None)
+    mtp, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, None, cfg), show_progress)
+    sink = {name: t.sink for name, t in targets.items()}
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        layer = DeviceLayer(
+            input_norm=ops.tensor(sink.pop(p + "input_layernorm.weight").value),
+            post_norm=ops.tensor(sink.pop(p + "post_attention_layernorm.weight").value),
+            qkv=DeviceLinear.place(ops, sink.pop(p + "self_attn.qkv_proj.weight")),
+            o=DeviceLinear.place(ops, sink.pop(p + "self_attn.o_proj.weight")))
+        mlp = p + ("mlp.shared_experts." if cfg.is_moe_layer(i) else "mlp.")
+        if mlp + "up_gate_proj.weight" in sink:
+            layer.mlp_up_gate = DeviceLinear.place(ops, sink.pop(mlp + "up_gate_proj.weight"))
+            layer.mlp_down = DeviceLinear.place(ops, sink.pop(mlp + "down_proj.weight"))
+        if cfg.is_moe_layer(i):
+            layer.gate = ops.tensor(sink.pop(p + "mlp.gate.weight").value)
+            layer.gate_bias = ops.tensor(sink.pop(p + "mlp.gate.e_score_correction_bias").value.reshape(-1))
+            layer.experts = place_experts(ops, sink.pop(p + "mlp.experts.up_gate_proj"),
+                                          sink.pop(p + "mlp.experts.down_proj"))
+        layers.append(layer)
+    lm_head = sink.pop("lm_head.weight", None)
+    weights = DeviceWeights(ops.tensor(sink.pop("embed_tokens.weight").value, ops.act_dtype),
+                            ops.tensor(sink.pop("norm.weight").value),
+                            None if lm_head is None else ops.tensor(lm_head.value, ops.act_dtype), layers,
+                            mtp_tensors=mtp)
+    if plan is not None and plan.kv_cache == "int8":
+        static = static_kv_scales(kv_scales, cfg.num_hidden_layers)
+        if static is not None:
+            weights.kv_scales = ([ops.tensor(s) for s in static[0]], [ops.tensor(s) for s in static[1]])
+    elif kv_scales:
+        log.info("ignoring the checkpoint's C8 KV scales: quantization_config has no kv_cache_quant_type")
+    return weights, plan
