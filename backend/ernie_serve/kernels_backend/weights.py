@@ -211,6 +211,31 @@ class DeviceWeights:
         return total
 
 
+# K (and for fp8 experts N) of every matrix a method's kernels read must be a multiple of its block
+_ALIGN = {"block_wise_fp8": 128, "wint2": 64}
+
+
+def check_kernel_shapes(cfg: ErnieModelConfig, plan: QuantPlan | None) -> None:
+    """Refuse at start-up a quantization whose kernels cannot tile this model's matrices."""
+    if plan is None or not plan.quantizes_weights:
+        return
+    dense_k = [cfg.hidden_size, cfg.q_size]
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        dense_k.append(cfg.intermediate_size)
+    if cfg.moe_num_shared_experts:
+        dense_k.append(cfg.moe_intermediate_size * cfg.moe_num_shared_experts)
+    moe_dims = [cfg.hidden_size, cfg.moe_intermediate_size]
+    checks = [(plan.dense, "dense", dense_k)]
+    checks += [(plan.moe_method(i), "MoE", moe_dims) for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    for method, where, dims in checks:
+        align = _ALIGN.get(method)
+        bad = sorted({d for d in dims if align and d % align})
+        if bad:
+            raise ValueError(f"{method} {where} weights need every matrix dimension the kernels tile to be a multiple "
+                             f"of {align}; this model has {bad} (hidden_size {cfg.hidden_size}, intermediate sizes "
+                             f"{cfg.intermediate_size} / {cfg.moe_intermediate_size}): choose another --quantization")
+
+
 def load_device_weights(model_dir: str | Path, cfg: ErnieModelConfig, ops: TensorOps, quantization: str | None,
                         show_progress: bool = True) -> tuple[DeviceWeights, QuantPlan | None]:
     """Read the checkpoint (quantizing as FastDeploy's --quantization / the checkpoint's quantization_config
@@ -218,6 +243,7 @@ def load_device_weights(model_dir: str | Path, cfg: ErnieModelConfig, ops: Tenso
     model_dir = Path(model_dir)
     note_checkpoint_layout(model_dir, cfg)
     plan = QuantPlan.resolve(quantization, cfg.quantization_config)
+    check_kernel_shapes(cfg, plan)
     targets = host_targets(cfg, plan if plan and plan.quantizes_weights else None)
     mtp, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, None, cfg), show_progress)
     sink = {name: t.sink for name, t in targets.items()}

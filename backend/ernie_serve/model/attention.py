@@ -53,14 +53,17 @@ class _ReferencePlan:
     chunks: list[_Chunk]
 
 
-def _plan(meta: AttentionMetadata) -> _ReferencePlan:
+def _plan(meta: AttentionMetadata, read_cache: bool) -> _ReferencePlan:
+    """read_cache: every chunk attends to what the cache holds, its own new K/V included (a C8 cache: attention
+    then sees the same int8-rounded K/V however the prompt was chunked, as the kernels backend does)."""
     qsl, lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     q_lens = meta.query_lens
     decodes = _decode_batch(meta) if meta.num_decodes else None
     chunks = []
     for i in range(meta.num_decodes, len(lens)):
         q, s = int(q_lens[i]), int(lens[i])
-        ids = meta.block_tables[i, : -(-s // bs)] if s > q else None
+        cached = meta.block_tables is not None and meta.slot_mapping is not None and (s > q or read_cache)
+        ids = meta.block_tables[i, : -(-s // bs)] if cached else None
         chunks.append(_Chunk(int(qsl[i]), q, s, ids))
     return _ReferencePlan(decodes, chunks)
 
@@ -99,7 +102,7 @@ def paged_attention(
     """q [T, nh, hd], k/v [T, nkv, hd] for the step's new tokens -> [T, nh*hd]."""
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
-    plan = meta.derive("reference", _plan)
+    plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None))
     nh, hd = q.shape[1], q.shape[2]
     outs = []
     if plan.decodes is not None:
