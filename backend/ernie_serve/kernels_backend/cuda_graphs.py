@@ -52,15 +52,16 @@ class CudaGraphRunner:
         self.graphs: dict[int, tuple[Graph, Any]] = {}
         self.replays = 0
 
-    def capture(self, size: int, fill: Callable[[int], None], forward: Callable[[], Any]) -> None:
-        """fill(size) writes a padding-only decode step of `size` sequences into the buffers; forward() runs
-        the model over the buffers and returns the logits tensor the graph will keep writing."""
-        fill(size)
+    def capture(self, size: int, fill: Callable[[int], Any], forward: Callable[[Any], Any]) -> None:
+        """fill(size) writes a padding-only decode step of `size` sequences into the buffers and returns its
+        StepTensors; forward(step) runs the model over them and returns the logits tensor the graph keeps
+        writing. The graph is bound to that step's buffer views: a replay reads whatever they hold then."""
+        step = fill(size)
         graph = self.new_graph()
-        out = graph.capture(forward)
+        out = graph.capture(lambda: forward(step))
         self.graphs[size] = (graph, out)
 
-    def capture_all(self, fill: Callable[[int], None], forward: Callable[[], Any]) -> None:
+    def capture_all(self, fill: Callable[[int], Any], forward: Callable[[Any], Any]) -> None:
         for size in sorted(self.sizes, reverse=True):  # largest first: smaller graphs reuse its memory pool
             self.capture(size, fill, forward)
         log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)

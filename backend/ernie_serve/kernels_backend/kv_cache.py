@@ -43,26 +43,26 @@ class DeviceKVCache:
             return self.dynamic[layer][0], self.dynamic[layer][1]
         return None, None
 
-    def _index(self, block_ids: list[int]) -> Any:
-        return self.ops.tensor(np.asarray(block_ids, dtype=np.int64))
+    def _rows(self, t: Any, ids: list[int]) -> np.ndarray:
+        """Host copy of t[ids], block by block (Paddle's CPU gather has no int8 kernel; this path is the rare
+        swap or transfer, not the step)."""
+        return np.stack([self.ops.to_host(t[int(i)]) for i in ids])
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """[num_layers, 2, n, block_size, kv_heads, head_dim] float32 host copy (dequantized for C8)."""
-        idx = self._index(block_ids)
         out = np.empty((self.num_layers, 2, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim),
                        np.float32)
         for layer in range(self.num_layers):
             for j, store in enumerate((self.k[layer], self.v[layer])):
-                codes = self.ops.to_host(self.ops.rows(store, idx))
-                out[layer, j] = self._dequantize(layer, j, codes, idx)
+                out[layer, j] = self._dequantize(layer, j, self._rows(store, block_ids), block_ids)
         return out
 
-    def _dequantize(self, layer: int, j: int, codes: np.ndarray, idx: Any) -> np.ndarray:
+    def _dequantize(self, layer: int, j: int, codes: np.ndarray, block_ids: list[int]) -> np.ndarray:
         if not self.int8:
             return codes
         if self.static is not None:
             return fmt.dequantize_kv_static(codes, self.ops.to_host(self.static[j][layer]))
-        return fmt.dequantize_kv_dynamic(codes, self.ops.to_host(self.ops.rows(self.dynamic[layer][j], idx)))
+        return fmt.dequantize_kv_dynamic(codes, self._rows(self.dynamic[layer][j], block_ids))
 
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         """Overwrite whole blocks from a read_blocks-shaped float32 array."""

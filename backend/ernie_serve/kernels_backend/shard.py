@@ -15,7 +15,7 @@ from ..engine.step_input import StepInput
 from .cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from .framework import TensorOps
 from .kv_cache import DeviceKVCache
-from .model import KernelModel
+from .model import KernelModel, StepTensors
 from .step_buffers import StepBuffers
 
 
@@ -63,13 +63,12 @@ class KernelShard:
         return hidden, self.ops.to_host(logits)
 
     # ---------------------------------------------------------------- graph capture
-    def _fill_padding(self, size: int) -> None:
+    def _fill_padding(self, size: int) -> StepTensors:
         """A decode step of `size` padding sequences: every buffer a graph reads is sized for `size`."""
-        self._graph_step = self.buffers.fill(StepInput(
+        return self.buffers.fill(StepInput(
             token_ids=np.zeros(0, np.int64), positions=np.zeros(0, np.int64), query_start_loc=np.zeros(1, np.int64),
             seq_lens=np.zeros(0, np.int64), block_tables=np.zeros((0, 1), np.int64),
             slot_mapping=np.zeros(0, np.int64), sample_rows=np.zeros(0, np.int64)), self.block_size, pad_seqs_to=size)
 
-    def _graph_forward(self) -> Any:
-        st = self._graph_step
+    def _graph_forward(self, st: StepTensors) -> Any:
         return self.model.compute_logits(self.ops.rows(self.model.forward(st, self.cache), st.logit_rows))
