@@ -1,0 +1,222 @@
+"""The kernels backend end to end on one GPU, with torch (the borrowed H200 box has torch, triton and
+transformers but no Paddle): the engine through `LLM`, on the benchmark-size checkpoint generated here.
+
+For bf16 weights and each quantized format (wint8, wint4, block_wise_fp8):
+  - teacher-forced logit error against HF transformers' fp32 model on the same GPU (an independent oracle),
+    and top-1 agreement;
+  - decode tok/s at 1 / 16 / 64 running sequences, with and without CUDA graphs, each as a ratio to the HBM
+    roofline (resident weight bytes / step time over the peak bandwidth) and to HF `generate` in bf16.
+Prints a table and writes gpu_engine_check.json to --out. A time budget (--budget-s) skips what does not fit
+and says so in the JSON. `--cpu-smoke` runs the same code on a tiny model in triton's CPU interpreter
+(what CI runs).
+
+    python scripts/gpu_engine_check.py --out $OUT          # GPU, ~5 minutes
+    python scripts/gpu_engine_check.py --cpu-smoke --out /tmp/x
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = "--cpu-smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+os.environ["ERNIE_TENSOR_FRAMEWORK"] = "torch"
+for sub in ("backend", "kernels"):
+    sys.path.insert(0, str(ROOT / sub))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from ernie_serve import LLM, SamplingParams  # noqa: E402
+from ernie_serve.demo.tiny_model import CONFIGS, random_weights  # noqa: E402
+from ernie_serve.engine.step_input import StepInput  # noqa: E402
+from ernie_serve.model.checkpoint_writer import write_checkpoint  # noqa: E402
+
+PEAK_BW = {"H200": 4.8e12, "H100": 3.35e12}
+SMOKE_CONFIG = dict(CONFIGS["bench"], vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_num_experts=4, moe_k=2,
+                    moe_intermediate_size=128, moe_layer_end_index=1, max_position_embeddings=1024)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_bench_checkpoint(out: Path) -> tuple[Path, dict]:
+    config = SMOKE_CONFIG if SMOKE else CONFIGS["bench"]
+    d = out / ("ckpt-smoke" if SMOKE else "ckpt-bench")
+    if not (d / "config.json").exists():
+        write_checkpoint(d, config, random_weights(config, seed=0))
+    return d, config
+
+
+def forced_sequences(vocab: int, n: int, length: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab, size=length).tolist() for _ in range(n)]
+
+
+def hf_model(ckpt: Path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    dev = "cpu" if SMOKE else "cuda"
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(dev).eval()
+
+
+@torch.no_grad()
+def hf_forced_logits(model, seqs: list[list[int]]) -> np.ndarray:
+    dev = next(model.parameters()).device
+    return torch.cat([model(torch.tensor([s], device=dev)).logits[0].float() for s in seqs]).cpu().numpy()
+
+
+def prefill_step(seqs: list[list[int]], block_size: int) -> StepInput:
+    ids, pos, slots, tables, start = [], [], [], [], 0
+    for s in seqs:
+        nb = -(-len(s) // block_size)
+        blocks = np.arange(start, start + nb)
+        start += nb
+        p = np.arange(len(s))
+        ids += s
+        pos.append(p)
+        slots.append(blocks[p // block_size] * block_size + p % block_size)
+        tables.append(blocks)
+    table = np.zeros((len(seqs), max(len(t) for t in tables)), np.int64)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    lens = [len(s) for s in seqs]
+    return StepInput(token_ids=np.asarray(ids, np.int64), positions=np.concatenate(pos),
+                     query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+                     seq_lens=np.asarray(lens, np.int64), block_tables=table, slot_mapping=np.concatenate(slots),
+                     sample_rows=np.arange(sum(lens), dtype=np.int64), max_position=max(lens) - 1)
+
+
+def logit_error(got: np.ndarray, ref: np.ndarray) -> dict:
+    return {"max_abs_err_rel": float(np.abs(got - ref).max() / np.abs(ref).max()),
+            "mean_abs_err": float(np.abs(got - ref).mean()),
+            "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
+
+
+def decode_rate(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
+    """Decode steps of `batch` running sequences, timed after every prompt is prefilled."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    rids = [f"rate-{batch}-{i}" for i in range(batch)]
+    for rid, s in zip(rids, forced_sequences(vocab, batch, prompt_len)):
+        eng.add_request(rid, s, params)
+    while any(not r.output_token_ids for g in eng.requests.values() for r in g):
+        eng.step()
+    ops = eng.runner.executor.ops
+    ops.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    ops.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    for rid in rids:
+        eng.abort_request(rid)
+    return {"batch": batch, "step_ms": dt * 1e3, "tok_s": batch / dt}
+
+
+@torch.no_grad()
+def hf_generate_rate(model, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    dev = next(model.parameters()).device
+    ids = torch.tensor(forced_sequences(vocab, batch, prompt_len), device=dev)
+
+    def run(n: int) -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    prefill = run(1)
+    return batch * (steps - 1) / max(run(steps) - prefill, 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=330.0, help="skip what would start after this many seconds")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    formats = [None, "wint8"] if SMOKE else [None, "wint8", "wint4", "block_wise_fp8"]
+    batches = [1, 2] if SMOKE else [1, 16, 64]
+    steps, prompt_len, n_forced, forced_len = (2, 8, 2, 12) if SMOKE else (32, 32, 4, 64)
+    graph_modes = [False] if SMOKE else [False, True]
+    device = "cpu (triton interpreter)" if SMOKE else torch.cuda.get_device_name()
+    peak = next((bw for name, bw in PEAK_BW.items() if name in device), None)
+    report: dict = {"device": device, "smoke": SMOKE, "peak_bw": peak, "formats": {}, "skipped": [], "errors": []}
+
+    ckpt, config = write_bench_checkpoint(args.out)
+    vocab = config["vocab_size"]
+    log(f"checkpoint {ckpt}")
+    seqs = forced_sequences(vocab, n_forced, forced_len)
+    hf32 = hf_model(ckpt, torch.float32)
+    ref = hf_forced_logits(hf32, seqs)
+    del hf32
+    hf16 = hf_model(ckpt, torch.float32 if SMOKE else torch.bfloat16)
+    report["hf_bf16_forced"] = logit_error(hf_forced_logits(hf16, seqs), ref)
+    report["hf_generate_tok_s"] = {b: hf_generate_rate(hf16, b, prompt_len, steps, vocab) for b in batches}
+    del hf16
+    log(f"HF: {report['hf_generate_tok_s']}")
+
+    for fmt in formats:
+        name = fmt or ("fp32" if SMOKE else "bf16")
+        entry: dict = {"decode": []}
+        report["formats"][name] = entry
+        for graphs in graph_modes:
+            if time.perf_counter() - start > args.budget_s:
+                report["skipped"].append(f"{name} graphs={graphs}: over the time budget")
+                continue
+            try:
+                t0 = time.perf_counter()
+                llm = LLM(model=str(ckpt), execution_backend="kernels", quantization=fmt, skip_tokenizer_init=True,
+                          max_num_seqs=max(batches), max_model_len=256, block_size=64, use_cudagraph=graphs,
+                          disable_progress_bar=True)
+                entry.setdefault("load_s", {})[str(graphs)] = time.perf_counter() - t0
+                shard = llm.engine.runner.executor
+                weight_bytes = shard.model.weights.nbytes
+                entry["weight_bytes"] = weight_bytes
+                if not graphs:
+                    _, logits = shard.execute(prefill_step(seqs, 64))
+                    entry["forced"] = logit_error(logits, ref)
+                for b in batches:
+                    r = decode_rate(llm, b, prompt_len, steps, vocab)
+                    r["cuda_graphs"] = graphs
+                    r["roofline"] = (weight_bytes / (r["step_ms"] / 1e3)) / peak if peak else None
+                    r["vs_hf_generate"] = r["tok_s"] / report["hf_generate_tok_s"][b]
+                    entry["decode"].append(r)
+                    log(f"{name} graphs={graphs} batch {b}: {r['tok_s']:.0f} tok/s, {r['step_ms']:.2f} ms/step")
+                del llm
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            except Exception as e:  # one format failing must not hide the others' figures
+                report["errors"].append(f"{name} graphs={graphs}: {type(e).__name__}: {e}")
+                log(report["errors"][-1])
+    report["seconds"] = time.perf_counter() - start
+    (args.out / "gpu_engine_check.json").write_text(json.dumps(report, indent=2))
+    print(f"\n{'format':<16}{'max err':>9}{'top1':>7}  decode tok/s by batch (graphs off / on)")
+    for name, e in report["formats"].items():
+        f = e.get("forced", {})
+        rates = {}
+        for r in e["decode"]:
+            rates.setdefault(r["batch"], {})[r["cuda_graphs"]] = r["tok_s"]
+        cells = "  ".join(f"{b}: {v.get(False, 0):.0f}/{v.get(True, 0):.0f}" for b, v in rates.items())
+        print(f"{name:<16}{f.get('max_abs_err_rel', float('nan')):>9.4f}{f.get('top1_agreement', float('nan')):>7.2f}  {cells}")
+    print(f"HF generate tok/s: {report['hf_generate_tok_s']}; errors: {len(report['errors'])}; "
+          f"skipped: {len(report['skipped'])}; {report['seconds']:.0f} s")
+    sys.exit(1 if report["errors"] else 0)
+
+
+if __name__ == "__main__":
+    main()
