@@ -16,23 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from ernie_kernels._dequant import (A_NONE, A_QUANT_CODES, Q_WINT2, QUANT_CODES, block_k_for, load_weight_tile,
-                                    quantize_a_tile, wint2_group_scale)
+                                    quantize_a_tile, tile_dot, wint2_group_scale)
 from ernie_kernels._runtime import INTERPRET, contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, tl, triton
 from ernie_kernels.moe_align import moe_align_block_size
-
-
-@triton.jit
-def _tile_dot(a, w, A_QUANT: tl.constexpr, DOT: tl.constexpr, FP8_DOT: tl.constexpr):
-    """One K step: a [BM, BK] as quantize_a_tile returns it, w as load_weight_tile returns it."""
-    if A_QUANT == 2:
-        return tl.dot(a, w.to(tl.int8), out_dtype=tl.int32)
-    elif A_QUANT == 1:
-        if FP8_DOT:
-            return tl.dot(a, w)
-        else:  # interpreter: a holds e4m3 values in fp32; products of e4m3 values are exact in fp32
-            return tl.dot(a, w.to(tl.float32))
-    else:
-        return tl.dot(a.to(DOT), w.to(tl.float32).to(DOT))
 
 
 @triton.jit
@@ -76,11 +62,11 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, ls_ptr, cs_ptr, zp_pt
         a, row_scale = quantize_a_tile(a, a_scale, A_QUANT, FP8_DOT)
         w_mask = k_mask[:, None] & n_mask[None, :]
         w = load_weight_tile(b_base, offs_k, offs_n, w_mask, stride_bk, stride_bn, cs_base, zp_base, QUANT)
-        part = _tile_dot(a, w, A_QUANT, DOT, FP8_DOT)
+        part = tile_dot(a, w, A_QUANT, DOT, FP8_DOT)
         if SWIGLU:
             w_up = load_weight_tile(b_base, offs_k, offs_n + up_offset, w_mask, stride_bk, stride_bn, cs_base,
                                     zp_base, QUANT)
-            part_up = _tile_dot(a, w_up, A_QUANT, DOT, FP8_DOT)
+            part_up = tile_dot(a, w_up, A_QUANT, DOT, FP8_DOT)
         if QUANT == 3:
             bs = bs_ptr + expert * stride_bse + (k0 // 128) * stride_bsk
             s = tl.load(bs + (offs_n // 128) * stride_bsn, mask=n_mask, other=0.0)

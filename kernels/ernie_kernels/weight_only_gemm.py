@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ernie_kernels._dequant import (A_NONE, A_QUANT_CODES, QUANT_CODES, block_k_for, load_weight_tile,
-                                    quantize_a_tile)
+                                    quantize_a_tile, tile_dot)
 from ernie_kernels._runtime import INTERPRET, contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, tl, triton
 
 DENSE_METHODS = ("wint8", "wint4", "block_wise_fp8")
@@ -38,14 +38,11 @@ def _wo_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
                              s_ptr, QUANT)
         if A_QUANT == 1:  # fp8: quantize the A tile (one 128 group per row), fp8 dot, block scales per K step
             aq, row_scale = quantize_a_tile(a, 1.0, A_QUANT, FP8_DOT)
-            if FP8_DOT:
-                part = tl.dot(aq, w)
-            else:  # interpreter: aq holds e4m3 values in fp32; their products are exact in fp32
-                part = tl.dot(aq, w.to(tl.float32))
+            part = tile_dot(aq, w, A_QUANT, DOT, FP8_DOT)
             s = tl.load(s_ptr + (k0 // 128) * stride_sk + (offs_n // 128) * stride_sn, mask=n_mask, other=0.0)
             acc += part * row_scale[:, None] * s[None, :]
         else:
-            acc += tl.dot(a.to(DOT), w.to(tl.float32).to(DOT))
+            acc += tile_dot(a, w, A_QUANT, DOT, FP8_DOT)
     if A_QUANT == 0:
         scale = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc * scale[None, :]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ernie_serve.engine.kv_cache_manager import KVOp, apply_kv_ops
 from ernie_serve.kernels_backend.framework import make_tensor_ops
 from ernie_serve.kernels_backend.kv_cache import DeviceKVCache
 from ernie_serve.model.kv_cache import KVCacheQuant, PagedKVCache
@@ -33,5 +34,5 @@ def test_block_writes_and_reads_hold_what_the_reference_cache_holds(framework, c
         np.testing.assert_array_equal(got, data[:, :, [2, 0]])
     else:
         assert np.abs(got - data[:, :, [2, 0]]).max() <= np.abs(data).max() / 127  # half a step of the largest scale, twice
-    dev.copy_blocks([1], [5])
+    apply_kv_ops([KVOp("copy", 1, 5)], dev, None)
     np.testing.assert_array_equal(dev.read_blocks([5]), dev.read_blocks([1]))

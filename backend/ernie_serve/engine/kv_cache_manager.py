@@ -23,6 +23,18 @@ class KVOp:
     dst: int
 
 
+def apply_kv_ops(ops: list[KVOp], cache, host_cache) -> None:
+    """Carry out recorded block moves, in order, on a cache with whole-block read_blocks / write_blocks (either
+    backend's) and the CPU tier's host array [num_host_blocks, layers, 2, block_size, kv_heads, head_dim]."""
+    for op in ops:
+        if op.kind == "swap_out":
+            host_cache[op.dst] = cache.read_blocks([op.src])[:, :, 0]
+        elif op.kind == "swap_in":
+            cache.write_blocks([op.dst], host_cache[op.src][:, :, None])
+        else:
+            cache.write_blocks([op.dst], cache.read_blocks([op.src]))
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # requests looked up

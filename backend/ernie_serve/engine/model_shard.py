@@ -12,7 +12,7 @@ import paddle
 from ..model.ernie import ErnieForCausalLM
 from ..model.host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
-from .kv_cache_manager import KVOp
+from .kv_cache_manager import KVOp, apply_kv_ops
 from .step_input import StepInput
 
 
@@ -32,13 +32,7 @@ class ModelShard:
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
         """Swaps and copies, in the order the block pool recorded them."""
-        for op in ops:
-            if op.kind == "swap_out":
-                self.host_cache[op.dst] = self.cache.read_blocks([op.src])[:, :, 0]
-            elif op.kind == "swap_in":
-                self.cache.write_blocks([op.dst], self.host_cache[op.src][:, :, None])
-            else:
-                self.cache.write_blocks([op.dst], self.cache.read_blocks([op.src]))
+        apply_kv_ops(ops, self.cache, self.host_cache)
 
     @paddle.no_grad()
     def execute(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:

@@ -79,10 +79,6 @@ class DeviceKVCache:
                     self._put_rows(self.dynamic[layer][j], ids, np.where(np.abs(x).max(axis=(1, 3)) > 0, s, 0.0))
                 self._put_rows(store, ids, codes)
 
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Device-side block copies (copy-on-fork of a partial block)."""
-        self.write_blocks(dst, self.read_blocks(src))
-
     def _put_rows(self, t: Any, ids: np.ndarray, rows: np.ndarray) -> None:
         for n, i in enumerate(ids.tolist()):
             self.ops.copy_(t[i], self.ops.tensor(rows[n], str(t.dtype).split(".")[-1]))

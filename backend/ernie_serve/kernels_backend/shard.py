@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.kv_cache_manager import KVOp
+from ..engine.kv_cache_manager import KVOp, apply_kv_ops
 from ..engine.step_input import StepInput
 from .cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from .framework import TensorOps
@@ -36,13 +36,7 @@ class KernelShard:
 
     def apply_kv_ops(self, kv_ops: list[KVOp]) -> None:
         """Swaps to / from the CPU tier and block copies, in the order the block pool recorded them."""
-        for op in kv_ops:
-            if op.kind == "swap_out":
-                self.host_cache[op.dst] = self.cache.read_blocks([op.src])[:, :, 0]
-            elif op.kind == "swap_in":
-                self.cache.write_blocks([op.dst], self.host_cache[op.src][:, :, None])
-            else:
-                self.cache.copy_blocks([op.src], [op.dst])
+        apply_kv_ops(kv_ops, self.cache, self.host_cache)
 
     def execute(self, step: StepInput) -> tuple[Any, np.ndarray | None]:
         """(final hidden states [T, H] on the device, host float32 logits [R, vocab] of step.sample_rows);
