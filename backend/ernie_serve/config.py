@@ -10,6 +10,7 @@ from typing import Any
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 EXECUTION_BACKENDS = ("auto", "reference", "kernels")
+DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when kv_cache_memory is not given
 # speculative_config keys per method; mtp's "model": a separate checkpoint holding the MTP head
 SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "max_ngram", "min_ngram"},
                     "mtp": {"method", "num_speculative_tokens", "model"}}

@@ -8,12 +8,11 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from typing import TYPE_CHECKING
-
-from ..config import EngineConfig
+from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..model.config import ErnieModelConfig
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
     from .model_shard import ModelShard
 
 log = logging.getLogger(__name__)
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 class EngineCapacityError(RuntimeError):

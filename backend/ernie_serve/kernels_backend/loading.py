@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import EngineConfig
+from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..engine.step_input import StepInput
 from ..model.config import ErnieModelConfig
 from .framework import TensorOps, make_tensor_ops
@@ -19,8 +19,6 @@ from .step_buffers import StepBuffers
 from .weights import load_device_weights
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def check_runtime(ops: TensorOps, config: EngineConfig) -> None:

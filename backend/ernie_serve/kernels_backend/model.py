@@ -124,6 +124,3 @@ class KernelModel:
                         e.up_gate_act_scale, e.down_act_scale)
         return out if shared is None else self.ops.add_(out, shared)
 
-    def memory_report(self) -> dict[str, int]:
-        return {"total_bytes": self.weights.nbytes}
-
