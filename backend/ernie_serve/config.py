@@ -197,6 +197,13 @@ class EngineConfig:
         if self.splitwise_role != "mixed":
             refuse(f"splitwise_role={self.splitwise_role!r}")
 
+    def check_kv_pool(self, num_blocks: int, remedy: str) -> None:
+        """A KV pool must hold at least one max_model_len sequence; `remedy` says how to get more blocks."""
+        need = -(-self.max_model_len // self.block_size)
+        if num_blocks < need:
+            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one max_model_len={self.max_model_len} "
+                             f"sequence ({need} blocks of {self.block_size}); {remedy} or lower max_model_len")
+
     @property
     def prefill_chunk_limit(self) -> int:
         """Largest chunk one prefill may take in a step (long_prefill_token_threshold)."""

@@ -208,10 +208,7 @@ class LLMEngine:
             num = c.num_gpu_blocks_override
         else:
             num = int((c.kv_cache_memory or DEFAULT_CPU_KV_BYTES) // per_block)
-        min_blocks = -(-c.max_model_len // c.block_size)
-        if num < min_blocks:
-            raise ValueError(f"KV pool of {num} blocks cannot hold one max_model_len={c.max_model_len} sequence "
-                             f"({min_blocks} blocks of {c.block_size}); raise kv_cache_memory or lower max_model_len")
+        c.check_kv_pool(num, "raise kv_cache_memory")
         # the CPU tier holds blocks as float32 whatever the device cache's format
         host = int((c.swap_space or 0) * (1 << 30) // PagedKVCache.bytes_per_block(*shape))
         return num, host

@@ -35,7 +35,21 @@ class TensorOps:
 
     # ---- allocation and copies
     def tensor(self, a: np.ndarray, dtype: str | None = None) -> Any:
-        """A new device tensor holding a copy of `a` (fp8 codes stay fp8), cast to `dtype` if given."""
+        """A new device tensor holding a copy of `a` (fp8 codes stay fp8), cast to `dtype` if given. The host copy
+        comes first: checkpoint arrays may be read-only memory maps."""
+        host = np.array(a, copy=True, order="C")
+        fp8 = host.dtype == ml_dtypes.float8_e4m3fn
+        t = self._from_host(host.view(np.uint8) if fp8 else host)
+        if fp8:
+            t = self._as_fp8(t)
+        return t if dtype is None else self.cast(t, dtype)
+
+    def _from_host(self, a: np.ndarray) -> Any:
+        """A device tensor of a's dtype holding a's data (a is a fresh contiguous copy)."""
+        raise NotImplementedError
+
+    def _as_fp8(self, codes: Any) -> Any:
+        """uint8 codes viewed as float8_e4m3fn."""
         raise NotImplementedError
 
     def empty(self, shape: Sequence[int], dtype: str) -> Any:
@@ -50,6 +64,14 @@ class TensorOps:
 
     def write(self, dst: Any, a: np.ndarray) -> Any:
         """Copy host data into the leading rows of a persistent buffer; returns that view dst[:len(a)]."""
+        n = int(a.shape[0])
+        view = dst[:n]
+        if n:
+            self._write_rows(dst, view, np.ascontiguousarray(a, dtype=np.dtype(dtype_name(dst))))
+        return view
+
+    def _write_rows(self, dst: Any, view: Any, a: np.ndarray) -> None:
+        """Copy a (dst's dtype, contiguous) into view, the leading len(a) rows of the contiguous buffer dst."""
         raise NotImplementedError
 
     # ---- math the kernels do not cover
@@ -117,10 +139,9 @@ class Graph:
         raise NotImplementedError
 
 
-def _host_copy(a: np.ndarray) -> np.ndarray:
-    """A writable contiguous copy (checkpoint arrays may be read-only memory maps); fp8 as its uint8 codes."""
-    a = np.array(a, copy=True, order="C")
-    return a.view(np.uint8) if a.dtype == ml_dtypes.float8_e4m3fn else a
+def dtype_name(t: Any) -> str:
+    """'int64', 'float32', 'bfloat16', ... for torch and Paddle tensors alike."""
+    return str(t.dtype).split(".")[-1]
 
 
 class TorchOps(TensorOps):
@@ -136,12 +157,11 @@ class TorchOps(TensorOps):
     def _dtype(self, name: str):
         return getattr(self.torch, name)
 
-    def tensor(self, a, dtype=None):
-        fp8 = np.asarray(a).dtype == ml_dtypes.float8_e4m3fn
-        t = self.torch.from_numpy(_host_copy(a)).to(self.device)
-        if fp8:
-            t = t.view(self.torch.float8_e4m3fn)
-        return t if dtype is None else t.to(self._dtype(dtype))
+    def _from_host(self, a):
+        return self.torch.from_numpy(a).to(self.device)
+
+    def _as_fp8(self, codes):
+        return codes.view(self.torch.float8_e4m3fn)
 
     def empty(self, shape, dtype):
         return self.torch.empty([int(s) for s in shape], dtype=self._dtype(dtype), device=self.device)
@@ -156,15 +176,8 @@ class TorchOps(TensorOps):
             t = t.float()
         return t.detach().cpu().numpy()
 
-    def write(self, dst, a):
-        n = int(a.shape[0])
-        view = dst[:n]
-        if n:
-            view.copy_(self.torch.from_numpy(np.ascontiguousarray(a, dtype=self.to_np_dtype(dst))))
-        return view
-
-    def to_np_dtype(self, t) -> np.dtype:
-        return np.dtype(str(t.dtype).split(".")[-1])
+    def _write_rows(self, dst, view, a):
+        view.copy_(self.torch.from_numpy(a))
 
     def matmul(self, x, w):
         return self.torch.matmul(x, w)
@@ -241,19 +254,15 @@ class PaddleOps(TensorOps):
         self.on_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
         self.place = paddle.CUDAPlace(0) if self.on_gpu else paddle.CPUPlace()
 
-    def _new(self, a: np.ndarray):
+    def _from_host(self, a):
         if self.on_gpu:
             return self.paddle.to_tensor(a, place=self.place)
         from ..model.host_tensor import to_paddle  # Paddle's own constructors leak a list per call on CPU
 
         return to_paddle(a)
 
-    def tensor(self, a, dtype=None):
-        fp8 = np.asarray(a).dtype == ml_dtypes.float8_e4m3fn
-        t = self._new(_host_copy(a))
-        if fp8:
-            t = t.view(self.paddle.float8_e4m3fn)
-        return t if dtype is None else t.astype(dtype)
+    def _as_fp8(self, codes):
+        return codes.view(self.paddle.float8_e4m3fn)
 
     def empty(self, shape, dtype):
         t = self.paddle.empty([int(s) for s in shape], dtype=dtype)
@@ -270,21 +279,13 @@ class PaddleOps(TensorOps):
             t = t.astype("float32")
         return t.numpy()
 
-    def write(self, dst, a):
-        n = int(a.shape[0])
-        view = dst[:n]
-        if not n:
-            return view
+    def _write_rows(self, dst, view, a):
         if self.on_gpu:
-            view.copy_(self._host(a, dst), True)
+            from ..model.host_tensor import to_paddle
+
+            view.copy_(to_paddle(a), True)
         else:  # straight into the CPU buffer's memory: no Paddle constructor on the step path
-            _numpy_view(dst)[:n] = a
-        return view
-
-    def _host(self, a, like):
-        from ..model.host_tensor import to_paddle
-
-        return to_paddle(np.ascontiguousarray(a, dtype=np.dtype(str(like.dtype).split(".")[-1])))
+            _numpy_view(dst)[: a.shape[0]] = a
 
     def matmul(self, x, w):
         return self.paddle.matmul(x, w)
@@ -354,7 +355,7 @@ def _numpy_view(t: Any) -> np.ndarray:
     """A writable NumPy view of a contiguous CPU tensor's memory (np.from_dlpack's is read-only)."""
     import ctypes
 
-    dtype = np.dtype(str(t.dtype).split(".")[-1])
+    dtype = np.dtype(dtype_name(t))
     n = int(np.prod([int(s) for s in t.shape])) * dtype.itemsize
     buf = (ctypes.c_char * n).from_address(t.data_ptr())
     return np.frombuffer(buf, dtype=dtype).reshape([int(s) for s in t.shape])

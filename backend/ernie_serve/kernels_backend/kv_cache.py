@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..quantization import formats as fmt
-from .framework import TensorOps
+from .framework import TensorOps, dtype_name
 
 
 class DeviceKVCache:
@@ -81,4 +81,4 @@ class DeviceKVCache:
 
     def _put_rows(self, t: Any, ids: np.ndarray, rows: np.ndarray) -> None:
         for n, i in enumerate(ids.tolist()):
-            self.ops.copy_(t[i], self.ops.tensor(rows[n], str(t.dtype).split(".")[-1]))
+            self.ops.copy_(t[i], self.ops.tensor(rows[n], dtype_name(t)))

@@ -59,11 +59,8 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
     shape = (model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim)
     per_block = DeviceKVCache.bytes_per_block(*shape, itemsize)
     num_blocks = _num_blocks(config, ops, model, per_block)
-    min_blocks = -(-config.max_model_len // config.block_size)
-    if num_blocks < min_blocks:
-        raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one max_model_len={config.max_model_len} "
-                         f"sequence ({min_blocks} blocks of {config.block_size}); lower max_model_len, or give the KV "
-                         f"pool more memory")
+    config.check_kv_pool(num_blocks, "give the KV pool more memory (num_gpu_blocks_override, gpu_memory_utilization "
+                                     "or kv_cache_memory)")
     cache = DeviceKVCache(ops, model_cfg.num_hidden_layers, num_blocks, config.block_size,
                           model_cfg.num_key_value_heads, model_cfg.head_dim, int8, weights.kv_scales)
     host_blocks = int(num_host_kv_bytes // DeviceKVCache.bytes_per_block(*shape, 4))

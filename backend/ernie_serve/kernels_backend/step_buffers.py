@@ -19,12 +19,9 @@ class StepBuffers:
     def __init__(self, ops: TensorOps, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, group: int,
                  dynamic_kv: bool):
         """group: query heads per KV head (it sets how many queries one attention program serves)."""
-        from ernie_kernels.unified_attention import queries_per_program
-
         self.ops = ops
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks_per_seq
         self.group = group
-        self._queries_per_program = queries_per_program
         self.token_ids = ops.zeros([max_tokens], "int64")
         self.positions = ops.zeros([max_tokens], "int64")
         self.slot_mapping = ops.zeros([max_tokens], "int64")
@@ -39,7 +36,7 @@ class StepBuffers:
     def fill(self, step: StepInput, block_size: int, pad_seqs_to: int | None = None) -> StepTensors:
         """Write a step (optionally a decode-only step padded to `pad_seqs_to` sequences of one token each)."""
         from ernie_kernels.kv_write import block_runs
-        from ernie_kernels.unified_attention import attention_programs
+        from ernie_kernels.unified_attention import attention_programs, queries_per_program
 
         ids, pos, slots = step.token_ids, step.positions, step.slot_mapping
         qsl, lens, tables = step.query_start_loc, step.seq_lens, step.block_tables
@@ -62,7 +59,7 @@ class StepBuffers:
         full_tables = np.zeros((b, self.max_blocks), np.int32)
         full_tables[:, : tables.shape[1]] = tables
         q_lens = np.diff(qsl)
-        block_q = self._queries_per_program(self.group, int(q_lens.max()) if b else 1)
+        block_q = queries_per_program(self.group, int(q_lens.max()) if b else 1)
         prog_seq, prog_q = attention_programs(qsl, block_q)
         w = self.ops.write
         runs = None

@@ -10,7 +10,7 @@ weights as int8 / packed int4 / fp8 / wint2 codes plus their scales, routed expe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,15 +114,34 @@ class DeviceLinear:
         if sink.method not in DENSE_METHODS:
             raise ValueError(f"a dense linear quantized as {sink.method!r}: the kernels backend runs dense layers in "
                              f"{', '.join(DENSE_METHODS)} (FastDeploy's wint2 / w4a8 use wint8 for them)")
-        scale = t["weight_scale_inv"] if sink.method == "block_wise_fp8" else t["weight_scale"]
-        return cls(sink.in_features, sink.out_features, sink.method, ops.tensor(t["quant_weight"]), ops.tensor(scale))
-
-    @property
-    def nbytes(self) -> int:
-        return TensorOps.nbytes(self.weight) + (TensorOps.nbytes(self.scale) if self.scale is not None else 0)
+        return cls(sink.in_features, sink.out_features, sink.method, ops.tensor(t["quant_weight"]),
+                   ops.tensor(t[scale_key(sink.method)]))
 
 
 DENSE_METHODS = ("wint8", "wint4", "block_wise_fp8")
+WINT2_SCALES = tuple(k for k in fmt.REQUIRED_TENSORS["wint2"] if k != "quant_weight")  # as fused_moe takes them
+
+
+def scale_key(method: str) -> str:
+    """The checkpoint name of a method's weight scale (block_wise_fp8's 128x128 block scales are *_inv)."""
+    return "weight_scale_inv" if method == "block_wise_fp8" else "weight_scale"
+
+
+def device_bytes(*parts: Any) -> int:
+    """Device bytes of tensors, however nested in the Device* dataclasses, dicts and lists (None counts 0)."""
+    total = 0
+    for p in parts:
+        if p is None:
+            continue
+        if hasattr(p, "__dataclass_fields__"):
+            total += device_bytes(*(getattr(p, f) for f in p.__dataclass_fields__))
+        elif isinstance(p, dict):
+            total += device_bytes(*p.values())
+        elif isinstance(p, (list, tuple)):
+            total += device_bytes(*p)
+        elif hasattr(p, "element_size"):
+            total += TensorOps.nbytes(p)
+    return total
 
 
 @dataclass
@@ -138,16 +157,6 @@ class DeviceExperts:
     up_gate_act_scale: Any = None
     down_act_scale: Any = None
 
-    @property
-    def nbytes(self) -> int:
-        parts = [self.up_gate, self.down, self.up_gate_scale, self.down_scale, self.up_gate_act_scale,
-                 self.down_act_scale]
-        total = 0
-        for p in parts:
-            for t in (p.values() if isinstance(p, dict) else [p]):
-                total += TensorOps.nbytes(t) if t is not None else 0
-        return total
-
 
 def place_experts(ops: TensorOps, up_gate: HostFloat | list[HostQuant],
                   down: HostFloat | list[HostQuant]) -> DeviceExperts:
@@ -160,8 +169,8 @@ def place_experts(ops: TensorOps, up_gate: HostFloat | list[HostQuant],
 
     def scales(sinks: list[HostQuant]) -> Any:
         if method == "wint2":
-            return {k: ops.tensor(stacked(sinks, k)) for k in ("weight_scale", "super_scales", "code_scale", "code_zp")}
-        return ops.tensor(stacked(sinks, "weight_scale_inv" if method == "block_wise_fp8" else "weight_scale"))
+            return {k: ops.tensor(stacked(sinks, k)) for k in WINT2_SCALES}
+        return ops.tensor(stacked(sinks, scale_key(method)))
 
     act = {}
     if method == "w4a8":
@@ -195,20 +204,11 @@ class DeviceWeights:
     lm_head: Any  # [H, V], or None when tied to embed
     layers: list[DeviceLayer]
     kv_scales: tuple[list[Any], list[Any]] | None = None  # static C8 scales per layer (K, V)
-    mtp_tensors: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        total = TensorOps.nbytes(self.embed) + TensorOps.nbytes(self.norm)
-        total += TensorOps.nbytes(self.lm_head) if self.lm_head is not None else 0
-        for layer in self.layers:
-            total += TensorOps.nbytes(layer.input_norm) + TensorOps.nbytes(layer.post_norm)
-            total += layer.qkv.nbytes + layer.o.nbytes
-            for lin in (layer.mlp_up_gate, layer.mlp_down):
-                total += lin.nbytes if lin is not None else 0
-            if layer.is_moe:
-                total += TensorOps.nbytes(layer.gate) + TensorOps.nbytes(layer.gate_bias) + layer.experts.nbytes
-        return total
+        """Resident bytes of the model's weights (the C8 scales belong to the KV cache)."""
+        return device_bytes(self.embed, self.norm, self.lm_head, self.layers)
 
 
 # K (and for fp8 experts N) of every matrix a method's kernels read must be a multiple of its block
@@ -245,7 +245,7 @@ def load_device_weights(model_dir: str | Path, cfg: ErnieModelConfig, ops: Tenso
     plan = QuantPlan.resolve(quantization, cfg.quantization_config)
     check_kernel_shapes(cfg, plan)
     targets = host_targets(cfg, plan if plan and plan.quantizes_weights else None)
-    mtp, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, None, cfg), show_progress)
+    _mtp, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, None, cfg), show_progress)
     sink = {name: t.sink for name, t in targets.items()}
     layers = []
     for i in range(cfg.num_hidden_layers):
@@ -268,8 +268,7 @@ def load_device_weights(model_dir: str | Path, cfg: ErnieModelConfig, ops: Tenso
     lm_head = sink.pop("lm_head.weight", None)
     weights = DeviceWeights(ops.tensor(sink.pop("embed_tokens.weight").value, ops.act_dtype),
                             ops.tensor(sink.pop("norm.weight").value),
-                            None if lm_head is None else ops.tensor(lm_head.value, ops.act_dtype), layers,
-                            mtp_tensors=mtp)
+                            None if lm_head is None else ops.tensor(lm_head.value, ops.act_dtype), layers)
     if plan is not None and plan.kv_cache == "int8":
         static = static_kv_scales(kv_scales, cfg.num_hidden_layers)
         if static is not None:
