@@ -76,7 +76,8 @@ def _logits(llm: LLM, prompt: list[int], extra: list[int]) -> tuple[np.ndarray, 
     for ids, start in ((prompt, 0), (extra, n)):
         pos = np.arange(start, start + len(ids))
         meta = AttentionMetadata.build([len(ids)], [start + len(ids)], [blocks], bs, slots(pos), int(pos[-1]))
-        step = StepInput.for_tokens(np.asarray(ids, np.int64), pos, meta, np.arange(len(ids)), [])
+        step = StepInput.for_tokens(np.asarray(ids, np.int64), pos, meta, np.arange(len(ids)), [],
+                                    np.array([-1]))  # a row key no Request has (they count from 0)
         out.append(executor.execute(step)[1].numpy())
     return out[0], out[1]
 

@@ -17,12 +17,10 @@ from .request import Request
 from .sampler import Sampler, SamplingBatch
 from .scheduler import ScheduledRequest, SchedulerOutput
 from .spec_decode import Drafts, StepRow
-from .step_input import StepInput
+from .step_input import MAX_BATCHED_QUERY, StepInput
 
 if TYPE_CHECKING:
     from ..model.mtp import ErnieMTP
-
-MAX_BATCHED_QUERY = 8  # sequences computing at most this many tokens share the batched attention path
 
 
 @dataclass
@@ -70,7 +68,7 @@ class ModelRunner:
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         order = sorted(so.scheduled, key=lambda s: s.num_tokens > MAX_BATCHED_QUERY)
-        ids, positions, slots, q_lens, ctx_lens, tables = [], [], [], [], [], []
+        ids, positions, slots, q_lens, ctx_lens, tables, keys = [], [], [], [], [], [], []
         bs = self.block_size
         for s in order:
             r = s.request
@@ -84,6 +82,7 @@ class ModelRunner:
             q_lens.append(n)
             ctx_lens.append(start + n)
             tables.append(r.block_ids)
+            keys.append(r.row_key)
         pos = np.concatenate(positions)
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs, np.concatenate(slots), int(pos.max()),
                                        MAX_BATCHED_QUERY)
@@ -107,7 +106,7 @@ class ModelRunner:
                     owners.append(child.request_id)
             offset += s.num_tokens
         step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta, np.asarray(rows, dtype=np.int64),
-                                    so.kv_ops)
+                                    so.kv_ops, np.asarray(keys, dtype=np.int64))
         hidden, logits = self.executor.execute(step)
         self._last_step = (hidden, step_rows) if self.drafter is not None else None
         out = ModelRunnerOutput()

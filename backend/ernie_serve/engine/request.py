@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from itertools import count
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +37,7 @@ class RequestStatus(enum.Enum):
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
                        RequestStatus.FINISHED_ERROR})
+_row_keys = count()  # process-wide, so two live requests (n > 1 siblings included) never share one
 
 
 @dataclass(eq=False)
@@ -71,6 +73,9 @@ class Request:
     # step, so rebuilding it per call would make each step's Python work grow with the sequence length.
     all_token_ids: list[int] = field(init=False, repr=False)
     output_token_ids: list[int] = field(init=False, default_factory=list)  # append via append_output
+    # An int naming this request in a StepInput's row_keys: request_id is a string of any length, and
+    # tensor-parallel workers keep each request's block table under this key (engine/persistent_batch.py).
+    row_key: int = field(init=False, repr=False, default_factory=lambda: next(_row_keys))
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
