@@ -1,6 +1,7 @@
 """Tensor / expert parallel sharding without processes: which heads, columns and experts each rank holds,
 refusals that name the numbers, and the loader filling each rank's shard with exactly its slice of the
-full model (from both checkpoint layouts)."""
+full model (from both checkpoint layouts, pre-quantized checkpoints in every format, and checkpoints
+already split per rank)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,9 @@ from ernie_serve.model.checkpoint_writer import pt_to_paddle, write_checkpoint
 from ernie_serve.model.config import ErnieModelConfig
 from ernie_serve.model.loader import load_model
 from ernie_serve.model.parallel import ParallelLayout
+from ernie_serve.quantization.checkpoint import checkpoint_tensors, quantize_checkpoint, shard_checkpoint
+from ernie_serve.quantization.formats import QUANT_TENSOR_SUFFIXES
+from ernie_serve.quantization.layers import QuantLinear, QuantMoEExperts
 
 SMALL = dict(CONFIGS["tiny"], vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              head_dim=24, moe_intermediate_size=32, moe_layer_start_index=1, moe_layer_end_index=1,
@@ -78,8 +82,94 @@ def test_each_rank_loads_exactly_its_slice_of_every_parameter(tmp_path, layout_n
             np.testing.assert_array_equal(value.numpy(), _expected_shard(full[name], name, layout, cfg), err_msg=name)
 
 
-def test_a_checkpoint_split_per_rank_is_refused_with_what_to_give_instead(tmp_path):
-    (tmp_path / "rank0").mkdir()
-    (tmp_path / "config.json").write_text(json.dumps(SMALL))
-    with pytest.raises(ValueError, match="split per tensor-parallel rank.*give the full"):
-        load_model(tmp_path, show_progress=False)
+# Shapes every quantized format can split in two: one 128-wide head per rank, 128-row / 128-column halves
+ALIGNED = dict(SMALL, hidden_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+               intermediate_size=256, moe_intermediate_size=256, moe_num_shared_experts=1, vocab_size=512)
+
+
+def _dequantized(model) -> dict[str, np.ndarray]:
+    """Every weight of a (quantized) model as the float model's parameter would hold it."""
+    out = {k: v.numpy() for k, v in model.state_dict().items() if not k.endswith(_QUANT_SUFFIXES)}
+    for path, layer in model.named_sublayers():
+        if isinstance(layer, QuantMoEExperts):
+            for kind in ("up_gate_proj", "down_proj"):
+                out[f"{path}.{kind}"] = np.stack([q.dequantize().numpy() for q in getattr(layer, kind)])
+        elif isinstance(layer, QuantLinear) and ".experts." not in path:
+            out[f"{path}.weight"] = layer.dequantize().numpy()
+    return out
+
+
+_QUANT_SUFFIXES = tuple(QUANT_TENSOR_SUFFIXES)
+
+
+@pytest.fixture(scope="module")
+def aligned_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("aligned")
+    cfg = ErnieModelConfig.from_dict(ALIGNED)
+    write_checkpoint(root / "float", ALIGNED, pt_to_paddle(random_weights(ALIGNED, seed=5), cfg))
+    return root
+
+
+@pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8", "block_wise_fp8", "wint2"])
+def test_each_rank_of_a_prequantized_checkpoint_holds_its_slice_of_the_same_quantized_weights(
+        aligned_checkpoint, method):
+    """Split in quantized form: rank r dequantizes to exactly rank r's slice of the one-rank model's
+    dequantized weights (and, with C8, its KV heads' static scales)."""
+    path = aligned_checkpoint / method
+    if not path.exists():
+        quantize_checkpoint(aligned_checkpoint / "float", path, method, kv_cache_int8=method == "w4a8")
+    cfg = ErnieModelConfig.from_pretrained(path)
+    one = load_model(path, show_progress=False)
+    full = _dequantized(one)
+    for ep in (False, True):
+        for rank in range(2):
+            layout = ParallelLayout(rank, 2, ep)
+            model = load_model(path, show_progress=False, layout=layout)
+            for name, value in _dequantized(model).items():
+                np.testing.assert_array_equal(value, _expected_shard(full[name], name, layout, cfg), err_msg=name)
+            if method == "w4a8":
+                cols = slice(rank * cfg.head_dim, (rank + 1) * cfg.head_dim)
+                for got, want in zip(model.kv_cache_quant.k_scales, one.kv_cache_quant.k_scales):
+                    np.testing.assert_array_equal(got, want[cols])
+
+
+@pytest.mark.parametrize("source,ep", [("wint4", False), ("wint4", True), ("float", False)])
+def test_a_checkpoint_split_per_rank_loads_what_the_full_one_gives_each_rank(aligned_checkpoint, tmp_path, source, ep):
+    full = aligned_checkpoint / source
+    if not full.exists():
+        quantize_checkpoint(aligned_checkpoint / "float", full, source)
+    shard_checkpoint(full, tmp_path / "split", 2, expert_parallel=ep)
+    assert sorted(p.name for p in (tmp_path / "split").iterdir() if p.is_dir()) == ["rank0", "rank1"]
+    for rank in range(2):
+        layout = ParallelLayout(rank, 2, ep)
+        want = checkpoint_tensors(load_model(full, show_progress=False, layout=layout))
+        got = checkpoint_tensors(load_model(tmp_path / "split", show_progress=False, layout=layout))
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint8), np.asarray(want[name]).view(np.uint8),
+                                          err_msg=name)
+
+
+def test_a_checkpoint_split_per_rank_is_served_only_with_its_rank_count(aligned_checkpoint, tmp_path):
+    shard_checkpoint(aligned_checkpoint / "float", tmp_path / "split", 2)
+    with pytest.raises(ValueError, match=r"split for 2 tensor-parallel ranks .* tensor_parallel_size=2, not 1"):
+        load_model(tmp_path / "split", show_progress=False)
+    with pytest.raises(ValueError, match=r"expert 0 belongs to another expert-parallel rank"):
+        load_model(tmp_path / "split", show_progress=False, layout=ParallelLayout(1, 2, True))
+
+
+def test_online_quantization_quantizes_each_rank_slice(aligned_checkpoint):
+    """--quantization under tensor parallelism: each rank quantizes its own slice (FastDeploy's way), so a
+    column-parallel weight equals the one-rank quantization's slice (per-column scales see the same
+    columns) and a row-parallel one is within a quantization step of it."""
+    path = aligned_checkpoint / "float"
+    cfg = ErnieModelConfig.from_pretrained(path)
+    full = _dequantized(load_model(path, show_progress=False, quantization="wint8"))
+    model = load_model(path, show_progress=False, quantization="wint8", layout=ParallelLayout(1, 2))
+    local = _dequantized(model)
+    layout = ParallelLayout(1, 2)
+    col = "layers.0.self_attn.qkv_proj.weight"
+    np.testing.assert_array_equal(local[col], _expected_shard(full[col], col, layout, cfg))
+    row = "layers.0.self_attn.o_proj.weight"
+    want = _expected_shard(full[row], row, layout, cfg)
+    assert np.abs(local[row] - want).max() <= np.abs(want).max() / 127

@@ -158,21 +158,23 @@ class LLMEngine:
         """Rank 0 here, ranks 1..N-1 in worker processes (engine/workers.py), each with its shard and KV pool."""
         from paddle.base import core
 
-        from ..model.loader import QUANTIZED_SHARDS_UNSUPPORTED
+        from ..model.checkpoint_map import tensor_directory
         from ..quantization.plan import QuantPlan
         from .workers import TensorParallelExecutor, threads_per_rank
 
         c = self.config
         self._check_layout()
-        if QuantPlan.resolve(c.quantization, self.model_config.quantization_config) is not None:
-            raise ValueError(QUANTIZED_SHARDS_UNSUPPORTED.format(n=c.tensor_parallel_size))  # before workers start
+        tensor_directory(self.model_dir, self.layout)  # a pre-sharded checkpoint's rank count: before workers start
+        plan = QuantPlan.resolve(c.quantization, self.model_config.quantization_config)
         self.cpu_threads = threads_per_rank(c.tensor_parallel_size)
         core.set_num_threads(self.cpu_threads)
-        num_blocks, self._num_host_blocks = self._size_kv_pool(self.model_config.num_hidden_layers, False)
+        c8 = plan is not None and plan.kv_cache == "int8"
+        num_blocks, self._num_host_blocks = self._size_kv_pool(self.model_config.num_hidden_layers, c8)
         executor = TensorParallelExecutor(dict(
             model_dir=str(self.model_dir), num_output_ids=len(self.tokenizer) if self.tokenizer else None,
-            num_blocks=num_blocks, block_size=c.block_size, num_host_blocks=self._num_host_blocks,
-            world_size=c.tensor_parallel_size, expert_parallel=c.enable_expert_parallel))
+            quantization=c.quantization, num_blocks=num_blocks, block_size=c.block_size,
+            num_host_blocks=self._num_host_blocks, world_size=c.tensor_parallel_size,
+            expert_parallel=c.enable_expert_parallel))
         _log_weight_memory(executor.model, " on rank 0")
         return executor
 

@@ -82,6 +82,7 @@ class ShardSpec:
     """What a rank needs to build its shard (the same for every rank but the rank number)."""
     model_dir: str
     num_output_ids: int | None
+    quantization: str | None  # --quantization (online); a pre-quantized checkpoint says its own
     num_blocks: int
     block_size: int
     num_host_blocks: int
@@ -109,7 +110,8 @@ def make_group(rank: int, spec: ShardSpec):
 
 def load_shard(rank: int, spec: ShardSpec, group) -> ModelShard:
     layout = ParallelLayout(rank, spec.world_size, spec.expert_parallel, group)
-    model = load_model(spec.model_dir, spec.num_output_ids, show_progress=False, layout=layout)
+    model = load_model(spec.model_dir, spec.num_output_ids, show_progress=False, quantization=spec.quantization,
+                       layout=layout)
     return ModelShard(model, spec.num_blocks, spec.block_size, spec.num_host_blocks)
 
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..quantization.formats import QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS
+from ..quantization.formats import (QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS, normalize_quantized, quantized_shape,
+                                     shard_quantized)
 from .config import ErnieModelConfig
 from .safetensors_io import iter_tensors, read_header
 
@@ -56,17 +57,40 @@ class KVScale:
     which: str
 
 
+def rank_directories(model_dir: Path) -> list[Path]:
+    """rank0/, rank1/, ... of a checkpoint split per tensor-parallel rank (FastDeploy's pre-sharded layout,
+    e.g. W4A8C8-TP4); empty for a full checkpoint."""
+    dirs = []
+    while (model_dir / f"rank{len(dirs)}").is_dir():
+        dirs.append(model_dir / f"rank{len(dirs)}")
+    return dirs
+
+
+def tensor_directory(model_dir: Path, layout: ParallelLayout | None = None) -> tuple[Path, bool]:
+    """Where this rank's tensors are: the checkpoint itself (a full checkpoint, sliced while loading) or
+    its rank directory (a pre-sharded one, already sliced: True). A pre-sharded checkpoint is served with
+    exactly as many ranks as it was split for."""
+    ranks = rank_directories(model_dir)
+    if not ranks:
+        return model_dir, False
+    world, rank = (layout.world_size, layout.rank) if layout is not None else (1, 0)
+    if len(ranks) != world:
+        raise ValueError(f"{model_dir} is split for {len(ranks)} tensor-parallel ranks (rank0/ .. "
+                         f"rank{len(ranks) - 1}/), so it must be served with tensor_parallel_size={len(ranks)}, "
+                         f"not {world}; to serve another rank count, give the full (unsplit) checkpoint")
+    return ranks[rank], True
+
+
 def checkpoint_shards(model_dir: Path) -> list[Path]:
-    if (model_dir / "rank0").is_dir():
-        raise ValueError(f"{model_dir} is split per tensor-parallel rank (rank0/, rank1/, ...); this loader "
-                         f"slices a full checkpoint for each rank itself: give the full (unsplit) checkpoint")
+    """The safetensors files of one directory of tensors (a full checkpoint or one rank's directory)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [model_dir / f for f in sorted(set(weight_map.values()))]
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files and no model.safetensors.index.json")
+        hint = " (a pre-sharded checkpoint: see tensor_directory)" if rank_directories(model_dir) else ""
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files and no model.safetensors.index.json{hint}")
     return shards
 
 
@@ -213,14 +237,19 @@ def localize(piece: Piece, value: np.ndarray, layout: ParallelLayout,
 
 
 class Assembler:
-    """Fills targets piece by piece and tells which ones never got all their pieces. With a tensor-parallel
-    layout, each piece is first cut down to this rank's part (`localize`)."""
+    """Fills targets piece by piece and tells which ones never got all their pieces.
+
+    With a tensor-parallel layout, each piece of a full checkpoint is first cut down to this rank's part
+    (`localize`; quantized weights with `formats.shard_quantized`). A pre-sharded checkpoint (`presharded`:
+    a rank's own directory) already holds the rank's part of every tensor, under the full model's names;
+    only routed experts under expert parallelism are renumbered (their global index to this rank's)."""
 
     def __init__(self, targets: dict[str, Target], layout: ParallelLayout | None = None,
-                 cfg: ErnieModelConfig | None = None):
+                 cfg: ErnieModelConfig | None = None, presharded: bool = False):
         """`layout`: a tensor-parallel rank's ParallelLayout (None: one rank, every piece whole)."""
         self.targets = targets
         self.layout, self.cfg = layout, cfg
+        self.presharded = presharded
         self.buffers: dict[tuple, np.ndarray] = {}
         self.buffer_filled: dict[tuple, int] = {}
         self.quant_parts: dict[tuple, dict[str, np.ndarray]] = {}
@@ -232,10 +261,37 @@ class Assembler:
                              f"config does not have (check moe_layer_* / tie_word_embeddings in config.json)")
         return self.targets[param]
 
+    def _shard(self, param: str) -> tuple[int, np.ndarray] | None:
+        parallel = self.layout is not None and self.layout.is_parallel
+        return self.layout.shard_of(param, self.cfg) if parallel else None
+
+    def _local_expert(self, tensor_name: str, param: str, expert: int) -> int | None:
+        """A routed expert's index among this rank's experts; None when another rank owns it."""
+        shard = self._shard(param)
+        if shard is None or shard[0] != 0:
+            return expert  # every rank holds every expert (split by intermediate size, or one rank)
+        hit = np.flatnonzero(shard[1] == expert)
+        if not hit.size and self.presharded:
+            raise ValueError(f"{tensor_name!r}: expert {expert} belongs to another expert-parallel rank, but it "
+                             f"is in this rank's directory of a pre-sharded checkpoint (split for another layout?)")
+        return int(hit[0]) if hit.size else None
+
+    def _presharded_piece(self, tensor_name: str, piece: Piece) -> Piece:
+        lead = piece.index[:1] if piece.index and isinstance(piece.index[0], int) else ()  # a routed expert
+        if any(i != slice(None) for i in piece.index[len(lead):]):
+            raise ValueError(f"pre-sharded checkpoint tensor {tensor_name!r} is part of {piece.param}: a rank's "
+                             f"directory must use the fused \"-Paddle\" names (qkv_proj, up_gate_proj), whole")
+        if not lead:
+            return Piece(piece.param)
+        expert = self._local_expert(tensor_name, piece.param, lead[0])
+        return Piece(piece.param, (expert,))
+
     def put(self, tensor_name: str, piece: Piece, arr: np.ndarray) -> None:
         target = self._target(tensor_name, piece.param)
         value = arr.T if piece.transpose else arr
-        if self.layout is not None and self.layout.is_parallel:
+        if self.presharded:
+            piece = self._presharded_piece(tensor_name, piece)
+        elif self.layout is not None and self.layout.is_parallel:
             local = localize(piece, value, self.layout, self.cfg)
             if local is None:
                 return
@@ -266,17 +322,30 @@ class Assembler:
 
     def put_quantized(self, tensor_name: str, piece: QuantPiece, arr: np.ndarray) -> None:
         target = self._target(tensor_name, piece.param)
-        layer = target.layer(piece.expert)
+        expert = piece.expert
+        if expert is not None:
+            expert = self._local_expert(tensor_name, piece.param, expert)
+            if expert is None:
+                return  # another expert-parallel rank's expert
+        layer = target.layer(expert)
         if layer is None:
             raise ValueError(f"checkpoint tensor {tensor_name!r} is quantized but {piece.param} is fp32 in this "
                              f"load: quantization_config (dense_quant_type / moe_quant_type) must name its method")
         key = "weight_scale_inv" if layer.method == "block_wise_fp8" and piece.key == "weight_scale" else piece.key
-        parts = self.quant_parts.setdefault((piece.param, piece.expert), {})
+        parts = self.quant_parts.setdefault((piece.param, expert), {})
         parts[key] = np.array(arr)
-        if all(k in parts for k in REQUIRED_TENSORS[layer.method]):
-            layer.load_quantized(self.quant_parts.pop((piece.param, piece.expert)))
-            n = layer.in_features * layer.out_features
-            self.filled[piece.param] = self.filled.get(piece.param, 0) + n
+        if not all(k in parts for k in REQUIRED_TENSORS[layer.method]):
+            return
+        tensors = self.quant_parts.pop((piece.param, expert))
+        shard = None if self.presharded else self._shard(piece.param)
+        axis = None if shard is None else shard[0] - target.per_expert
+        if axis is not None and axis >= 0:  # split by rows or columns, not whole experts
+            k, n = quantized_shape(layer.method, np.shape(tensors["quant_weight"]))
+            full = normalize_quantized(layer.method, tensors, k, n)
+            tensors = shard_quantized(layer.method, full, axis, shard[1], what=piece.param)
+        layer.load_quantized(tensors)
+        n = layer.in_features * layer.out_features
+        self.filled[piece.param] = self.filled.get(piece.param, 0) + n
 
     def missing(self) -> list[str]:
         return [n for n, t in self.targets.items() if self.filled.get(n, 0) != int(np.prod(t.shape))]
@@ -285,19 +354,22 @@ class Assembler:
 def note_checkpoint_layout(model_dir: Path, cfg: ErnieModelConfig) -> None:
     """Record in cfg whether the checkpoint is "-Paddle" (ernie.*) or "-PT": a lone lm_head.weight is laid
     out like the rest of its checkpoint."""
-    names = [n for s in checkpoint_shards(model_dir) for n in read_header(s)[0]]
+    ranks = rank_directories(model_dir)
+    names = [n for s in checkpoint_shards(ranks[0] if ranks else model_dir) for n in read_header(s)[0]]
     cfg.raw["_checkpoint_layout"] = "paddle" if any(n.startswith("ernie.") for n in names) else "torch"
 
 
 def fill_from_checkpoint(model_dir: Path, cfg: ErnieModelConfig, asm: Assembler,
                          show_progress: bool = True) -> tuple[dict[str, np.ndarray], dict[tuple[int, str], np.ndarray]]:
-    """Stream every tensor of the checkpoint into the assembler's targets; checks nothing is missing.
-    Returns what is not a model weight: the MTP head's tensors, and C8 KV scales by (layer, "k" | "v")."""
-    shards = checkpoint_shards(model_dir)
+    """Stream every tensor of the checkpoint (this rank's directory of a pre-sharded one) into the assembler's
+    targets; checks nothing is missing. Returns what is not a model weight: the MTP head's tensors, and C8 KV
+    scales by (layer, "k" | "v") as the checkpoint holds them (full, or this rank's under pre-sharding)."""
+    tensors_dir, asm.presharded = tensor_directory(model_dir, asm.layout)
+    shards = checkpoint_shards(tensors_dir)
     total = sum(len(read_header(s)[0]) for s in shards)
     mtp: dict[str, np.ndarray] = {}
     kv_scales: dict[tuple[int, str], np.ndarray] = {}
-    with tqdm(total=total, desc=f"Loading {model_dir.name}", unit="tensor", disable=not show_progress) as bar:
+    with tqdm(total=total, desc=f"Loading {tensors_dir.name}", unit="tensor", disable=not show_progress) as bar:
         for shard in shards:
             for name, arr, _code in iter_tensors(shard):
                 target = map_tensor_name(name, cfg)

@@ -12,8 +12,11 @@ assembled and quantized one expert at a time. Pre-quantized tensors (`<linear>.q
 `.weight_scale`, ...; "-Paddle" layout, experts one by one) go into those layers as they are.
 
 Tensor-parallel loading (a ParallelLayout): every rank reads the full checkpoint and keeps its slice of
-each tensor (model/parallel.py says which), so the model it builds holds only its shard. Checkpoints
-already split per rank (rank0/, rank1/, ...) are refused: serve the full checkpoint instead.
+each tensor (model/parallel.py says which), so the model it builds holds only its shard. Quantized
+weights: online quantization quantizes the rank's slice (as FastDeploy does); a pre-quantized full
+checkpoint's tensors are split in their quantized form (formats.shard_quantized), so every rank count
+serves the same quantized weights. A checkpoint already split per rank (rank0/, rank1/, ...: FastDeploy's
+pre-sharded layout, or scripts/shard_checkpoint.py's) is read from the rank's own directory.
 """
 from __future__ import annotations
 
@@ -33,12 +36,6 @@ from .kv_cache import KVCacheQuant
 from .parallel import SINGLE_RANK, ParallelLayout
 
 log = logging.getLogger(__name__)
-
-
-QUANTIZED_SHARDS_UNSUPPORTED = (
-    "tensor_parallel_size={n} with a quantized model (--quantization or the checkpoint's quantization_config) is "
-    "not supported: per-rank quantized shards and their scales are not built; serve the float checkpoint with "
-    "tensor parallelism, or the quantized one with tensor_parallel_size=1")
 
 
 def _targets(model: ErnieForCausalLM) -> dict[str, Target]:
@@ -72,8 +69,6 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
     cfg = cfg or ErnieModelConfig.from_pretrained(model_dir)
     note_checkpoint_layout(model_dir, cfg)
     plan = QuantPlan.resolve(quantization, cfg.quantization_config)
-    if plan is not None and layout.is_parallel:
-        raise ValueError(QUANTIZED_SHARDS_UNSUPPORTED.format(n=layout.world_size))
     paddle.nn.initializer.set_global_initializer(paddle.nn.initializer.Constant(0.0),
                                                  paddle.nn.initializer.Constant(0.0))
     try:
@@ -87,16 +82,31 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
     mtp, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(_targets(model), layout, cfg), show_progress)
     model.mtp_weights = mtp
     if plan is not None and plan.kv_cache == "int8":
-        model.kv_cache_quant = _kv_cache_quant(kv_scales, cfg.num_hidden_layers)
+        model.kv_cache_quant = _kv_cache_quant(kv_scales, cfg, layout)
     elif kv_scales:
         log.info("ignoring the checkpoint's C8 KV scales: quantization_config has no kv_cache_quant_type")
     return model
 
 
-def _kv_cache_quant(scales: dict[tuple[int, str], np.ndarray], num_layers: int) -> KVCacheQuant:
-    """Static channel-wise scales when the checkpoint has them for every layer, else dynamic ones."""
-    static = static_kv_scales(scales, num_layers)
-    return KVCacheQuant() if static is None else KVCacheQuant(*static)
+def _kv_cache_quant(scales: dict[tuple[int, str], np.ndarray], cfg: ErnieModelConfig,
+                    layout: ParallelLayout) -> KVCacheQuant:
+    """Static channel-wise scales when the checkpoint has them for every layer (cut to this rank's KV heads),
+    else dynamic ones."""
+    static = static_kv_scales(scales, cfg.num_hidden_layers)
+    if static is None:
+        return KVCacheQuant()
+    heads = layout.kv_heads(cfg)
+    cols = slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim)
+    local = len(heads) * cfg.head_dim
+
+    def mine(s: np.ndarray) -> np.ndarray:
+        if s.size == cfg.kv_size:
+            return s[cols]
+        if s.size == local:  # a pre-sharded checkpoint's rank directory holds its own heads' scales
+            return s
+        raise ValueError(f"C8 KV cache scales have {s.size} channels; expected {cfg.kv_size} (every KV head) or "
+                         f"{local} (this rank's)")
+    return KVCacheQuant([mine(s) for s in static[0]], [mine(s) for s in static[1]])
 
 
 def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str) -> "ErnieMTP":

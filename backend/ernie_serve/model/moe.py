@@ -161,10 +161,7 @@ class MoE(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         ids, weights = self.gate(x)
-        if self.expert_offset is None:
-            out = self.experts(x, ids, weights)
-        else:
-            out = self.experts(x, ids, weights, self.expert_offset)
+        out = self.experts(x, ids, weights, self.expert_offset)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -1,4 +1,6 @@
-"""Write a pre-quantized "-Paddle"-style checkpoint from a full-precision one (scripts/quantize_checkpoint.py).
+"""Write checkpoints the loader serves directly: a pre-quantized "-Paddle"-style checkpoint from a
+full-precision one (scripts/quantize_checkpoint.py), and a checkpoint split per tensor-parallel rank
+(scripts/shard_checkpoint.py).
 
 Every quantized linear becomes `<name>.quant_weight` + its scales (formats.py layouts, [in, out],
 unpermuted), routed experts one by one (`mlp.experts.<e>.up_gate_proj.*`); embeddings, norms, the
@@ -13,20 +15,24 @@ per channel). Random token ids are the default calibration set; pass real prompt
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import paddle
+from tqdm.auto import tqdm
 
 from ..model.attention import AttentionMetadata
 from ..model.checkpoint_writer import write_checkpoint
+from ..model.config import ErnieModelConfig
 from ..model.kv_cache import PagedKVCache
 from ..model.layers import Linear, silu_and_mul
 from ..model.loader import load_model
 from ..model.moe import FusedExperts
-from .layers import quantize_float
+from ..model.parallel import ParallelLayout
+from .layers import QuantLinear, QuantMoEExperts, quantize_float
 from .plan import QuantPlan
 
 
@@ -88,6 +94,88 @@ def _checkpoint_name(param: str) -> str:
     return "ernie." + param
 
 
+def _float_tensors(param: str, value: np.ndarray, first_expert: int = 0) -> dict[str, np.ndarray]:
+    """A float parameter under its checkpoint name(s): stacked experts [E, ...] one by one
+    (`experts.<e>.<kind>.weight`, e counted from first_expert), everything else as it is."""
+    m = _STACKED_EXPERTS.match(param)
+    if m is None:
+        return {_checkpoint_name(param): value}
+    path, kind = m.groups()
+    return {f"ernie.{path}.{first_expert + e}.{kind}.weight": value[e] for e in range(value.shape[0])}
+
+
+_STACKED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(up_gate_proj|down_proj)$")
+
+
+def checkpoint_tensors(model) -> dict[str, np.ndarray]:
+    """A loaded model's weights under "-Paddle" checkpoint names, as its layers hold them: quantized layers'
+    tensors, this rank's shard under a tensor-parallel layout (routed experts keep their global numbers),
+    the C8 cache's static scales. load_model reads them back into the same model."""
+    cfg, layout = model.config, model.layout
+    first_expert = layout.experts(cfg).start
+    tensors: dict[str, np.ndarray] = {}
+    in_experts = set()
+    for path, layer in model.named_sublayers():
+        if isinstance(layer, QuantMoEExperts):
+            for kind in ("up_gate_proj", "down_proj"):
+                for e, linear in enumerate(getattr(layer, kind)):
+                    in_experts.add(id(linear))
+                    tensors.update({f"ernie.{path}.{first_expert + e}.{kind}.{k}": v for k, v in linear.export().items()})
+    for path, layer in model.named_sublayers():
+        if isinstance(layer, QuantLinear) and id(layer) not in in_experts:
+            tensors.update({f"ernie.{path}.{k}": v for k, v in layer.export().items()})
+    for name, p in model.named_parameters():
+        tensors.update(_float_tensors(name, p.numpy(), first_expert))
+    quant = model.kv_cache_quant
+    if quant is not None and quant.static:
+        for i in range(cfg.num_hidden_layers):
+            tensors[f"ernie.layers.{i}.self_attn.cachek_matmul.activation_scale"] = quant.k_scales[i]
+            tensors[f"ernie.layers.{i}.self_attn.cachev_matmul.activation_scale"] = quant.v_scales[i]
+    tensors.update(model.mtp_weights)
+    return tensors
+
+
+def shard_checkpoint(model_dir: str | Path, out_dir: str | Path, tensor_parallel_size: int, *,
+                     expert_parallel: bool = False, quantization: str | None = None,
+                     show_progress: bool = False) -> Path:
+    """Split a full checkpoint into rank0/ .. rank{N-1}/ (FastDeploy's pre-sharded layout), each holding
+    exactly what that rank loads: its slice of every weight, quantized as serving it would be (a
+    pre-quantized checkpoint's tensors split as they are; `quantization`: each rank's slice quantized
+    online). Serving the result with the same tensor_parallel_size (and expert parallelism) loads only
+    each rank's bytes. config.json and the tokenizer files are kept at the top and in every rank."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty: remove it or choose another --out")
+    config = json.loads((model_dir / "config.json").read_text())
+    cfg = ErnieModelConfig.from_dict(config)
+    plan = QuantPlan.resolve(quantization, cfg.quantization_config)
+    if plan is not None and plan.quantizes_weights:
+        config["quantization_config"] = plan.to_config(prequantized=True)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    _copy_side_files(model_dir, partial)
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    for rank in tqdm(range(tensor_parallel_size), desc="Sharding", unit="rank", disable=not show_progress):
+        layout = ParallelLayout(rank, tensor_parallel_size, expert_parallel)
+        model = load_model(model_dir, show_progress=False, quantization=quantization, layout=layout)
+        rank_dir = partial / f"rank{rank}"
+        write_checkpoint(rank_dir, config, checkpoint_tensors(model), max_shard_bytes=512 << 20)
+        _copy_side_files(model_dir, rank_dir)
+    if out_dir.exists():
+        out_dir.rmdir()
+    partial.rename(out_dir)
+    return out_dir
+
+
+def _copy_side_files(model_dir: Path, dest: Path) -> None:
+    """Tokenizer, generation config, ...: everything but the tensors and the config (written anew)."""
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json",
+                                                                         "config.json", "BUILD"):
+            shutil.copy2(f, dest / f.name)
+
+
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str, *, kv_cache_int8: bool = False,
                         calib_ids: list[list[int]] | None = None, show_progress: bool = False) -> Path:
     """Read model_dir (fp32/bf16, either dialect), write the quantized checkpoint to out_dir."""
@@ -126,7 +214,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
                 quantized_params.add(f"{path}.{kind}")
     for name, p in model.named_parameters():
         if name not in quantized_params:
-            tensors[_checkpoint_name(name)] = p.numpy()
+            tensors.update(_float_tensors(name, p.numpy()))
     tensors.update(model.mtp_weights)
     if kv_cache_int8:
         for i in range(cfg.num_hidden_layers):
@@ -138,10 +226,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str,
     partial = out_dir.with_name(out_dir.name + ".partial")  # renamed when complete: never a half checkpoint
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    for f in model_dir.iterdir():  # tokenizer, generation config, ...
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("model.safetensors.index.json",
-                                                                         "config.json", "BUILD"):
-            shutil.copy2(f, partial / f.name)
+    _copy_side_files(model_dir, partial)
     write_checkpoint(partial, config, tensors, max_shard_bytes=512 << 20)
     if out_dir.exists():
         out_dir.rmdir()

@@ -347,6 +347,14 @@ def quantize_float(w_KN: np.ndarray, method: str, *, activation_scale: float | N
 ROWS_PER_CODE_ROW = {"wint8": 1, "wint4": 2, "w4a8": 2, "wint2": 4}
 
 
+def quantized_shape(method: str, quant_weight_shape: tuple, *, transposed: bool = False) -> tuple[int, int]:
+    """The [K, N] weight a quant_weight of this shape holds (transposed: a torch-layout fp8 [N, K])."""
+    if method == "block_wise_fp8":
+        k, n = quant_weight_shape[::-1] if transposed else quant_weight_shape
+        return int(k), int(n)
+    return int(quant_weight_shape[0]) * ROWS_PER_CODE_ROW[method], int(quant_weight_shape[1])
+
+
 def normalize_quantized(method: str, tensors: dict[str, np.ndarray], in_features: int, out_features: int, *,
                         transposed: bool = False) -> dict[str, np.ndarray]:
     """A quantized weight's checkpoint tensors in the layouts every consumer reads: quant_weight [K.., N]
@@ -382,4 +390,86 @@ def normalize_quantized(method: str, tensors: dict[str, np.ndarray], in_features
         if a.size != 1:
             raise ValueError(f"w4a8 activation_scale must be one value per matrix, got shape {list(a.shape)}")
         out["activation_scale"] = a
+    return out
+
+
+# ---------------------------------------------------------------- tensor-parallel slices
+
+def _whole_groups(keep: np.ndarray, g: int) -> np.ndarray | None:
+    """The full-tensor group ids when `keep` is whole, aligned groups of g indices in order; else None."""
+    if keep.size % g:
+        return None
+    runs = keep.reshape(-1, g)
+    first = runs[:, 0]
+    ok = (first % g == 0).all() and (runs == first[:, None] + np.arange(g)).all()
+    return first // g if ok else None
+
+
+def _covering_blocks(keep: np.ndarray, g: int) -> np.ndarray | None:
+    """Block scales of g indices: for each local block of g kept indices, the one full block all of them
+    fall in (the local tensor's block j then reads that block's scale); None when one straddles two."""
+    full = keep // g
+    starts = full[::g]
+    return starts if (full == np.repeat(starts, g)[: keep.size]).all() else None
+
+
+def shard_quantized(method: str, t: dict[str, np.ndarray], axis: int, keep: np.ndarray,
+                    what: str = "weight") -> dict[str, np.ndarray]:
+    """A tensor-parallel rank's part of a quantized weight (normalize_quantized's layouts, [K.., N]):
+    rows (axis 0, K: a row-parallel linear) or columns (axis 1, N: a column-parallel one) `keep` of the
+    full weight, with their scales. The result is bit for bit what the rank would hold had the full
+    weight been quantized and then split, so every rank count serves the same quantized model.
+    Formats that pack rows or share a scale across a block need the split to respect that grouping;
+    a split that does not is refused, naming it."""
+    method = check_method(method)
+    keep = np.asarray(keep, np.int64)
+
+    def refuse(unit: str, g: int) -> ValueError:
+        return ValueError(f"{what}: this tensor-parallel rank's {'rows' if axis == 0 else 'columns'} "
+                          f"[{keep[0]}..{keep[-1]}] ({keep.size} of them) do not fall on {method}'s {g}-{unit} "
+                          f"groups, so its quantized tensors cannot be split there; choose a "
+                          f"tensor_parallel_size whose split sizes are multiples of {g}")
+
+    out = dict(t)
+    if axis == 1:  # every method keeps per-column data in its last axis
+        for name, arr in t.items():
+            if name == "activation_scale":
+                continue
+            if name == "weight_scale_inv":
+                blocks = _covering_blocks(keep, FP8_BLOCK)
+                if blocks is None:
+                    raise refuse("column", FP8_BLOCK)
+                out[name] = np.ascontiguousarray(arr[:, blocks])
+            else:
+                out[name] = np.ascontiguousarray(arr[..., keep])
+        return out
+    if axis != 0:
+        raise ValueError(f"shard_quantized: axis must be 0 (rows) or 1 (columns), got {axis}")
+    qw = t["quant_weight"]
+    if method == "wint8":
+        out["quant_weight"] = np.ascontiguousarray(qw[keep])
+    elif method in ("wint4", "w4a8"):
+        pairs = _whole_groups(keep, 2)
+        if pairs is None:
+            raise refuse("row packed", 2)
+        out["quant_weight"] = np.ascontiguousarray(qw[pairs])
+    elif method == "block_wise_fp8":
+        blocks = _covering_blocks(keep, FP8_BLOCK)
+        if blocks is None:
+            raise refuse("row", FP8_BLOCK)
+        out["quant_weight"] = np.ascontiguousarray(qw[keep])
+        out["weight_scale_inv"] = np.ascontiguousarray(t["weight_scale_inv"][blocks])
+    else:  # wint2: 4 rows per code row, one packed 4-bit scale per 64-row group
+        groups = _whole_groups(keep, WINT2_GROUP)
+        if groups is None:
+            raise refuse("row", WINT2_GROUP)
+        quads = _whole_groups(keep, 4)
+        out["quant_weight"] = np.ascontiguousarray(qw[quads])
+        ls = t["weight_scale"]
+        nib = np.empty((ls.shape[0] * 2, ls.shape[1]), np.uint8)
+        nib[0::2], nib[1::2] = ls >> 4, ls & 0xF
+        local = nib[groups]
+        if local.shape[0] % 2:
+            local = np.concatenate([local, np.zeros_like(local[:1])])
+        out["weight_scale"] = ((local[0::2] << 4) | local[1::2]).astype(np.uint8)
     return out

@@ -142,11 +142,7 @@ class QuantLinear(nn.Layer):
         transposed=True accepts a block_wise_fp8 weight in torch layout [N, K] with scale [N/128, K/128].
         """
         method = fmt.check_method(method)
-        qw = np.shape(tensors["quant_weight"])
-        if method == "block_wise_fp8":
-            k, n = qw[::-1] if transposed else qw
-        else:
-            k, n = qw[0] * fmt.ROWS_PER_CODE_ROW[method], qw[1]
+        k, n = fmt.quantized_shape(method, np.shape(tensors["quant_weight"]), transposed=transposed)
         layer = cls(method, k, n)
         layer.load_quantized(tensors, transposed=transposed)
         return layer
@@ -302,9 +298,11 @@ class QuantMoEExperts(nn.Layer):
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj[e](silu_and_mul(self.up_gate_proj[e](x)))
 
-    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor) -> paddle.Tensor:
-        """x [T, H], topk_ids [T, k] int64, topk_weights [T, k] -> [T, H] float32."""
-        return grouped_expert_forward(self, x.astype("float32"), topk_ids, topk_weights)
+    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
+                expert_offset: int | None = None) -> paddle.Tensor:
+        """x [T, H], topk_ids [T, k] int64, topk_weights [T, k] -> [T, H] float32; `expert_offset`: these are
+        the model's experts [offset, offset + num_experts) (expert parallelism)."""
+        return grouped_expert_forward(self, x.astype("float32"), topk_ids, topk_weights, expert_offset)
 
 
 def model_memory_bytes(layers: Iterable[object]) -> int:
