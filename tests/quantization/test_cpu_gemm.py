@@ -25,7 +25,7 @@ def test_matches_the_dequantized_matmul(bits, m, k, n):
     x = rng.standard_normal((m, k)).astype(np.float32)
     q, s = fmt.quantize_weight_only(w, bits)
     ref = x @ fmt.dequantize_weight_only(q, s, bits)
-    got = cpu_gemm.weight_only_gemm(x, paddle.to_tensor(q), paddle.to_tensor(s), bits).numpy()
+    got = cpu_gemm.weight_only_gemm(x, paddle.to_tensor(cpu_gemm.pack_columns(q)), n, paddle.to_tensor(s), bits).numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
 
 
@@ -42,10 +42,31 @@ def test_quant_linear_gives_the_same_result_on_both_paths(method, monkeypatch):
     np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-4 * np.abs(slow).max())
 
 
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 100])
+def test_the_column_blocked_layout_round_trips_every_column_range(n):
+    q = np.random.default_rng(n).integers(-128, 128, (6, n), dtype=np.int8)
+    blocked = cpu_gemm.pack_columns(q)
+    assert blocked.shape == (-(-n // 32), 6, 32)
+    for n0, n1 in [(0, n), (0, 1), (n - 1, n), (min(32, n - 1), n)]:
+        np.testing.assert_array_equal(cpu_gemm.unpack_columns(blocked, n0, n1), q[:, n0:n1])
+
+
+def test_quant_linear_exports_the_checkpoint_layout_it_was_given():
+    w = np.random.default_rng(4).standard_normal((64, 72)).astype(np.float32)
+    for method in ("wint8", "wint4"):
+        t = fmt.quantize_float(w, method)
+        layer = QuantLinear.from_checkpoint(t, method)
+        np.testing.assert_array_equal(layer.export()["quant_weight"], t["quant_weight"])
+        np.testing.assert_array_equal(layer.dequantize(0, 72).numpy(),
+                                      fmt.dequantize_weight_only(t["quant_weight"], t["weight_scale"],
+                                                                 8 if method == "wint8" else 4))
+
+
 def test_a_shape_mismatch_is_refused():
     q, s = fmt.quantize_weight_only(np.ones((64, 32), np.float32), 8)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_gemm.weight_only_gemm(np.ones((2, 63), np.float32), paddle.to_tensor(q), paddle.to_tensor(s), 8)
+        cpu_gemm.weight_only_gemm(np.ones((2, 63), np.float32), paddle.to_tensor(cpu_gemm.pack_columns(q)), 32,
+                                  paddle.to_tensor(s), 8)
 
 
 def test_without_a_compiler_it_is_not_built_and_says_why(tmp_path):
@@ -55,3 +76,32 @@ def test_without_a_compiler_it_is_not_built_and_says_why(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "available False" in r.stdout, r.stderr
     assert "CPU weight-only GEMM not built" in r.stderr
+
+
+@pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])
+@pytest.mark.parametrize("offset", [None, 4])
+def test_quantized_experts_batched_in_one_call_equal_the_per_expert_path(method, offset):
+    """At decode sizes every routed expert runs in one cpu_gemm.c call (QuantMoEExperts.batched_forward); it
+    must give the per-expert loop's result exactly, under expert parallelism (an offset) too."""
+    from ernie_serve.quantization.layers import QuantMoEExperts
+
+    rng = np.random.default_rng(7)
+    num, h, inter, t, k = 8, 128, 96, 12, 2
+    ug = (rng.standard_normal((num, h, 2 * inter)) * 0.1).astype(np.float32)
+    dn = (rng.standard_normal((num, inter, h)) * 0.1).astype(np.float32)
+    x = paddle.to_tensor(rng.standard_normal((t, h)).astype(np.float32))
+    ids = paddle.to_tensor(rng.integers(0, num, (t, k)))
+    w = paddle.to_tensor(rng.random((t, k)).astype(np.float32))
+    local = slice(4, 8) if offset else slice(None)
+    experts = QuantMoEExperts.from_float(ug[local], dn[local], method, calib_x=x.numpy())
+    assert experts.can_batch(np.array([3, 1, 0, 5]))
+    batched = experts(x, ids, w, offset).numpy()
+    experts.can_batch = lambda counts: False
+    np.testing.assert_array_equal(batched, experts(x, ids, w, offset).numpy())
+
+
+def test_the_batched_expert_call_refuses_rows_that_do_not_fit():
+    q, s = fmt.quantize_weight_only(np.ones((64, 32), np.float32), 8)
+    blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(q)), paddle.to_tensor(s)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_gemm.moe_gemm(np.ones((2, 3, 64), np.float32), np.array([1, 4]), [blocked, blocked], 32, [scale, scale], 8)

@@ -19,14 +19,14 @@ def data():
 
 def _reference(w, x, method, layer):
     """Dequantize with formats.py (NumPy), fake-quantize activations the same way, fp32 matmul."""
-    t = {k: v.numpy() for k, v in layer.tensors.items()}
+    t = layer.export()  # checkpoint layouts (the layer holds int codes column-blocked for cpu_gemm.c)
     if method == "wint8":
         return x @ F.dequantize_weight_only(t["quant_weight"], t["weight_scale"], 8)
     if method == "wint4":
         return x @ F.dequantize_weight_only(t["quant_weight"], t["weight_scale"], 4)
     if method == "block_wise_fp8":
         xq = F.dequantize_act_fp8(*F.quantize_act_fp8(x))
-        codes = layer.tensors["quant_weight"].view(paddle.uint8).numpy()
+        codes = t["quant_weight"].view(np.uint8)
         return xq @ F.dequantize_block_fp8(codes, t["weight_scale_inv"])
     if method == "wint2":
         return x @ F.dequantize_wint2(t["quant_weight"], t["weight_scale"], t["code_scale"], t["code_zp"],

@@ -60,8 +60,11 @@ class FusedExperts(nn.Layer):
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(silu_and_mul(paddle.matmul(x, self.up_gate_proj[e])), self.down_proj[e])
 
-    def batched_forward(self, xs: paddle.Tensor) -> paddle.Tensor:
-        """Every expert on its own rows: xs [E, n, H] -> [E, n, H]."""
+    def can_batch(self, counts: np.ndarray) -> bool:
+        return _use_batched(counts)
+
+    def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
+        """Every expert on its own rows: xs [E, n, H] -> [E, n, H] (padding rows are zeros in, garbage out)."""
         return paddle.bmm(silu_and_mul(paddle.bmm(xs, self.up_gate_proj)), self.down_proj)
 
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
@@ -77,8 +80,9 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
 
     Tokens are sorted by expert once, then each active expert runs once over its tokens; results are
     weighted and scattered back with index_add. There is no per-token loop, and gradients flow.
-    Experts that can (`batched_forward`) run all at once instead when few tokens spread over most
-    experts (decode): see `_use_batched`.
+    Experts run all at once instead (`batched_forward` over a padded [E, cap, H] batch) when their
+    `can_batch(counts)` says so: float experts when few tokens spread over most experts (`_use_batched`),
+    quantized ones at decode sizes (one cpu_gemm.c call per matrix).
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape([-1]).numpy()
@@ -96,7 +100,7 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
         order = mine[np.argsort(flat_ids[mine], kind="stable")]
     token_of = to_paddle(order // k)
     w = paddle.index_select(topk_weights.reshape([-1]), to_paddle(order)).astype(x.dtype)
-    if hasattr(experts, "batched_forward") and _use_batched(counts):
+    if experts.can_batch(counts):
         ys = _batched(experts, x, flat_ids, order, counts, k)
     else:
         xs = paddle.index_select(x, token_of)
@@ -129,7 +133,7 @@ def _batched(experts, x: paddle.Tensor, flat_ids: np.ndarray, order: np.ndarray,
     gather[rows] = order // k
     padded = paddle.concat([x, paddle.zeros([1, x.shape[1]], x.dtype)])
     xs = paddle.index_select(padded, to_paddle(gather)).reshape([num_experts, cap, -1])
-    ys = experts.batched_forward(xs).reshape([num_experts * cap, -1])
+    ys = experts.batched_forward(xs, counts).reshape([num_experts * cap, -1])
     return paddle.index_select(ys, to_paddle(rows))
 
 

@@ -1,11 +1,16 @@
 /* Weight-only int8 / int4 GEMM for the CPU reference path at decode sizes (few rows).
  *
- *   y[M, N] = (x[M, K] @ W[K, N]) * scale[N]      W int8 [K, N], or int4 packed two rows a byte [K/2, N]
+ *   y[M, N] = (x[M, K] @ W[K, N]) * scale[N]      W int8, or int4 packed two rows a byte
  *                                                  (low nibble row 2i, high nibble row 2i+1, two's complement)
  *
  * Why: at decode a weight is read once per step for a handful of rows, so the step is bound by weight
  * bytes; dequantizing to fp32 first (Paddle has no int8 or int4 matmul on CPU) reads more bytes than fp32
  * itself. Here each weight byte is read once, widened to fp32 in registers, and multiplied into every row.
+ *
+ * Layout: W is held column-blocked, [ceil(N/32), R, 32] (R = K rows, or K/2 packed int4 rows; the last block
+ * zero-padded), not [R, N]: a thread's 32-column task then streams one contiguous R*32-byte run instead of
+ * 32 (or 16) bytes from each of R rows N bytes apart, half a cache line at a stride. Measured on this box with
+ * 138 MB of weights (no cache reuse), K 1024 x N 1408: int8 6.8 -> 15.9 GB/s at 1 row, 4.4 -> 8.0 GB/s at 4.
  * Columns are split across the OpenMP threads of the runtime Paddle itself uses (linked against its
  * libiomp5, so the two never compete for the cores). Built by cpu_gemm.py on first use.
  */
@@ -30,14 +35,14 @@ static inline void widen_i4(const int8_t *p, __m512 *lo, __m512 *hi) {
 }
 
 /* One block of `mb` rows (a compile-time constant in each instance, so the accumulators stay in registers)
- * and COLS columns from n0. */
+ * and the COLS columns from n0, whose weights are the contiguous [R, COLS] run at w. */
 #define BLOCK(NAME, BITS, mb)                                                                               \
 static void NAME(const float *x, int K, const int8_t *w, int N, const float *s, float *y, int n0) {         \
     __m512 a0[mb], a1[mb];                                                                                  \
     for (int m = 0; m < mb; m++) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }             \
     if (BITS == 8) {                                                                                        \
-        const int8_t *wp = w + n0;                                                                          \
-        for (int k = 0; k < K; k++, wp += N) {                                                              \
+        const int8_t *wp = w;                                                                               \
+        for (int k = 0; k < K; k++, wp += COLS) {                                                           \
             __m512 w0 = widen_i8(wp), w1 = widen_i8(wp + 16);                                               \
             for (int m = 0; m < mb; m++) {                                                                  \
                 __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);                                          \
@@ -46,8 +51,8 @@ static void NAME(const float *x, int K, const int8_t *w, int N, const float *s, 
             }                                                                                               \
         }                                                                                                   \
     } else {                                                                                                \
-        const int8_t *wp = w + n0;                                                                          \
-        for (int k = 0; k < K; k += 2, wp += N) {                                                           \
+        const int8_t *wp = w;                                                                               \
+        for (int k = 0; k < K; k += 2, wp += COLS) {                                                        \
             __m512 l0, h0, l1, h1;                                                                          \
             widen_i4(wp, &l0, &h0);                                                                         \
             widen_i4(wp + 16, &l1, &h1);                                                                    \
@@ -73,23 +78,22 @@ INSTANCES(block_i8_, 8)
 INSTANCES(block_i4_, 4)
 #endif
 
-/* Columns [n0, n1) of any format, plainly (the tail that is not a multiple of COLS; every column on CPUs
+/* The weight of row k, column n in the column-blocked layout. */
+static inline int8_t weight_at(const int8_t *w, int K, int n, int k, int bits) {
+    int rows = bits == 8 ? K : K / 2;
+    int8_t byte = w[((int64_t)(n / COLS) * rows + (bits == 8 ? k : k / 2)) * COLS + n % COLS];
+    if (bits == 8) return byte;
+    return (k & 1) ? (int8_t)(byte >> 4) : (int8_t)((int8_t)(byte << 4) >> 4);
+}
+
+/* Columns [n0, n1) of any format, plainly (a last block narrower than COLS; every column on CPUs
  * without AVX-512). */
 static void columns_plain(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y,
                           int n0, int n1, int bits) {
     for (int m = 0; m < M; m++)
         for (int n = n0; n < n1; n++) {
             float acc = 0.0f;
-            for (int k = 0; k < K; k++) {
-                int8_t q;
-                if (bits == 8) {
-                    q = w[(int64_t)k * N + n];
-                } else {
-                    int8_t byte = w[(int64_t)(k / 2) * N + n];
-                    q = (k & 1) ? (int8_t)(byte >> 4) : (int8_t)((int8_t)(byte << 4) >> 4);
-                }
-                acc += x[(int64_t)m * K + k] * (float)q;
-            }
+            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * (float)weight_at(w, K, n, k, bits);
             y[(int64_t)m * N + n] = acc * s[n];
         }
 }
@@ -99,11 +103,12 @@ static void gemm(const float *x, int M, int K, const int8_t *w, int N, const flo
 #ifdef __AVX512F__
     vec_cols = N / COLS * COLS;
     const block_fn *blocks = bits == 8 ? block_i8_s : block_i4_s;
+    const int64_t block_bytes = (int64_t)(bits == 8 ? K : K / 2) * COLS;
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < N / COLS; b++)
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             int mb = M - m0 < ROWS ? M - m0 : ROWS;
-            blocks[mb](x + (int64_t)m0 * K, K, w, N, s, y + (int64_t)m0 * N, b * COLS);
+            blocks[mb](x + (int64_t)m0 * K, K, w + b * block_bytes, N, s, y + (int64_t)m0 * N, b * COLS);
         }
 #endif
     if (vec_cols < N) columns_plain(x, M, K, w, N, s, y, vec_cols, N, bits);
@@ -115,6 +120,45 @@ void ernie_gemm_wint8(const float *x, int M, int K, const int8_t *w, int N, cons
 
 void ernie_gemm_wint4(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y) {
     gemm(x, M, K, w, N, s, y, 4);
+}
+
+/* Every routed expert of a MoE layer in one call: y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e for e < E,
+ * x [E, cap, K] and y [E, cap, N] (rows past rows[e] are neither read nor written). w[e] / s[e] point at each
+ * expert's column-blocked weight and scale. The threads split the (expert, column block) pairs, so a decode
+ * step's many small expert matmuls become one parallel loop instead of a Python call per expert. */
+static void moe_gemm(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
+                     const float *const *s, float *y, int bits) {
+    int vec_cols = 0;
+#ifdef __AVX512F__
+    vec_cols = N / COLS * COLS;
+    const block_fn *blocks = bits == 8 ? block_i8_s : block_i4_s;
+    const int64_t block_bytes = (int64_t)(bits == 8 ? K : K / 2) * COLS;
+    const int nb = N / COLS;
+    #pragma omp parallel for schedule(static)
+    for (int task = 0; task < E * nb; task++) {
+        int e = task / nb, b = task % nb, M = (int)rows[e];
+        const float *xe = x + (int64_t)e * cap * K;
+        float *ye = y + (int64_t)e * cap * N;
+        for (int m0 = 0; m0 < M; m0 += ROWS) {
+            int mb = M - m0 < ROWS ? M - m0 : ROWS;
+            blocks[mb](xe + (int64_t)m0 * K, K, w[e] + b * block_bytes, N, s[e], ye + (int64_t)m0 * N, b * COLS);
+        }
+    }
+#endif
+    if (vec_cols < N)
+        for (int e = 0; e < E; e++)
+            columns_plain(x + (int64_t)e * cap * K, (int)rows[e], K, w[e], N, s[e], y + (int64_t)e * cap * N,
+                          vec_cols, N, bits);
+}
+
+void ernie_moe_gemm_wint8(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
+                          const float *const *s, float *y) {
+    moe_gemm(x, rows, E, cap, K, w, N, s, y, 8);
+}
+
+void ernie_moe_gemm_wint4(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
+                          const float *const *s, float *y) {
+    moe_gemm(x, rows, E, cap, K, w, N, s, y, 4);
 }
 
 int ernie_gemm_has_avx512(void) {

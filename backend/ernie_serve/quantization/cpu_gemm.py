@@ -73,6 +73,9 @@ def _load() -> ctypes.CDLL | None:
     for name in ("ernie_gemm_wint8", "ernie_gemm_wint4"):
         getattr(lib, name).argtypes = [P, I, I, P, I, P, P]
         getattr(lib, name).restype = None
+    for name in ("ernie_moe_gemm_wint8", "ernie_moe_gemm_wint4"):
+        getattr(lib, name).argtypes = [P, P, I, I, I, P, I, P, P]
+        getattr(lib, name).restype = None
     _lib = lib
     return lib
 
@@ -81,17 +84,61 @@ def available() -> bool:
     return _load() is not None
 
 
-def weight_only_gemm(x: np.ndarray, qweight: paddle.Tensor, scale: paddle.Tensor, bits: int) -> paddle.Tensor:
-    """(x [M, K] float32) @ W * scale -> a new [M, N] float32 tensor; W int8 [K, N] (bits 8) or int4-packed
-    [K/2, N] (bits 4). Callers check available() first."""
+COLS = 32  # cpu_gemm.c's column block
+
+
+def pack_columns(q: np.ndarray) -> np.ndarray:
+    """int8 codes [R, N] (R = K, or K/2 packed int4 rows) -> the column-blocked layout cpu_gemm.c streams:
+    [ceil(N/32), R, 32], the last block zero-padded."""
+    r, n = q.shape
+    nb = -(-n // COLS)
+    padded = np.zeros((r, nb * COLS), np.int8)
+    padded[:, :n] = q
+    return np.ascontiguousarray(padded.reshape(r, nb, COLS).transpose(1, 0, 2))
+
+
+def unpack_columns(blocked: np.ndarray, n0: int, n1: int) -> np.ndarray:
+    """Columns [n0, n1) of a column-blocked weight as int8 [R, n1 - n0] (a copy)."""
+    b0, b1 = n0 // COLS, -(-n1 // COLS)
+    part = blocked[b0:b1]
+    cols = part.transpose(1, 0, 2).reshape(part.shape[1], -1)
+    return np.ascontiguousarray(cols[:, n0 - b0 * COLS: n1 - b0 * COLS])
+
+
+def weight_only_gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor, bits: int) -> paddle.Tensor:
+    """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W int8 (bits 8) or int4-packed
+    (bits 4) in pack_columns' layout. Callers check available() first."""
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    n = qweight.shape[1]
-    if qweight.shape[0] * (8 // bits) != k or scale.shape[0] != n:
-        raise ValueError(f"weight_only_gemm: x [{m}, {k}] does not fit a {bits}-bit weight {qweight.shape} "
-                         f"with scale {scale.shape}")
+    nb, rows, cols = blocked.shape
+    if rows * (8 // bits) != k or cols != COLS or nb != -(-n // COLS) or scale.shape[0] != n:
+        raise ValueError(f"weight_only_gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
+                         f"held as {blocked.shape} with scale {scale.shape}")
     y, out = empty_host((m, n), np.float32)
     fn = lib.ernie_gemm_wint8 if bits == 8 else lib.ernie_gemm_wint4
-    fn(x.ctypes.data, m, k, qweight.data_ptr(), n, scale.data_ptr(), out.ctypes.data)
+    fn(x.ctypes.data, m, k, blocked.data_ptr(), n, scale.data_ptr(), out.ctypes.data)
+    return y
+
+
+def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: int, scales: list[paddle.Tensor],
+             bits: int) -> paddle.Tensor:
+    """Every expert's matmul in one call: x [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)
+    -> y [E, cap, n] with y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e; rows past rows[e] are zero.
+    `blocked` / `scales`: each expert's weight (pack_columns' layout) and scale. Callers check available()."""
+    lib = _load()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    e, cap, k = x.shape
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    nb, kr, cols = blocked[0].shape
+    if (len(blocked) != e or len(scales) != e or rows.shape != (e,) or kr * (8 // bits) != k or cols != COLS
+            or nb != -(-n // COLS) or rows.max(initial=0) > cap):
+        raise ValueError(f"moe_gemm: x {list(x.shape)} with rows {rows.tolist()} does not fit {len(blocked)} "
+                         f"{bits}-bit experts of {n} columns held as {blocked[0].shape}")
+    w_ptrs = (ctypes.c_void_p * e)(*[w.data_ptr() for w in blocked])
+    s_ptrs = (ctypes.c_void_p * e)(*[s.data_ptr() for s in scales])
+    y, out = empty_host((e, cap, n), np.float32)
+    out.fill(0.0)
+    fn = lib.ernie_moe_gemm_wint8 if bits == 8 else lib.ernie_moe_gemm_wint4
+    fn(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, s_ptrs, out.ctypes.data)
     return y

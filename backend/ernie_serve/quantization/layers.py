@@ -39,12 +39,12 @@ _INT4_LO = (((_NIBBLE & 0xF) ^ 8) - 8).astype(np.float32)  # byte -> its low nib
 _INT4_HI = ((((_NIBBLE >> 4) & 0xF) ^ 8) - 8).astype(np.float32)
 
 
-def _unpack_int4_cols(packed: paddle.Tensor) -> paddle.Tensor:
+def _unpack_int4_cols(packed: np.ndarray) -> paddle.Tensor:
     """int8 [K//2, n] (formats.pack_int4 layout) -> float32 [K, n], exact.
 
-    Two table lookups in NumPy (zero-copy in through DLPack, written into the tensor's memory): measured ~5x faster on CPU than
-    the same unpacking as Paddle elementwise ops, and this runs on every forward of a wint4 weight."""
-    u = np.from_dlpack(packed).view(np.uint8)
+    Two table lookups in NumPy (written into the tensor's memory): measured ~5x faster on CPU than the same
+    unpacking as Paddle elementwise ops, and this runs on every forward of a wint4 weight."""
+    u = packed.view(np.uint8)
     k2, n = u.shape
     t, out = empty_host((k2, 2, n), np.float32)
     np.take(_INT4_LO, u, out=out[:, 0])
@@ -163,6 +163,8 @@ class QuantLinear(nn.Layer):
         for name, arr in t.items():
             if name == "quant_weight" and self.method == "block_wise_fp8":
                 out[name] = paddle.to_tensor(np.ascontiguousarray(arr).view(np.uint8)).view(paddle.float8_e4m3fn)
+            elif name == "quant_weight" and self.method in _WEIGHT_ONLY_BITS:
+                out[name] = paddle.to_tensor(cpu_gemm.pack_columns(arr))  # the layout cpu_gemm.c streams
             else:
                 out[name] = paddle.to_tensor(np.ascontiguousarray(arr))
         for name, tensor in out.items():
@@ -177,9 +179,21 @@ class QuantLinear(nn.Layer):
         for name, t in self.tensors.items():
             if t.dtype == paddle.float8_e4m3fn:
                 out[name] = t.view(paddle.uint8).numpy().view(fmt.ml_dtypes.float8_e4m3fn)
+            elif name == "quant_weight" and self.method in _WEIGHT_ONLY_BITS:
+                out[name] = self._codes(0, self.out_features)
             else:
                 out[name] = t.numpy()
         return out
+
+    def _codes(self, n0: int, n1: int) -> np.ndarray:
+        """int8 codes of columns [n0, n1) in checkpoint layout [K or K/2, n] (weight-only int formats, which
+        hold them column-blocked for cpu_gemm.c)."""
+        return cpu_gemm.unpack_columns(np.from_dlpack(self.tensors["quant_weight"]), n0, n1)
+
+    def _float_codes(self, n0: int, n1: int) -> paddle.Tensor:
+        """The integer codes of columns [n0, n1) as float32 [K, n] (weight-only int formats)."""
+        q = self._codes(n0, n1)
+        return to_paddle(q).astype("float32") if self.method == "wint8" else _unpack_int4_cols(q)
 
     @property
     def float_nbytes(self) -> int:
@@ -200,10 +214,7 @@ class QuantLinear(nn.Layer):
             return _dequantize_fp8_cols(t["quant_weight"], t["weight_scale_inv"], n0, n1)
         if m == "wint2":
             return _dequantize_wint2_cols(t, self.in_features, n0, n1)
-        q = t["quant_weight"][:, n0:n1]
-        if m == "wint8":
-            return q.astype("float32") * t["weight_scale"][n0:n1]
-        return _unpack_int4_cols(q) * t["weight_scale"][n0:n1]
+        return self._float_codes(n0, n1) * t["weight_scale"][n0:n1]
 
     def _quantize_input(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.method == "block_wise_fp8":
@@ -215,13 +226,12 @@ class QuantLinear(nn.Layer):
     def _tile_matmul(self, xq: paddle.Tensor, n0: int, n1: int) -> paddle.Tensor:
         """xq @ W[:, n0:n1]. A per-output-channel scale commutes with the matmul, so weight-only int
         formats multiply it into the [T, n] product instead of the [K, n] tile (one pass fewer)."""
-        if self.method not in ("wint8", "wint4", "w4a8"):
+        if self.method not in _WEIGHT_ONLY_BITS:
             return paddle.matmul(xq, self.dequantize(n0, n1))
-        q, s = self.tensors["quant_weight"], self.tensors["weight_scale"]
+        s = self.tensors["weight_scale"]
         if (n0, n1) != (0, self.out_features):
-            q, s = q[:, n0:n1], s[n0:n1]
-        w = q.astype("float32") if self.method == "wint8" else _unpack_int4_cols(q)
-        return paddle.matmul(xq, w) * s
+            s = s[n0:n1]
+        return paddle.matmul(xq, self._float_codes(n0, n1)) * s
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if x.shape[-1] != self.in_features:
@@ -230,7 +240,7 @@ class QuantLinear(nn.Layer):
         bits = _WEIGHT_ONLY_BITS.get(self.method)
         if bits and xq.shape[0] <= cpu_gemm.MAX_ROWS and xq.place.is_cpu_place() and cpu_gemm.available():
             # decode sizes: each weight byte read once (cpu_gemm.c), not dequantized to an fp32 tile first
-            y = cpu_gemm.weight_only_gemm(np.from_dlpack(xq), self.tensors["quant_weight"],
+            y = cpu_gemm.weight_only_gemm(np.from_dlpack(xq), self.tensors["quant_weight"], self.out_features,
                                           self.tensors["weight_scale"], bits)
         else:
             outs = [self._tile_matmul(xq, n0, min(n0 + self.tile_n, self.out_features))
@@ -297,6 +307,28 @@ class QuantMoEExperts(nn.Layer):
 
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj[e](silu_and_mul(self.up_gate_proj[e](x)))
+
+    def can_batch(self, counts: np.ndarray) -> bool:
+        """Decode sizes of a weight-only int format run every expert in one cpu_gemm.c call (batched_forward):
+        measured, the per-expert Python calls it replaces cost more than the matmuls at 16 running."""
+        return (self.method in _WEIGHT_ONLY_BITS and int(counts.max(initial=0)) <= cpu_gemm.MAX_ROWS
+                and cpu_gemm.available())
+
+    def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
+        """Every expert on its own rows: xs [E, cap, H] (expert e's tokens in its first counts[e] rows) ->
+        [E, cap, H]; the other rows are zeros. Two cpu_gemm.c calls for the whole layer."""
+        h = self._all_experts(self.up_gate_proj, np.from_dlpack(xs), counts)
+        return self._all_experts(self.down_proj, np.from_dlpack(silu_and_mul(h)), counts)
+
+    def _all_experts(self, linears: nn.LayerList, x: np.ndarray, counts: np.ndarray) -> paddle.Tensor:
+        bits = _WEIGHT_ONLY_BITS[self.method]
+        first = linears[0]
+        if self.method == "w4a8":  # each expert's static int8 activation scale (see _quantize_act_int8)
+            a = np.asarray([q.act_scale for q in linears], np.float32)[:, None, None]
+            x = np.clip(fmt.round_half_away(x / a), -127.0, 127.0).astype(np.float32)
+        y = cpu_gemm.moe_gemm(x, counts, [q.tensors["quant_weight"] for q in linears], first.out_features,
+                              [q.tensors["weight_scale"] for q in linears], bits)
+        return y * to_paddle(a) if self.method == "w4a8" else y
 
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
                 expert_offset: int | None = None) -> paddle.Tensor:
