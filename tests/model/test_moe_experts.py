@@ -1,4 +1,5 @@
-"""Routed experts: the per-expert loop and the batched (decode) path both equal a per-token NumPy reference."""
+"""Routed experts: the per-expert loop and the batched (decode) path both equal a per-token NumPy reference, in
+the loaded layout and in the serving layout (BlockedExperts, column-blocked for cpu_gemm.c)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,8 @@ import paddle
 import pytest
 
 from ernie_serve.model import moe
-from ernie_serve.model.moe import FusedExperts
+from ernie_serve.model.moe import BlockedExperts, FusedExperts
+from ernie_serve.quantization import cpu_gemm
 
 
 def _reference(up_gate, down, x, ids, w):
@@ -57,3 +59,44 @@ def test_gradients_flow_through_the_batched_path(monkeypatch):
     monkeypatch.setattr(moe, "_use_batched", lambda c: True)
     ex(x, ids, paddle.full([4, 2], 0.5)).square().sum().backward()
     assert np.abs(ex.up_gate_proj.grad.numpy()).sum() > 0 and x.grad is not None
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler to build cpu_gemm.c")
+@pytest.mark.parametrize("tokens,top_k,num_experts,h,inter", [(16, 4, 16, 64, 48), (3, 2, 8, 24, 10),
+                                                              (200, 2, 8, 40, 20), (1, 1, 4, 32, 16)])
+@pytest.mark.parametrize("offset", [None, 2])
+def test_the_serving_layout_equals_the_reference_at_decode_and_prefill_sizes(tokens, top_k, num_experts, h, inter,
+                                                                             offset):
+    """Decode sizes run every expert in one cpu_gemm.c call, prefill sizes unblock one expert at a time; both
+    equal the reference, column counts that are not multiples of 32 and expert parallelism included."""
+    rng = np.random.default_rng(tokens + h)
+    up_gate = rng.standard_normal((num_experts, h, 2 * inter)).astype(np.float32) * 0.3
+    down = rng.standard_normal((num_experts, inter, h)).astype(np.float32) * 0.3
+    x = rng.standard_normal((tokens, h)).astype(np.float32)
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int64)
+    w = rng.random((tokens, top_k)).astype(np.float32)
+    local = slice(offset, offset + num_experts // 2) if offset else slice(None)
+    ref = _reference(up_gate, down, x, ids, w) if offset is None else None
+    if offset is not None:  # only this rank's experts' share
+        mine = (ids >= offset) & (ids < offset + num_experts // 2)
+        ref = _reference(up_gate, down, x, np.where(mine, ids, 0), np.where(mine, w, 0.0))
+    blocked = FusedExperts.from_weights(up_gate[local], down[local]).serving_layout()
+    assert isinstance(blocked, BlockedExperts)
+    assert blocked.nbytes >= 4 * (up_gate[local].size + down[local].size)
+    with paddle.no_grad():
+        got = blocked(paddle.to_tensor(x), paddle.to_tensor(ids), paddle.to_tensor(w), offset).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_serves_its_fp32_experts_in_the_serving_layout(tiny_model_dir):
+    from ernie_serve import LLM, SamplingParams
+    from ernie_serve.model.loader import load_model
+
+    llm = LLM(model=str(tiny_model_dir), skip_tokenizer_init=True, disable_progress_bar=True, max_model_len=128)
+    served = [layer.mlp.experts for layer in llm.engine.model.layers if hasattr(layer.mlp, "experts")]
+    assert served and all(isinstance(e, BlockedExperts) == cpu_gemm.available() for e in served)
+    loaded = load_model(tiny_model_dir, show_progress=False)  # a model loaded on its own keeps the loaded layout
+    assert all(isinstance(layer.mlp.experts, FusedExperts) for layer in loaded.layers if hasattr(layer.mlp, "experts"))
+    out = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(temperature=0, max_tokens=4),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

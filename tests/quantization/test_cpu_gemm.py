@@ -25,7 +25,7 @@ def test_matches_the_dequantized_matmul(bits, m, k, n):
     x = rng.standard_normal((m, k)).astype(np.float32)
     q, s = fmt.quantize_weight_only(w, bits)
     ref = x @ fmt.dequantize_weight_only(q, s, bits)
-    got = cpu_gemm.weight_only_gemm(x, paddle.to_tensor(cpu_gemm.pack_columns(q)), n, paddle.to_tensor(s), bits).numpy()
+    got = cpu_gemm.gemm(x, paddle.to_tensor(cpu_gemm.pack_columns(q)), n, paddle.to_tensor(s), bits).numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
 
 
@@ -65,7 +65,7 @@ def test_quant_linear_exports_the_checkpoint_layout_it_was_given():
 def test_a_shape_mismatch_is_refused():
     q, s = fmt.quantize_weight_only(np.ones((64, 32), np.float32), 8)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_gemm.weight_only_gemm(np.ones((2, 63), np.float32), paddle.to_tensor(cpu_gemm.pack_columns(q)), 32,
+        cpu_gemm.gemm(np.ones((2, 63), np.float32), paddle.to_tensor(cpu_gemm.pack_columns(q)), 32,
                                   paddle.to_tensor(s), 8)
 
 

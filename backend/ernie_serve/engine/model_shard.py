@@ -21,6 +21,7 @@ class ModelShard:
                  num_cache_layers: int | None = None):
         """`num_cache_layers`: KV cache layers (the model's, plus one for an MTP head)."""
         cfg = model.config
+        model.process_weights_after_loading()
         self.model = model
         self.block_size = block_size
         layers = num_cache_layers or cfg.num_hidden_layers

@@ -16,7 +16,7 @@ from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
 from .kv_cache import KVCacheQuant, PagedKVCache
 from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, make_linear
-from .moe import MoE
+from .moe import FusedExperts, MoE
 from .parallel import SINGLE_RANK, ParallelLayout, VocabParallelEmbedding
 
 
@@ -97,6 +97,18 @@ class ErnieForCausalLM(nn.Layer):
         for layer in self.layers:
             x = layer(x, positions, self.rope, meta, cache)
         return self.norm(x)
+
+    def process_weights_after_loading(self) -> None:
+        """Serving layouts for weights a kernel reads faster in another layout (vLLM's hook of this name): on CPU,
+        every fp32 Linear (lm_head included) and the fp32 routed experts column-blocked for cpu_gemm.c
+        (layers.BlockedLinear, moe.BlockedExperts). Called once by the engine's ModelShard; a model loaded
+        to be trained, calibrated or exported keeps the loaded layout."""
+        for parent in self.sublayers(include_self=True):
+            for name, child in list(parent.named_children()):
+                if type(child) in (Linear, FusedExperts):  # exactly: quantized layers have their own
+                    served = child.serving_layout()
+                    if served is not None:
+                        setattr(parent, name, served)  # the loaded parameters are freed with the old layer
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits over the whole vocabulary (a tensor-parallel rank computes its columns, then all-gathers)."""

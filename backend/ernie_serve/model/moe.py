@@ -11,7 +11,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from .config import ErnieModelConfig
-from .host_tensor import to_paddle
+from .host_tensor import empty_host, to_paddle
 from .layers import MLP, silu_and_mul
 from .parallel import SINGLE_RANK, ParallelLayout
 
@@ -63,6 +63,22 @@ class FusedExperts(nn.Layer):
     def can_batch(self, counts: np.ndarray) -> bool:
         return _use_batched(counts)
 
+    def serving_layout(self) -> "BlockedExperts | None":
+        """The same experts column-blocked for cpu_gemm.c, or None where that kernel is not built / not on CPU."""
+        from ..quantization import cpu_gemm  # the quantization package imports this module: imported late
+
+        if not (self.up_gate_proj.place.is_cpu_place() and cpu_gemm.available()):
+            return None
+
+        def blocked(param: paddle.Tensor) -> paddle.Tensor:
+            e, k, n = param.shape
+            t, view = empty_host((e, -(-n // cpu_gemm.COLS), k, cpu_gemm.COLS), np.float32)
+            for i, w in enumerate(np.from_dlpack(param.detach())):  # one expert at a time: no stacked copy
+                view[i] = cpu_gemm.pack_columns(w)
+            return t
+        return BlockedExperts(blocked(self.up_gate_proj), blocked(self.down_proj), self.up_gate_proj.shape[2],
+                              self.down_proj.shape[2])
+
     def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
         """Every expert on its own rows: xs [E, n, H] -> [E, n, H] (padding rows are zeros in, garbage out)."""
         return paddle.bmm(silu_and_mul(paddle.bmm(xs, self.up_gate_proj)), self.down_proj)
@@ -70,6 +86,58 @@ class FusedExperts(nn.Layer):
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
                 expert_offset: int | None = None) -> paddle.Tensor:
         return grouped_expert_forward(self, x, topk_ids, topk_weights, expert_offset)
+
+
+class BlockedExperts(nn.Layer):
+    """The fp32 routed experts in their serving layout: each matrix column-blocked ([N/32, K, 32], the layout
+    cpu_gemm.c streams), built from a loaded FusedExperts by ErnieForCausalLM.process_weights_after_loading.
+
+    Why: at decode each expert multiplies a few rows, so the step streams the experts' weights, and Paddle's
+    matmul over [K, N] streams them at 8-10 GB/s on this CPU where cpu_gemm.c reads column-blocked fp32 at
+    ~27 GB/s (4 rows, cold weights, measured). Decode sizes run every expert in one cpu_gemm.c call; larger
+    row counts (prefill) unblock one expert's matrix at a time for Paddle's matmul. Inference only."""
+
+    def __init__(self, up_gate: paddle.Tensor, down: paddle.Tensor, up_gate_cols: int, down_cols: int):
+        """`up_gate` [E, ceil(2I/32), H, 32], `down` [E, ceil(H/32), I, 32] float32 (cpu_gemm.pack_columns)."""
+        super().__init__()
+        self.num_experts = up_gate.shape[0]
+        self.up_gate_cols, self.down_cols = up_gate_cols, down_cols
+        self.register_buffer("up_gate_blocked", up_gate)
+        self.register_buffer("down_blocked", down)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (int(np.prod(self.up_gate_blocked.shape)) + int(np.prod(self.down_blocked.shape)))
+
+    def can_batch(self, counts: np.ndarray) -> bool:
+        from ..quantization import cpu_gemm
+
+        return int(counts.max(initial=0)) <= cpu_gemm.MAX_ROWS
+
+    def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
+        from ..quantization import cpu_gemm
+
+        h = cpu_gemm.moe_gemm(np.from_dlpack(xs), counts, _per_expert(self.up_gate_blocked), self.up_gate_cols,
+                              None, 32)
+        return cpu_gemm.moe_gemm(np.from_dlpack(silu_and_mul(h)), counts, _per_expert(self.down_blocked),
+                                 self.down_cols, None, 32)
+
+    def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
+        from ..quantization import cpu_gemm
+
+        def weight(blocked: paddle.Tensor, cols: int) -> paddle.Tensor:
+            return to_paddle(cpu_gemm.unpack_columns(np.from_dlpack(blocked)[e], 0, cols))
+
+        h = paddle.matmul(x, weight(self.up_gate_blocked, self.up_gate_cols))
+        return paddle.matmul(silu_and_mul(h), weight(self.down_blocked, self.down_cols))
+
+    def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
+                expert_offset: int | None = None) -> paddle.Tensor:
+        return grouped_expert_forward(self, x, topk_ids, topk_weights, expert_offset)
+
+
+def _per_expert(stacked: paddle.Tensor) -> list[paddle.Tensor]:
+    return [stacked[e] for e in range(stacked.shape[0])]
 
 
 def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,

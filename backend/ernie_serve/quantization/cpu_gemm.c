@@ -1,7 +1,8 @@
 /* Weight-only int8 / int4 GEMM for the CPU reference path at decode sizes (few rows).
  *
  *   y[M, N] = (x[M, K] @ W[K, N]) * scale[N]      W int8, or int4 packed two rows a byte
- *                                                  (low nibble row 2i, high nibble row 2i+1, two's complement)
+ *                                                  (low nibble row 2i, high nibble row 2i+1, two's complement),
+ *                                                  or float32 (routed experts at serving time; no scale)
  *
  * Why: at decode a weight is read once per step for a handful of rows, so the step is bound by weight
  * bytes; dequantizing to fp32 first (Paddle has no int8 or int4 matmul on CPU) reads more bytes than fp32
@@ -40,7 +41,17 @@ static inline void widen_i4(const int8_t *p, __m512 *lo, __m512 *hi) {
 static void NAME(const float *x, int K, const int8_t *w, int N, const float *s, float *y, int n0) {         \
     __m512 a0[mb], a1[mb];                                                                                  \
     for (int m = 0; m < mb; m++) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }             \
-    if (BITS == 8) {                                                                                        \
+    if (BITS == 32) {                                                                                       \
+        const float *wp = (const float *)w;                                                                 \
+        for (int k = 0; k < K; k++, wp += COLS) {                                                           \
+            __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);                                 \
+            for (int m = 0; m < mb; m++) {                                                                  \
+                __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);                                          \
+                a0[m] = _mm512_fmadd_ps(xv, w0, a0[m]);                                                     \
+                a1[m] = _mm512_fmadd_ps(xv, w1, a1[m]);                                                     \
+            }                                                                                               \
+        }                                                                                                   \
+    } else if (BITS == 8) {                                                                                 \
         const int8_t *wp = w;                                                                               \
         for (int k = 0; k < K; k++, wp += COLS) {                                                           \
             __m512 w0 = widen_i8(wp), w1 = widen_i8(wp + 16);                                               \
@@ -64,7 +75,8 @@ static void NAME(const float *x, int K, const int8_t *w, int N, const float *s, 
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
-    __m512 s0 = _mm512_loadu_ps(s + n0), s1 = _mm512_loadu_ps(s + n0 + 16);                                 \
+    __m512 s0 = s ? _mm512_loadu_ps(s + n0) : _mm512_set1_ps(1.0f);                                         \
+    __m512 s1 = s ? _mm512_loadu_ps(s + n0 + 16) : _mm512_set1_ps(1.0f);                                    \
     for (int m = 0; m < mb; m++) {                                                                          \
         _mm512_storeu_ps(y + (int64_t)m * N + n0, _mm512_mul_ps(a0[m], s0));                                \
         _mm512_storeu_ps(y + (int64_t)m * N + n0 + 16, _mm512_mul_ps(a1[m], s1));                           \
@@ -76,12 +88,17 @@ typedef void (*block_fn)(const float *, int, const int8_t *, int, const float *,
     static const block_fn P##s[ROWS + 1] = {0, P##1, P##2, P##3, P##4, P##5, P##6, P##7, P##8};
 INSTANCES(block_i8_, 8)
 INSTANCES(block_i4_, 4)
+INSTANCES(block_f32_, 32)
 #endif
 
+/* Rows of the column-blocked layout: K, or K/2 packed int4 rows. */
+static inline int block_rows(int K, int bits) { return bits == 4 ? K / 2 : K; }
+
 /* The weight of row k, column n in the column-blocked layout. */
-static inline int8_t weight_at(const int8_t *w, int K, int n, int k, int bits) {
-    int rows = bits == 8 ? K : K / 2;
-    int8_t byte = w[((int64_t)(n / COLS) * rows + (bits == 8 ? k : k / 2)) * COLS + n % COLS];
+static inline float weight_at(const int8_t *w, int K, int n, int k, int bits) {
+    int64_t at = ((int64_t)(n / COLS) * block_rows(K, bits) + (bits == 4 ? k / 2 : k)) * COLS + n % COLS;
+    if (bits == 32) return ((const float *)w)[at];
+    int8_t byte = w[at];
     if (bits == 8) return byte;
     return (k & 1) ? (int8_t)(byte >> 4) : (int8_t)((int8_t)(byte << 4) >> 4);
 }
@@ -93,17 +110,23 @@ static void columns_plain(const float *x, int M, int K, const int8_t *w, int N, 
     for (int m = 0; m < M; m++)
         for (int n = n0; n < n1; n++) {
             float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * (float)weight_at(w, K, n, k, bits);
-            y[(int64_t)m * N + n] = acc * s[n];
+            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * weight_at(w, K, n, k, bits);
+            y[(int64_t)m * N + n] = s ? acc * s[n] : acc;
         }
 }
+
+#ifdef __AVX512F__
+static const block_fn *blocks_for(int bits) {
+    return bits == 32 ? block_f32_s : bits == 8 ? block_i8_s : block_i4_s;
+}
+#endif
 
 static void gemm(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y, int bits) {
     int vec_cols = 0;
 #ifdef __AVX512F__
     vec_cols = N / COLS * COLS;
-    const block_fn *blocks = bits == 8 ? block_i8_s : block_i4_s;
-    const int64_t block_bytes = (int64_t)(bits == 8 ? K : K / 2) * COLS;
+    const block_fn *blocks = blocks_for(bits);
+    const int64_t block_bytes = (int64_t)block_rows(K, bits) * COLS * (bits == 32 ? 4 : 1);
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < N / COLS; b++)
         for (int m0 = 0; m0 < M; m0 += ROWS) {
@@ -122,6 +145,11 @@ void ernie_gemm_wint4(const float *x, int M, int K, const int8_t *w, int N, cons
     gemm(x, M, K, w, N, s, y, 4);
 }
 
+/* A float32 weight held column-blocked ([N/32, K, 32] floats): no scale. */
+void ernie_gemm_f32(const float *x, int M, int K, const int8_t *w, int N, float *y) {
+    gemm(x, M, K, w, N, 0, y, 32);
+}
+
 /* Every routed expert of a MoE layer in one call: y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e for e < E,
  * x [E, cap, K] and y [E, cap, N] (rows past rows[e] are neither read nor written). w[e] / s[e] point at each
  * expert's column-blocked weight and scale. The threads split the (expert, column block) pairs, so a decode
@@ -131,8 +159,8 @@ static void moe_gemm(const float *x, const int64_t *rows, int E, int cap, int K,
     int vec_cols = 0;
 #ifdef __AVX512F__
     vec_cols = N / COLS * COLS;
-    const block_fn *blocks = bits == 8 ? block_i8_s : block_i4_s;
-    const int64_t block_bytes = (int64_t)(bits == 8 ? K : K / 2) * COLS;
+    const block_fn *blocks = blocks_for(bits);
+    const int64_t block_bytes = (int64_t)block_rows(K, bits) * COLS * (bits == 32 ? 4 : 1);
     const int nb = N / COLS;
     #pragma omp parallel for schedule(static)
     for (int task = 0; task < E * nb; task++) {
@@ -141,14 +169,15 @@ static void moe_gemm(const float *x, const int64_t *rows, int E, int cap, int K,
         float *ye = y + (int64_t)e * cap * N;
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             int mb = M - m0 < ROWS ? M - m0 : ROWS;
-            blocks[mb](xe + (int64_t)m0 * K, K, w[e] + b * block_bytes, N, s[e], ye + (int64_t)m0 * N, b * COLS);
+            blocks[mb](xe + (int64_t)m0 * K, K, w[e] + b * block_bytes, N, s ? s[e] : 0, ye + (int64_t)m0 * N,
+                       b * COLS);
         }
     }
 #endif
     if (vec_cols < N)
         for (int e = 0; e < E; e++)
-            columns_plain(x + (int64_t)e * cap * K, (int)rows[e], K, w[e], N, s[e], y + (int64_t)e * cap * N,
-                          vec_cols, N, bits);
+            columns_plain(x + (int64_t)e * cap * K, (int)rows[e], K, w[e], N, s ? s[e] : 0,
+                          y + (int64_t)e * cap * N, vec_cols, N, bits);
 }
 
 void ernie_moe_gemm_wint8(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
@@ -159,6 +188,12 @@ void ernie_moe_gemm_wint8(const float *x, const int64_t *rows, int E, int cap, i
 void ernie_moe_gemm_wint4(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
                           const float *const *s, float *y) {
     moe_gemm(x, rows, E, cap, K, w, N, s, y, 4);
+}
+
+/* float32 experts held column-blocked ([N/32, K, 32] floats each): no scales. */
+void ernie_moe_gemm_f32(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
+                        float *y) {
+    moe_gemm(x, rows, E, cap, K, w, N, 0, y, 32);
 }
 
 int ernie_gemm_has_avx512(void) {

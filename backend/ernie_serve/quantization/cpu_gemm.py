@@ -1,7 +1,8 @@
 """The CPU weight-only GEMM of cpu_gemm.c: built on this machine on first use, called through ctypes.
 
 y = (x @ W) * scale for int8 or packed-int4 W at decode sizes, reading each weight byte once (see the C
-file for why Paddle's fp32 matmul over a dequantized tile cannot be as fast). The library is compiled with
+file for why Paddle's fp32 matmul over a dequantized tile cannot be as fast), and every routed expert of a
+layer in one call, quantized or float32 (float experts in their serving layout, model/moe.BlockedExperts). The library is compiled with
 the system C compiler for this CPU (-march=native) and linked against the OpenMP runtime Paddle ships, so
 its threads are Paddle's threads. Without a compiler it is not built: `available()` is False, callers keep
 their Paddle path, and one warning says why.
@@ -76,6 +77,10 @@ def _load() -> ctypes.CDLL | None:
     for name in ("ernie_moe_gemm_wint8", "ernie_moe_gemm_wint4"):
         getattr(lib, name).argtypes = [P, P, I, I, I, P, I, P, P]
         getattr(lib, name).restype = None
+    lib.ernie_moe_gemm_f32.argtypes = [P, P, I, I, I, P, I, P]
+    lib.ernie_moe_gemm_f32.restype = None
+    lib.ernie_gemm_f32.argtypes = [P, I, I, P, I, P]
+    lib.ernie_gemm_f32.restype = None
     _lib = lib
     return lib
 
@@ -88,57 +93,66 @@ COLS = 32  # cpu_gemm.c's column block
 
 
 def pack_columns(q: np.ndarray) -> np.ndarray:
-    """int8 codes [R, N] (R = K, or K/2 packed int4 rows) -> the column-blocked layout cpu_gemm.c streams:
-    [ceil(N/32), R, 32], the last block zero-padded."""
+    """A weight [R, N] (int8 codes with R = K or K/2 packed int4 rows, or float32) -> the column-blocked layout
+    cpu_gemm.c streams: [ceil(N/32), R, 32], the last block zero-padded."""
     r, n = q.shape
     nb = -(-n // COLS)
-    padded = np.zeros((r, nb * COLS), np.int8)
+    padded = np.zeros((r, nb * COLS), q.dtype)
     padded[:, :n] = q
     return np.ascontiguousarray(padded.reshape(r, nb, COLS).transpose(1, 0, 2))
 
 
 def unpack_columns(blocked: np.ndarray, n0: int, n1: int) -> np.ndarray:
-    """Columns [n0, n1) of a column-blocked weight as int8 [R, n1 - n0] (a copy)."""
+    """Columns [n0, n1) of a column-blocked weight as [R, n1 - n0] (a copy)."""
     b0, b1 = n0 // COLS, -(-n1 // COLS)
     part = blocked[b0:b1]
     cols = part.transpose(1, 0, 2).reshape(part.shape[1], -1)
     return np.ascontiguousarray(cols[:, n0 - b0 * COLS: n1 - b0 * COLS])
 
 
-def weight_only_gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor, bits: int) -> paddle.Tensor:
-    """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W int8 (bits 8) or int4-packed
-    (bits 4) in pack_columns' layout. Callers check available() first."""
+def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | None, bits: int) -> paddle.Tensor:
+    """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W in pack_columns' layout: int8 (bits 8),
+    int4-packed (bits 4), or float32 (bits 32, scale None). Callers check available() first."""
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     nb, rows, cols = blocked.shape
-    if rows * (8 // bits) != k or cols != COLS or nb != -(-n // COLS) or scale.shape[0] != n:
-        raise ValueError(f"weight_only_gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
-                         f"held as {blocked.shape} with scale {scale.shape}")
+    if (rows * (2 if bits == 4 else 1) != k or cols != COLS or nb != -(-n // COLS) or (scale is None) != (bits == 32)
+            or (scale is not None and scale.shape[0] != n)):
+        raise ValueError(f"cpu_gemm.gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
+                         f"held as {blocked.shape} with scale {None if scale is None else scale.shape}")
     y, out = empty_host((m, n), np.float32)
+    if bits == 32:
+        lib.ernie_gemm_f32(x.ctypes.data, m, k, blocked.data_ptr(), n, out.ctypes.data)
+        return y
     fn = lib.ernie_gemm_wint8 if bits == 8 else lib.ernie_gemm_wint4
     fn(x.ctypes.data, m, k, blocked.data_ptr(), n, scale.data_ptr(), out.ctypes.data)
     return y
 
 
-def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: int, scales: list[paddle.Tensor],
-             bits: int) -> paddle.Tensor:
+def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: int,
+             scales: list[paddle.Tensor] | None, bits: int) -> paddle.Tensor:
     """Every expert's matmul in one call: x [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)
     -> y [E, cap, n] with y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e; rows past rows[e] are zero.
-    `blocked` / `scales`: each expert's weight (pack_columns' layout) and scale. Callers check available()."""
+    `blocked` / `scales`: each expert's weight (pack_columns' layout) and scale; bits 8 / 4 (int codes) or 32
+    (float32 weights, scales None). Callers check available()."""
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
     e, cap, k = x.shape
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     nb, kr, cols = blocked[0].shape
-    if (len(blocked) != e or len(scales) != e or rows.shape != (e,) or kr * (8 // bits) != k or cols != COLS
-            or nb != -(-n // COLS) or rows.max(initial=0) > cap):
+    if (len(blocked) != e or (scales is None) != (bits == 32) or (scales is not None and len(scales) != e)
+            or rows.shape != (e,) or kr * (2 if bits == 4 else 1) != k or cols != COLS or nb != -(-n // COLS)
+            or rows.max(initial=0) > cap):
         raise ValueError(f"moe_gemm: x {list(x.shape)} with rows {rows.tolist()} does not fit {len(blocked)} "
                          f"{bits}-bit experts of {n} columns held as {blocked[0].shape}")
     w_ptrs = (ctypes.c_void_p * e)(*[w.data_ptr() for w in blocked])
-    s_ptrs = (ctypes.c_void_p * e)(*[s.data_ptr() for s in scales])
     y, out = empty_host((e, cap, n), np.float32)
     out.fill(0.0)
+    if bits == 32:
+        lib.ernie_moe_gemm_f32(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, out.ctypes.data)
+        return y
+    s_ptrs = (ctypes.c_void_p * e)(*[s.data_ptr() for s in scales])
     fn = lib.ernie_moe_gemm_wint8 if bits == 8 else lib.ernie_moe_gemm_wint4
     fn(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, s_ptrs, out.ctypes.data)
     return y

@@ -240,8 +240,8 @@ class QuantLinear(nn.Layer):
         bits = _WEIGHT_ONLY_BITS.get(self.method)
         if bits and xq.shape[0] <= cpu_gemm.MAX_ROWS and xq.place.is_cpu_place() and cpu_gemm.available():
             # decode sizes: each weight byte read once (cpu_gemm.c), not dequantized to an fp32 tile first
-            y = cpu_gemm.weight_only_gemm(np.from_dlpack(xq), self.tensors["quant_weight"], self.out_features,
-                                          self.tensors["weight_scale"], bits)
+            y = cpu_gemm.gemm(np.from_dlpack(xq), self.tensors["quant_weight"], self.out_features,
+                              self.tensors["weight_scale"], bits)
         else:
             outs = [self._tile_matmul(xq, n0, min(n0 + self.tile_n, self.out_features))
                     for n0 in range(0, self.out_features, self.tile_n)]
