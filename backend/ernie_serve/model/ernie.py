@@ -9,13 +9,14 @@ a slice of each intermediate dimension (or of the experts), a slice of the vocab
 """
 from __future__ import annotations
 
+import numpy as np
 import paddle
 from paddle import nn
 
 from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
 from .kv_cache import KVCacheQuant, PagedKVCache
-from .layers import MLP, Linear, RMSNorm, RotaryEmbedding, make_linear
+from .layers import MLP, BlockedLinear, Linear, RMSNorm, RotaryEmbedding, TiedEmbedding, make_linear
 from .moe import FusedExperts, MoE
 from .parallel import SINGLE_RANK, ParallelLayout, VocabParallelEmbedding
 
@@ -101,14 +102,23 @@ class ErnieForCausalLM(nn.Layer):
     def process_weights_after_loading(self) -> None:
         """Serving layouts for weights a kernel reads faster in another layout (vLLM's hook of this name): on CPU,
         every fp32 Linear (lm_head included) and the fp32 routed experts column-blocked for cpu_gemm.c
-        (layers.BlockedLinear, moe.BlockedExperts). Called once by the engine's ModelShard; a model loaded
-        to be trained, calibrated or exported keeps the loaded layout."""
+        (layers.BlockedLinear, moe.BlockedExperts), and a tied embedding as a blocked head whose columns the
+        lookups read (layers.TiedEmbedding). Called once by the engine's ModelShard; a model loaded to be
+        trained, calibrated or exported keeps the loaded layout."""
+        if self.lm_head is None and type(self.embed_tokens) is nn.Embedding and self._cpu_gemm_serves():
+            self.lm_head = BlockedLinear.from_weight(np.from_dlpack(self.embed_tokens.weight.detach()).T)
+            self.embed_tokens = TiedEmbedding(self.lm_head)  # the [V, H] parameter is freed with the old layer
         for parent in self.sublayers(include_self=True):
             for name, child in list(parent.named_children()):
                 if type(child) in (Linear, FusedExperts):  # exactly: quantized layers have their own
                     served = child.serving_layout()
                     if served is not None:
                         setattr(parent, name, served)  # the loaded parameters are freed with the old layer
+
+    def _cpu_gemm_serves(self) -> bool:
+        from ..quantization import cpu_gemm  # the quantization package imports this module: imported late
+
+        return self.embed_tokens.weight.place.is_cpu_place() and cpu_gemm.available()
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits over the whole vocabulary (a tensor-parallel rank computes its columns, then all-gathers)."""

@@ -45,29 +45,49 @@ class Linear(nn.Layer):
 
         if not (self.weight.place.is_cpu_place() and cpu_gemm.available()):
             return None
-        return BlockedLinear(to_paddle(cpu_gemm.pack_columns(np.from_dlpack(self.weight.detach()))),
-                             self.in_features, self.out_features)
+        return BlockedLinear.from_weight(np.from_dlpack(self.weight.detach()))
 
 
 class BlockedLinear(nn.Layer):
     """A Linear's weight in the serving layout ([out/32, in, 32], cpu_gemm.pack_columns), built by
-    ErnieForCausalLM.process_weights_after_loading. Decode sizes run in one cpu_gemm.c call, which streams
-    it about twice as fast as Paddle's matmul over [in, out] at 16 rows (measured, cold weights); more
-    rows (prefill) unblock the weight for Paddle's matmul. Inference only."""
+    ErnieForCausalLM.process_weights_after_loading, multiplied by cpu_gemm.c at every row count: measured
+    on this CPU against Paddle's (MKL) matmul over [in, out], K 1024 x N 1408: ~2x at 16 rows (cold weights),
+    and still 1.4-1.6x at 32-512 rows (prefill: 9.8 vs 14.5 ms at 512). Inference only."""
 
     def __init__(self, blocked: paddle.Tensor, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight_blocked", blocked)
 
+    @classmethod
+    def from_weight(cls, w: np.ndarray) -> "BlockedLinear":
+        """From a float32 weight [in, out] (any strides: a transposed view is packed as it is read)."""
+        from ..quantization import cpu_gemm
+
+        return cls(to_paddle(cpu_gemm.pack_columns(w)), w.shape[0], w.shape[1])
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         from ..quantization import cpu_gemm
 
-        x32 = x.astype("float32")
-        if x32.ndim == 2 and x32.shape[0] <= cpu_gemm.MAX_ROWS:
-            return cpu_gemm.gemm(np.from_dlpack(x32), self.weight_blocked, self.out_features, None, 32)
-        w = cpu_gemm.unpack_columns(np.from_dlpack(self.weight_blocked), 0, self.out_features)
-        return paddle.matmul(x32, to_paddle(w))
+        x2 = x.astype("float32").reshape([-1, self.in_features])
+        y = cpu_gemm.gemm(np.from_dlpack(x2), self.weight_blocked, self.out_features, None, 32)
+        return y.reshape(list(x.shape[:-1]) + [self.out_features])
+
+
+class TiedEmbedding(nn.Layer):
+    """The input embedding of a model whose lm_head is tied to it, read from the head's serving layout (built by
+    ErnieForCausalLM.process_weights_after_loading): embedding row v is head column v, so one column-blocked
+    copy serves both and the logits stream it through cpu_gemm.c instead of a transposed matmul."""
+
+    def __init__(self, head: BlockedLinear):
+        super().__init__()
+        self.table = head.weight_blocked  # the head owns (and registers) it; this is a second name for it
+
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        from ..quantization.cpu_gemm import COLS
+
+        v = ids.numpy()
+        return to_paddle(np.from_dlpack(self.table)[v // COLS, :, v % COLS])
 
 
 class RotaryEmbedding:

@@ -94,8 +94,9 @@ class BlockedExperts(nn.Layer):
 
     Why: at decode each expert multiplies a few rows, so the step streams the experts' weights, and Paddle's
     matmul over [K, N] streams them at 8-10 GB/s on this CPU where cpu_gemm.c reads column-blocked fp32 at
-    ~27 GB/s (4 rows, cold weights, measured). Decode sizes run every expert in one cpu_gemm.c call; larger
-    row counts (prefill) unblock one expert's matrix at a time for Paddle's matmul. Inference only."""
+    ~27 GB/s (4 rows, cold weights, measured); at prefill sizes the C kernel is still ~1.5x MKL (BlockedLinear).
+    Decode sizes run every expert in one call; larger row counts (prefill) one call per active expert,
+    without padding every expert to the busiest one. Inference only."""
 
     def __init__(self, up_gate: paddle.Tensor, down: paddle.Tensor, up_gate_cols: int, down_cols: int):
         """`up_gate` [E, ceil(2I/32), H, 32], `down` [E, ceil(H/32), I, 32] float32 (cpu_gemm.pack_columns)."""
@@ -125,11 +126,8 @@ class BlockedExperts(nn.Layer):
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
         from ..quantization import cpu_gemm
 
-        def weight(blocked: paddle.Tensor, cols: int) -> paddle.Tensor:
-            return to_paddle(cpu_gemm.unpack_columns(np.from_dlpack(blocked)[e], 0, cols))
-
-        h = paddle.matmul(x, weight(self.up_gate_blocked, self.up_gate_cols))
-        return paddle.matmul(silu_and_mul(h), weight(self.down_blocked, self.down_cols))
+        h = cpu_gemm.gemm(np.from_dlpack(x), self.up_gate_blocked[e], self.up_gate_cols, None, 32)
+        return cpu_gemm.gemm(np.from_dlpack(silu_and_mul(h)), self.down_blocked[e], self.down_cols, None, 32)
 
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
                 expert_offset: int | None = None) -> paddle.Tensor:
