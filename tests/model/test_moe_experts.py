@@ -7,6 +7,7 @@ import paddle
 import pytest
 
 from ernie_serve.model import moe
+from ernie_serve.model.layers import BlockedLinear, Linear, TiedEmbedding
 from ernie_serve.model.moe import BlockedExperts, FusedExperts
 from ernie_serve.quantization import cpu_gemm
 
@@ -95,8 +96,35 @@ def test_an_engine_serves_its_fp32_experts_in_the_serving_layout(tiny_model_dir)
     llm = LLM(model=str(tiny_model_dir), skip_tokenizer_init=True, disable_progress_bar=True, max_model_len=128)
     served = [layer.mlp.experts for layer in llm.engine.model.layers if hasattr(layer.mlp, "experts")]
     assert served and all(isinstance(e, BlockedExperts) == cpu_gemm.available() for e in served)
+    if cpu_gemm.available():  # every fp32 Linear too, lm_head included
+        assert not any(type(m) in (Linear, FusedExperts) for m in llm.engine.model.sublayers())
+        assert isinstance(llm.engine.model.lm_head, BlockedLinear)
     loaded = load_model(tiny_model_dir, show_progress=False)  # a model loaded on its own keeps the loaded layout
     assert all(isinstance(layer.mlp.experts, FusedExperts) for layer in loaded.layers if hasattr(layer.mlp, "experts"))
     out = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(temperature=0, max_tokens=4),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler to build cpu_gemm.c")
+def test_a_tied_model_serves_lookups_and_logits_from_one_blocked_copy(tmp_path):
+    """Tied embeddings: the serving layout is one column-blocked head whose columns the lookups read; logits and
+    hidden states equal the loaded layout's, and the resident bytes do not grow (but for column padding)."""
+    from ernie_serve.demo.tiny_model import CONFIGS, random_weights
+    from ernie_serve.model.attention import AttentionMetadata
+    from ernie_serve.model.checkpoint_writer import write_checkpoint
+    from ernie_serve.model.loader import load_model
+    from ernie_serve.quantization.layers import model_memory_bytes
+
+    config = dict(CONFIGS["tiny"], tie_word_embeddings=True, vocab_size=1000)
+    write_checkpoint(tmp_path, config, random_weights(config))
+    model = load_model(tmp_path, show_progress=False)
+    ids, pos = paddle.to_tensor(np.array([5, 17, 999, 0, 64], np.int64)), paddle.to_tensor(np.arange(5))
+    meta = AttentionMetadata.build([5], [5], None, 16, None, 4)
+    with paddle.no_grad():
+        before, bytes_before = model.compute_logits(model(ids, pos, meta, None)).numpy(), model_memory_bytes([model])
+        model.process_weights_after_loading()
+        after, bytes_after = model.compute_logits(model(ids, pos, meta, None)).numpy(), model_memory_bytes([model])
+    assert isinstance(model.embed_tokens, TiedEmbedding) and isinstance(model.lm_head, BlockedLinear)
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+    assert bytes_before <= bytes_after <= bytes_before + 4 * 32 * config["hidden_size"]

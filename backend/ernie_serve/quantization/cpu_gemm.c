@@ -35,26 +35,29 @@ static inline void widen_i4(const int8_t *p, __m512 *lo, __m512 *hi) {
     *hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(b, 4));
 }
 
+/* Row k of a column block as two vectors of 16 floats: float32 as it is, int8 widened. */
+static inline void row_of_32(const int8_t *w, int k, int bits, __m512 *w0, __m512 *w1) {
+    if (bits == 32) {
+        const float *p = (const float *)w + (int64_t)k * COLS;
+        *w0 = _mm512_loadu_ps(p);
+        *w1 = _mm512_loadu_ps(p + 16);
+    } else {
+        const int8_t *p = w + (int64_t)k * COLS;
+        *w0 = widen_i8(p);
+        *w1 = widen_i8(p + 16);
+    }
+}
+
 /* One block of `mb` rows (a compile-time constant in each instance, so the accumulators stay in registers)
  * and the COLS columns from n0, whose weights are the contiguous [R, COLS] run at w. */
 #define BLOCK(NAME, BITS, mb)                                                                               \
 static void NAME(const float *x, int K, const int8_t *w, int N, const float *s, float *y, int n0) {         \
     __m512 a0[mb], a1[mb];                                                                                  \
-    for (int m = 0; m < mb; m++) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }             \
-    if (BITS == 32) {                                                                                       \
-        const float *wp = (const float *)w;                                                                 \
-        for (int k = 0; k < K; k++, wp += COLS) {                                                           \
-            __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);                                 \
-            for (int m = 0; m < mb; m++) {                                                                  \
-                __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);                                          \
-                a0[m] = _mm512_fmadd_ps(xv, w0, a0[m]);                                                     \
-                a1[m] = _mm512_fmadd_ps(xv, w1, a1[m]);                                                     \
-            }                                                                                               \
-        }                                                                                                   \
-    } else if (BITS == 8) {                                                                                 \
-        const int8_t *wp = w;                                                                               \
-        for (int k = 0; k < K; k++, wp += COLS) {                                                           \
-            __m512 w0 = widen_i8(wp), w1 = widen_i8(wp + 16);                                               \
+    for (int m = 0; m < mb; m++) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }              \
+    if (BITS != 4) {  /* one weight row of the block per k: float32, or int8 widened in registers */        \
+        for (int k = 0; k < K; k++) {                                                                       \
+            __m512 w0, w1;                                                                                  \
+            row_of_32(w, k, BITS, &w0, &w1);                                                                \
             for (int m = 0; m < mb; m++) {                                                                  \
                 __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);                                          \
                 a0[m] = _mm512_fmadd_ps(xv, w0, a0[m]);                                                     \
