@@ -13,6 +13,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from ..quantization import cpu_gemm
 from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
 from .kv_cache import KVCacheQuant, PagedKVCache
@@ -105,7 +106,8 @@ class ErnieForCausalLM(nn.Layer):
         (layers.BlockedLinear, moe.BlockedExperts), and a tied embedding as a blocked head whose columns the
         lookups read (layers.TiedEmbedding). Called once by the engine's ModelShard; a model loaded to be
         trained, calibrated or exported keeps the loaded layout."""
-        if self.lm_head is None and type(self.embed_tokens) is nn.Embedding and self._cpu_gemm_serves():
+        if (self.lm_head is None and type(self.embed_tokens) is nn.Embedding
+                and cpu_gemm.serves(self.embed_tokens.weight)):
             self.lm_head = BlockedLinear.from_weight(np.from_dlpack(self.embed_tokens.weight.detach()).T)
             self.embed_tokens = TiedEmbedding(self.lm_head)  # the [V, H] parameter is freed with the old layer
         for parent in self.sublayers(include_self=True):
@@ -114,11 +116,6 @@ class ErnieForCausalLM(nn.Layer):
                     served = child.serving_layout()
                     if served is not None:
                         setattr(parent, name, served)  # the loaded parameters are freed with the old layer
-
-    def _cpu_gemm_serves(self) -> bool:
-        from ..quantization import cpu_gemm  # the quantization package imports this module: imported late
-
-        return self.embed_tokens.weight.place.is_cpu_place() and cpu_gemm.available()
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits over the whole vocabulary (a tensor-parallel rank computes its columns, then all-gathers)."""

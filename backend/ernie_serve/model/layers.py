@@ -11,6 +11,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from ..quantization import cpu_gemm
 from .host_tensor import to_paddle
 
 
@@ -41,9 +42,7 @@ class Linear(nn.Layer):
 
     def serving_layout(self) -> "BlockedLinear | None":
         """The same weight column-blocked for cpu_gemm.c, or None where that kernel is not built / not on CPU."""
-        from ..quantization import cpu_gemm  # built from this module's blocks: imported late
-
-        if not (self.weight.place.is_cpu_place() and cpu_gemm.available()):
+        if not cpu_gemm.serves(self.weight):
             return None
         return BlockedLinear.from_weight(np.from_dlpack(self.weight.detach()))
 
@@ -62,13 +61,9 @@ class BlockedLinear(nn.Layer):
     @classmethod
     def from_weight(cls, w: np.ndarray) -> "BlockedLinear":
         """From a float32 weight [in, out] (any strides: a transposed view is packed as it is read)."""
-        from ..quantization import cpu_gemm
-
-        return cls(to_paddle(cpu_gemm.pack_columns(w)), w.shape[0], w.shape[1])
+        return cls(cpu_gemm.packed(w), w.shape[0], w.shape[1])
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        from ..quantization import cpu_gemm
-
         x2 = x.astype("float32").reshape([-1, self.in_features])
         y = cpu_gemm.gemm(np.from_dlpack(x2), self.weight_blocked, self.out_features, None, 32)
         return y.reshape(list(x.shape[:-1]) + [self.out_features])
@@ -84,10 +79,8 @@ class TiedEmbedding(nn.Layer):
         self.table = head.weight_blocked  # the head owns (and registers) it; this is a second name for it
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
-        from ..quantization.cpu_gemm import COLS
-
         v = ids.numpy()
-        return to_paddle(np.from_dlpack(self.table)[v // COLS, :, v % COLS])
+        return to_paddle(np.from_dlpack(self.table)[v // cpu_gemm.COLS, :, v % cpu_gemm.COLS])
 
 
 class RotaryEmbedding:

@@ -89,17 +89,38 @@ def available() -> bool:
     return _load() is not None
 
 
+def serves(t: paddle.Tensor) -> bool:
+    """Whether cpu_gemm.c can multiply a weight held like `t`: on the CPU, with the library built."""
+    return t.place.is_cpu_place() and available()
+
+
 COLS = 32  # cpu_gemm.c's column block
 
 
-def pack_columns(q: np.ndarray) -> np.ndarray:
-    """A weight [R, N] (int8 codes with R = K or K/2 packed int4 rows, or float32) -> the column-blocked layout
-    cpu_gemm.c streams: [ceil(N/32), R, 32], the last block zero-padded."""
+def blocked_shape(q_shape: tuple[int, int]) -> tuple[int, int, int]:
+    r, n = q_shape
+    return -(-n // COLS), r, COLS
+
+
+def pack_columns(q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A weight [R, N] (int8 codes with R = K or K/2 packed int4 rows, or float32; any strides) -> the
+    column-blocked layout cpu_gemm.c streams: [ceil(N/32), R, 32], the last block zero-padded. Written into
+    `out` when given (one copy, no temporary)."""
     r, n = q.shape
-    nb = -(-n // COLS)
-    padded = np.zeros((r, nb * COLS), q.dtype)
-    padded[:, :n] = q
-    return np.ascontiguousarray(padded.reshape(r, nb, COLS).transpose(1, 0, 2))
+    out = np.empty(blocked_shape(q.shape), q.dtype) if out is None else out
+    full = n // COLS
+    out[:full] = q[:, :full * COLS].reshape(r, full, COLS).transpose(1, 0, 2)
+    if full < out.shape[0]:
+        out[full] = 0
+        out[full, :, :n - full * COLS] = q[:, full * COLS:]
+    return out
+
+
+def packed(q: np.ndarray) -> paddle.Tensor:
+    """pack_columns(q) as a new CPU tensor, written in place."""
+    t, view = empty_host(blocked_shape(q.shape), q.dtype)
+    pack_columns(q, out=view)
+    return t
 
 
 def unpack_columns(blocked: np.ndarray, n0: int, n1: int) -> np.ndarray:
@@ -110,15 +131,19 @@ def unpack_columns(blocked: np.ndarray, n0: int, n1: int) -> np.ndarray:
     return np.ascontiguousarray(cols[:, n0 - b0 * COLS: n1 - b0 * COLS])
 
 
+def _fits(shape, k: int, n: int, bits: int) -> bool:
+    """Whether a column-blocked weight of this shape is a [k, n] weight of this format."""
+    return tuple(shape) == blocked_shape((k // 2 if bits == 4 else k, n))
+
+
 def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | None, bits: int) -> paddle.Tensor:
     """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W in pack_columns' layout: int8 (bits 8),
     int4-packed (bits 4), or float32 (bits 32, scale None). Callers check available() first."""
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    nb, rows, cols = blocked.shape
-    if (rows * (2 if bits == 4 else 1) != k or cols != COLS or nb != -(-n // COLS) or (scale is None) != (bits == 32)
-            or (scale is not None and scale.shape[0] != n)):
+    if not _fits(blocked.shape, k, n, bits) or (scale is None) != (bits == 32) or (scale is not None
+                                                                                 and scale.shape[0] != n):
         raise ValueError(f"cpu_gemm.gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
                          f"held as {blocked.shape} with scale {None if scale is None else scale.shape}")
     y, out = empty_host((m, n), np.float32)
@@ -140,10 +165,8 @@ def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: i
     x = np.ascontiguousarray(x, dtype=np.float32)
     e, cap, k = x.shape
     rows = np.ascontiguousarray(rows, dtype=np.int64)
-    nb, kr, cols = blocked[0].shape
     if (len(blocked) != e or (scales is None) != (bits == 32) or (scales is not None and len(scales) != e)
-            or rows.shape != (e,) or kr * (2 if bits == 4 else 1) != k or cols != COLS or nb != -(-n // COLS)
-            or rows.max(initial=0) > cap):
+            or rows.shape != (e,) or not _fits(blocked[0].shape, k, n, bits) or rows.max(initial=0) > cap):
         raise ValueError(f"moe_gemm: x {list(x.shape)} with rows {rows.tolist()} does not fit {len(blocked)} "
                          f"{bits}-bit experts of {n} columns held as {blocked[0].shape}")
     w_ptrs = (ctypes.c_void_p * e)(*[w.data_ptr() for w in blocked])

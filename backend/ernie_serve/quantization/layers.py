@@ -164,7 +164,7 @@ class QuantLinear(nn.Layer):
             if name == "quant_weight" and self.method == "block_wise_fp8":
                 out[name] = paddle.to_tensor(np.ascontiguousarray(arr).view(np.uint8)).view(paddle.float8_e4m3fn)
             elif name == "quant_weight" and self.method in _WEIGHT_ONLY_BITS:
-                out[name] = paddle.to_tensor(cpu_gemm.pack_columns(arr))  # the layout cpu_gemm.c streams
+                out[name] = cpu_gemm.packed(arr)  # the layout cpu_gemm.c streams
             else:
                 out[name] = paddle.to_tensor(np.ascontiguousarray(arr))
         for name, tensor in out.items():
@@ -238,7 +238,7 @@ class QuantLinear(nn.Layer):
             raise ValueError(f"QuantLinear expects x [T, {self.in_features}], got {list(x.shape)}")
         xq = self._quantize_input(x.astype("float32"))
         bits = _WEIGHT_ONLY_BITS.get(self.method)
-        if bits and xq.shape[0] <= cpu_gemm.MAX_ROWS and xq.place.is_cpu_place() and cpu_gemm.available():
+        if bits and xq.shape[0] <= cpu_gemm.MAX_ROWS and cpu_gemm.serves(xq):
             # decode sizes: each weight byte read once (cpu_gemm.c), not dequantized to an fp32 tile first
             y = cpu_gemm.gemm(np.from_dlpack(xq), self.tensors["quant_weight"], self.out_features,
                               self.tensors["weight_scale"], bits)
