@@ -9,6 +9,7 @@ import numpy as np
 import paddle
 import pytest
 
+from ernie_serve.cpu_kernels import cpu_attention
 from ernie_serve.model import reference_attention
 from ernie_serve.model.attention import SCORE_TILE_ELEMENTS, AttentionMetadata, paged_attention
 from ernie_serve.model.kv_cache import KVCacheQuant, PagedKVCache, transpose
@@ -77,10 +78,20 @@ HEADS = [(4, 1, 16), (4, 2, 12), (4, 4, 8), (6, 2, 7), (3, 1, 13)]  # (nh, nkv, 
 TILES = [{}, dict(kv_tile_tokens=8, score_tile_elements=4 * 8 * 5), dict(kv_tile_tokens=1, score_tile_elements=1)]
 
 
+@pytest.fixture(params=["c_decodes", "paddle_decodes"])
+def decode_path(request, monkeypatch):
+    """The leading decodes run in cpu_attention.c when it is built, else (and here, forced) as a padded batch."""
+    if request.param == "paddle_decodes":
+        monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    elif not cpu_attention.available():
+        pytest.skip("no C compiler to build the CPU kernels")
+    return request.param
+
+
 @pytest.mark.parametrize("nh,nkv,hd", HEADS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("tiles", TILES, ids=["default_tiles", "small_tiles", "one_key_tiles"])
-def test_mixed_step_matches_dense_attention(nh, nkv, hd, block_size, tiles):
+def test_mixed_step_matches_dense_attention(nh, nkv, hd, block_size, tiles, decode_path):
     step = _Step(STEP, nh, nkv, hd, block_size, seed=nh * hd + block_size)
     np.testing.assert_allclose(step.run(**tiles), step.reference(), rtol=1e-4, atol=1e-5)
 

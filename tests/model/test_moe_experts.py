@@ -9,7 +9,7 @@ import pytest
 from ernie_serve.model import moe
 from ernie_serve.model.layers import BlockedLinear, Linear, TiedEmbedding
 from ernie_serve.model.moe import BlockedExperts, FusedExperts
-from ernie_serve.quantization import cpu_gemm
+from ernie_serve.cpu_kernels import cpu_gemm
 
 
 def _reference(up_gate, down, x, ids, w):

@@ -6,7 +6,8 @@ tokens each sees, its block table, the cache slot of every new token, and how ma
 decodes. A backend derives what it needs from it once per step (`derive`) and every layer reuses that.
 
 The reference backend (reference_attention.py holds its math) runs the leading decodes as one padded
-batch and every longer chunk in tiles with an online softmax. The causal rule is one: query i of a
+batch (or, on a float32 cache on the CPU, in one call of cpu_kernels/cpu_attention.c that reads the blocks
+in place) and every longer chunk in tiles with an online softmax. The causal rule is one: query i of a
 sequence with `seq_len` visible tokens and `q_len` new ones sees keys j <= seq_len - q_len + i.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from ..cpu_kernels import cpu_attention
 from .attention_metadata import AttentionMetadata
 from .host_tensor import to_paddle
 from .kv_cache import PagedKVCache
@@ -53,12 +55,13 @@ class _ReferencePlan:
     chunks: list[_Chunk]
 
 
-def _plan(meta: AttentionMetadata, read_cache: bool) -> _ReferencePlan:
+def _plan(meta: AttentionMetadata, read_cache: bool, native_decodes: bool) -> _ReferencePlan:
     """read_cache: every chunk attends to what the cache holds, its own new K/V included (a C8 cache: attention
-    then sees the same int8-rounded K/V however the prompt was chunked, as the kernels backend does)."""
+    then sees the same int8-rounded K/V however the prompt was chunked, as the kernels backend does).
+    native_decodes: the decodes run in cpu_attention.c, which needs no padded batch or mask."""
     qsl, lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     q_lens = meta.query_lens
-    decodes = _decode_batch(meta) if meta.num_decodes else None
+    decodes = _decode_batch(meta) if meta.num_decodes and not native_decodes else None
     chunks = []
     for i in range(meta.num_decodes, len(lens)):
         q, s = int(q_lens[i]), int(lens[i])
@@ -102,10 +105,17 @@ def paged_attention(
     """q [T, nh, hd], k/v [T, nkv, hd] for the step's new tokens -> [T, nh*hd]."""
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
-    plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None))
+    native = (meta.num_decodes > 0 and cache is not None and cache.quant is None and q.stop_gradient
+              and q.place.is_cpu_place() and cpu_attention.available())
+    plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None, native))
     nh, hd = q.shape[1], q.shape[2]
     outs = []
-    if plan.decodes is not None:
+    if native:
+        n, nd = meta.num_decodes, meta.num_decode_tokens
+        outs.append(cpu_attention.decode_attention(np.from_dlpack(q)[:nd], cache.k[layer], cache.v[layer],
+                                                   meta.block_tables[:n], meta.query_start_loc[:n + 1],
+                                                   meta.seq_lens[:n], scale))
+    elif plan.decodes is not None:
         d = plan.decodes
         kc, vc = cache.gather(layer, d.block_ids)
         qb = paddle.index_select(q, d.q_index).reshape([-1, d.q_len, nh, hd])

@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from ..quantization import cpu_gemm
+from ..cpu_kernels import cpu_gemm
 from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
 from .kv_cache import KVCacheQuant, PagedKVCache

@@ -11,7 +11,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..quantization import cpu_gemm
+from ..cpu_kernels import cpu_gemm
 from .host_tensor import to_paddle
 
 

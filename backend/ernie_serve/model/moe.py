@@ -10,7 +10,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..quantization import cpu_gemm
+from ..cpu_kernels import cpu_gemm
 from .config import ErnieModelConfig
 from .host_tensor import empty_host, to_paddle
 from .layers import MLP, silu_and_mul

@@ -21,7 +21,7 @@ from paddle import nn
 from ernie_serve.model.host_tensor import empty_host, to_paddle
 from ernie_serve.model.layers import silu_and_mul
 from ernie_serve.model.moe import grouped_expert_forward
-from ernie_serve.quantization import cpu_gemm
+from ernie_serve.cpu_kernels import cpu_gemm
 from ernie_serve.quantization import formats as fmt
 from ernie_serve.quantization.formats import (METHODS, QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS,  # noqa: F401
                                            quantize_float)

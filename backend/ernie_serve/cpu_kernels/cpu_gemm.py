@@ -1,88 +1,38 @@
-"""The CPU weight-only GEMM of cpu_gemm.c: built on this machine on first use, called through ctypes.
+"""The GEMM of cpu_gemm.c, called through ctypes (the library: cpu_kernels/build.py).
 
 y = (x @ W) * scale for int8 or packed-int4 W at decode sizes, reading each weight byte once (see the C
-file for why Paddle's fp32 matmul over a dequantized tile cannot be as fast), and every routed expert of a
-layer in one call, quantized or float32 (float experts in their serving layout, model/moe.BlockedExperts). The library is compiled with
-the system C compiler for this CPU (-march=native) and linked against the OpenMP runtime Paddle ships, so
-its threads are Paddle's threads. Without a compiler it is not built: `available()` is False, callers keep
-their Paddle path, and one warning says why.
+file for why Paddle's fp32 matmul over a dequantized tile cannot be as fast), fp32 W at every size (the
+serving layout of model/layers.BlockedLinear), and every routed expert of a layer in one call, quantized or
+float32 (model/moe.BlockedExperts). Without the library `available()` is False and callers keep their Paddle path.
 """
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import paddle
 
 from ..model.host_tensor import empty_host
-from ..paths import build_dir
+from . import build
 
-log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("cpu_gemm.c")
 MAX_ROWS = 32  # beyond this (prefill chunks) Paddle's matmul over dequantized tiles is the faster path
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "ernie_gemm_wint8": [_P, _I, _I, _P, _I, _P, _P], "ernie_gemm_wint4": [_P, _I, _I, _P, _I, _P, _P],
+    "ernie_gemm_f32": [_P, _I, _I, _P, _I, _P],
+    "ernie_moe_gemm_wint8": [_P, _P, _I, _I, _I, _P, _I, _P, _P],
+    "ernie_moe_gemm_wint4": [_P, _P, _I, _I, _I, _P, _I, _P, _P],
+    "ernie_moe_gemm_f32": [_P, _P, _I, _I, _I, _P, _I, _P],
+}
 _lib: ctypes.CDLL | None = None
-_failed: str | None = None
-
-
-def _paddle_libs() -> Path:
-    return Path(paddle.__file__).parent / "libs"
-
-
-def _compile(out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc / gcc) on PATH")
-    libs = _paddle_libs()
-    omp = ["-fopenmp"] if (libs / "libiomp5.so").exists() else []
-    link = [f"-L{libs}", f"-Wl,-rpath,{libs}", "-liomp5"] if omp else []
-    tmp = out.with_suffix(".tmp")
-    obj = out.with_suffix(".o")
-    subprocess.run([cc, "-O3", "-march=native", "-fPIC", *omp, "-c", str(_SOURCE), "-o", str(obj)],
-                   check=True, capture_output=True, text=True)
-    subprocess.run([cc, "-shared", str(obj), "-o", str(tmp), *link], check=True, capture_output=True, text=True)
-    tmp.rename(out)
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _failed
-    if _lib is not None or _failed is not None:
-        return _lib
-    key = hashlib.sha256(_SOURCE.read_bytes() + str(_paddle_libs()).encode() + os.uname().machine.encode())
-    out = build_dir() / f"cpu_gemm-{key.hexdigest()[:16]}.so"
-    try:
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with open(out.parent / ".cpu_gemm.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not out.exists():
-                    log.info("building the CPU weight-only GEMM (%s)", out.name)
-                    _compile(out)
-        lib = ctypes.CDLL(str(out))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        _failed = detail.strip().splitlines()[-1] if detail.strip() else repr(e)
-        log.warning("CPU weight-only GEMM not built (%s): wint8/wint4 decode uses the slower Paddle path", _failed)
-        return None
-    P, I = ctypes.c_void_p, ctypes.c_int
-    for name in ("ernie_gemm_wint8", "ernie_gemm_wint4"):
-        getattr(lib, name).argtypes = [P, I, I, P, I, P, P]
-        getattr(lib, name).restype = None
-    for name in ("ernie_moe_gemm_wint8", "ernie_moe_gemm_wint4"):
-        getattr(lib, name).argtypes = [P, P, I, I, I, P, I, P, P]
-        getattr(lib, name).restype = None
-    lib.ernie_moe_gemm_f32.argtypes = [P, P, I, I, I, P, I, P]
-    lib.ernie_moe_gemm_f32.restype = None
-    lib.ernie_gemm_f32.argtypes = [P, I, I, P, I, P]
-    lib.ernie_gemm_f32.restype = None
-    _lib = lib
-    return lib
+    global _lib
+    if _lib is None and build.library() is not None:
+        build.declare(build.library(), _SIGNATURES)
+        _lib = build.library()
+    return _lib
 
 
 def available() -> bool:

@@ -1,0 +1,84 @@
+"""Builds the C kernels of this package into one shared library for this machine, once, and loads it.
+
+Compiled with the system C compiler for this CPU (-march=native) and linked against the OpenMP runtime Paddle
+ships, so the kernels' threads are Paddle's threads and the two never compete for the cores. The library is
+keyed by the sources' hash, so an edited kernel is rebuilt; a file lock keeps concurrent processes (tests,
+tensor-parallel workers) from building it twice. Without a compiler `library()` is None, callers keep their
+Paddle path, and one warning says why.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import paddle
+
+from ..paths import build_dir
+
+log = logging.getLogger(__name__)
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+def _paddle_libs() -> Path:
+    return Path(paddle.__file__).parent / "libs"
+
+
+def _compile(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc / gcc) on PATH")
+    libs = _paddle_libs()
+    omp = ["-fopenmp"] if (libs / "libiomp5.so").exists() else ["-fopenmp-simd"]
+    link = [f"-L{libs}", f"-Wl,-rpath,{libs}", "-liomp5"] if "-fopenmp" in omp else []
+    objs = []
+    for src in _SOURCES:
+        obj = out.with_name(f"{out.stem}-{src.stem}.o")
+        subprocess.run([cc, "-O3", "-march=native", "-fPIC", *omp, "-c", str(src), "-o", str(obj)],
+                       check=True, capture_output=True, text=True)
+        objs.append(str(obj))
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([cc, "-shared", *objs, "-o", str(tmp), *link, "-lm"], check=True, capture_output=True, text=True)
+    tmp.rename(out)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built first if this machine has none for these sources; None without a compiler."""
+    global _lib, _failed
+    if _lib is not None or _failed is not None:
+        return _lib
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + str(_paddle_libs()).encode()
+                         + os.uname().machine.encode())
+    out = build_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    try:
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out.parent / ".cpu_kernels.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not out.exists():
+                    log.info("building the CPU kernels (%s)", out.name)
+                    _compile(out)
+        _lib = ctypes.CDLL(str(out))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        _failed = detail.strip().splitlines()[-1] if detail.strip() else repr(e)
+        log.warning("CPU kernels not built (%s): the CPU path runs on Paddle ops only (slower)", _failed)
+    return _lib
+
+
+def declare(lib: ctypes.CDLL, signatures: dict[str, list], restype=None) -> None:
+    """Set each function's argument types and its return type (void by default)."""
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, restype
+
+
+def available() -> bool:
+    return library() is not None
