@@ -105,3 +105,30 @@ def test_the_batched_expert_call_refuses_rows_that_do_not_fit():
     blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(q)), paddle.to_tensor(s)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_gemm.moe_gemm(np.ones((2, 3, 64), np.float32), np.array([1, 4]), [blocked, blocked], 32, [scale, scale], 8)
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("m", [1, 5, 8, 19])
+def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
+    """gemm / moe_gemm with swiglu=True give silu(gate) * up of the plain product, for every weight format."""
+    from ernie_serve.model.layers import silu_and_mul
+
+    rng = np.random.default_rng(m + bits)
+    k, inter = 96, 64
+    if bits == 32:
+        w = rng.standard_normal((k, 2 * inter)).astype(np.float32)
+        blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(w)), None
+    else:
+        q, s = fmt.quantize_weight_only(rng.standard_normal((k, 2 * inter)).astype(np.float32), bits)
+        blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(q)), paddle.to_tensor(s)
+    assert cpu_gemm.swiglu_fits(2 * inter) and not cpu_gemm.swiglu_fits(2 * 40)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    plain = silu_and_mul(cpu_gemm.gemm(x, blocked, 2 * inter, scale, bits)).numpy()
+    fused = cpu_gemm.gemm(x, blocked, 2 * inter, scale, bits, swiglu=True).numpy()
+    np.testing.assert_allclose(fused, plain, rtol=2e-6, atol=1e-6)
+    xs, rows = np.stack([x, x[::-1]]), np.array([m, max(1, m - 3)])
+    scales = None if scale is None else [scale, scale]
+    plain_e = silu_and_mul(cpu_gemm.moe_gemm(xs, rows, [blocked, blocked], 2 * inter, scales, bits)).numpy()
+    fused_e = cpu_gemm.moe_gemm(xs, rows, [blocked, blocked], 2 * inter, scales, bits, swiglu=True).numpy()
+    for e, r in enumerate(rows):
+        np.testing.assert_allclose(fused_e[e, :r], plain_e[e, :r], rtol=2e-6, atol=1e-6)

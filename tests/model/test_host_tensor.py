@@ -37,3 +37,14 @@ def test_conversions_leave_no_objects_behind():
     for _ in range(2000):
         to_paddle(a)
     assert _objects() - before < 50  # paddle.to_tensor leaves one list per call: +2000 here
+
+
+def test_empty_weight_is_a_tensor_over_its_view_at_every_size():
+    from ernie_serve.model.host_tensor import empty_weight
+
+    for shape in [(3, 5), (1024, 1024 * 3)]:  # small: ordinary memory; 12 MB: a 2 MB-aligned mapping
+        t, view = empty_weight(shape, np.float32)
+        view[...] = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+        assert t.place.is_cpu_place() and list(t.shape) == list(shape) and t.data_ptr() == view.ctypes.data
+        np.testing.assert_array_equal(t.numpy(), view)
+    assert t.data_ptr() % (2 << 20) == 0

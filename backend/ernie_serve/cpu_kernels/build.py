@@ -3,7 +3,7 @@
 Compiled with the system C compiler for this CPU (-march=native) and linked against the OpenMP runtime Paddle
 ships, so the kernels' threads are Paddle's threads and the two never compete for the cores. The library is
 keyed by the sources' hash, so an edited kernel is rebuilt; a file lock keeps concurrent processes (tests,
-tensor-parallel workers) from building it twice. Without a compiler `library()` is None, callers keep their
+tensor-parallel workers) from building it twice. Without a compiler (or with ERNIE_CPU_KERNELS=0) `library()` is None, callers keep their
 Paddle path, and one warning says why.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..paths import build_dir
 
 log = logging.getLogger(__name__)
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 
@@ -54,7 +55,10 @@ def library() -> ctypes.CDLL | None:
     global _lib, _failed
     if _lib is not None or _failed is not None:
         return _lib
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + str(_paddle_libs()).encode()
+    if os.environ.get("ERNIE_CPU_KERNELS", "1") == "0":  # the Paddle-only path, for A/B runs and bisecting
+        _failed = "ERNIE_CPU_KERNELS=0"
+        return None
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + str(_paddle_libs()).encode()
                          + os.uname().machine.encode())
     out = build_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     try:

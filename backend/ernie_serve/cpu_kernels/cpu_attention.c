@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 static inline float dot(const float *a, const float *b, int n) {
     float s = 0.0f;
     #pragma omp simd reduction(+ : s)
@@ -53,11 +55,11 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
         for (int r = 0; r < rows; r++) {
             const int nk = seen[r];
             if (nk == 0) continue;
-            float *pr = p + r * bs, mb = -INFINITY, sum = 0.0f;
+            float *pr = p + r * bs, mb = -INFINITY;
             for (int j = 0; j < nk; j++) mb = pr[j] > mb ? pr[j] : mb;
             const float m_new = mb > m[r] ? mb : m[r];
             const float alpha = expf(m[r] - m_new);  /* 0 on the first block (m = -inf) */
-            for (int j = 0; j < nk; j++) { pr[j] = expf(pr[j] - m_new); sum += pr[j]; }
+            const float sum = exp_shifted_sum(pr, nk, m_new);
             l[r] = l[r] * alpha + sum;
             m[r] = m_new;
             float *a = acc + (int64_t)r * hd;

@@ -17,6 +17,8 @@
  */
 #include <stdint.h>
 
+#include "vec_math.h"
+
 #define ROWS 8   /* rows per register block */
 #define COLS 32  /* columns per thread task: two 16-float vectors */
 
@@ -197,6 +199,58 @@ void ernie_moe_gemm_wint4(const float *x, const int64_t *rows, int E, int cap, i
 void ernie_moe_gemm_f32(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
                         float *y) {
     moe_gemm(x, rows, E, cap, K, w, N, 0, y, 32);
+}
+
+/* The SwiGLU MLP's first matmul with its activation fused: W is [K, 2I] with the gate half first, and
+ * y[m, j] = silu(g[m, j]) * u[m, j] for [g | u] = (x @ W) * scale, y [M, I]. Each task computes gate block b and
+ * up block b into two register-block tiles and writes their product, so the [M, 2I] projection is never stored
+ * and read back (at decode it was a separate pass per MLP). Needs I % 32 == 0 and AVX-512 (callers check
+ * ernie_gemm_swiglu_fits). Experts: as moe_gemm, every expert's rows[e] rows of x [E, cap, K] -> y [E, cap, I]. */
+int ernie_gemm_swiglu_fits(int N) {
+#ifdef __AVX512F__
+    return N % (2 * COLS) == 0;
+#else
+    (void)N;
+    return 0;
+#endif
+}
+
+#ifdef __AVX512F__
+static void swiglu_rows(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y, int b,
+                        int bits) {
+    const block_fn *blocks = blocks_for(bits);
+    const int64_t block_bytes = (int64_t)block_rows(K, bits) * COLS * (bits == 32 ? 4 : 1);
+    const int I = N / 2, nb = I / COLS;
+    float g[ROWS * COLS], u[ROWS * COLS];
+    for (int m0 = 0; m0 < M; m0 += ROWS) {
+        int mb = M - m0 < ROWS ? M - m0 : ROWS;
+        const float *xm = x + (int64_t)m0 * K;
+        blocks[mb](xm, K, w + b * block_bytes, COLS, s ? s + b * COLS : 0, g, 0);
+        blocks[mb](xm, K, w + (b + nb) * block_bytes, COLS, s ? s + I + b * COLS : 0, u, 0);
+        for (int m = 0; m < mb; m++)
+            silu_mul_row(g + m * COLS, u + m * COLS, y + (int64_t)(m0 + m) * I + b * COLS, COLS);
+    }
+}
+#endif
+
+void ernie_gemm_swiglu(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y, int bits) {
+#ifdef __AVX512F__
+    #pragma omp parallel for schedule(static)
+    for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, w, N, s, y, b, bits);
+#endif
+}
+
+void ernie_moe_gemm_swiglu(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w,
+                           int N, const float *const *s, float *y, int bits) {
+#ifdef __AVX512F__
+    const int nb = N / 2 / COLS;
+    #pragma omp parallel for schedule(static)
+    for (int task = 0; task < E * nb; task++) {
+        int e = task / nb;
+        swiglu_rows(x + (int64_t)e * cap * K, (int)rows[e], K, w[e], N, s ? s[e] : 0, y + (int64_t)e * cap * N / 2,
+                    task % nb, bits);
+    }
+#endif
 }
 
 int ernie_gemm_has_avx512(void) {

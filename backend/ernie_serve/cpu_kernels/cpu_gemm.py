@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import paddle
 
-from ..model.host_tensor import empty_host
+from ..model.host_tensor import empty_host, empty_weight
 from . import build
 
 MAX_ROWS = 32  # beyond this (prefill chunks) Paddle's matmul over dequantized tiles is the faster path
@@ -23,6 +23,8 @@ _SIGNATURES = {
     "ernie_moe_gemm_wint8": [_P, _P, _I, _I, _I, _P, _I, _P, _P],
     "ernie_moe_gemm_wint4": [_P, _P, _I, _I, _I, _P, _I, _P, _P],
     "ernie_moe_gemm_f32": [_P, _P, _I, _I, _I, _P, _I, _P],
+    "ernie_gemm_swiglu": [_P, _I, _I, _P, _I, _P, _P, _I],
+    "ernie_moe_gemm_swiglu": [_P, _P, _I, _I, _I, _P, _I, _P, _P, _I],
 }
 _lib: ctypes.CDLL | None = None
 
@@ -31,12 +33,19 @@ def _load() -> ctypes.CDLL | None:
     global _lib
     if _lib is None and build.library() is not None:
         build.declare(build.library(), _SIGNATURES)
+        build.declare(build.library(), {"ernie_gemm_swiglu_fits": [_I]}, ctypes.c_int)
         _lib = build.library()
     return _lib
 
 
 def available() -> bool:
     return _load() is not None
+
+
+def swiglu_fits(n: int) -> bool:
+    """Whether a [K, n] gate-up weight (gate half first) can run with SwiGLU fused (`swiglu=True`)."""
+    lib = _load()
+    return lib is not None and bool(lib.ernie_gemm_swiglu_fits(n))
 
 
 def serves(t: paddle.Tensor) -> bool:
@@ -67,8 +76,8 @@ def pack_columns(q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def packed(q: np.ndarray) -> paddle.Tensor:
-    """pack_columns(q) as a new CPU tensor, written in place."""
-    t, view = empty_host(blocked_shape(q.shape), q.dtype)
+    """pack_columns(q) as a new CPU tensor (host_tensor.empty_weight's memory), written in place."""
+    t, view = empty_weight(blocked_shape(q.shape), q.dtype)
     pack_columns(q, out=view)
     return t
 
@@ -86,9 +95,11 @@ def _fits(shape, k: int, n: int, bits: int) -> bool:
     return tuple(shape) == blocked_shape((k // 2 if bits == 4 else k, n))
 
 
-def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | None, bits: int) -> paddle.Tensor:
+def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | None, bits: int,
+         swiglu: bool = False) -> paddle.Tensor:
     """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W in pack_columns' layout: int8 (bits 8),
-    int4-packed (bits 4), or float32 (bits 32, scale None). Callers check available() first."""
+    int4-packed (bits 4), or float32 (bits 32, scale None). `swiglu`: W is a gate-up projection and the result
+    is silu(gate) * up, [M, n / 2] (needs swiglu_fits(n)). Callers check available() first."""
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
@@ -96,6 +107,11 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
                                                                                  and scale.shape[0] != n):
         raise ValueError(f"cpu_gemm.gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
                          f"held as {blocked.shape} with scale {None if scale is None else scale.shape}")
+    if swiglu:
+        y, out = empty_host((m, n // 2), np.float32)
+        lib.ernie_gemm_swiglu(x.ctypes.data, m, k, blocked.data_ptr(), n, None if scale is None else scale.data_ptr(),
+                              out.ctypes.data, bits)
+        return y
     y, out = empty_host((m, n), np.float32)
     if bits == 32:
         lib.ernie_gemm_f32(x.ctypes.data, m, k, blocked.data_ptr(), n, out.ctypes.data)
@@ -106,11 +122,11 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
 
 
 def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: int,
-             scales: list[paddle.Tensor] | None, bits: int) -> paddle.Tensor:
+             scales: list[paddle.Tensor] | None, bits: int, swiglu: bool = False) -> paddle.Tensor:
     """Every expert's matmul in one call: x [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)
     -> y [E, cap, n] with y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e; rows past rows[e] are zero.
     `blocked` / `scales`: each expert's weight (pack_columns' layout) and scale; bits 8 / 4 (int codes) or 32
-    (float32 weights, scales None). Callers check available()."""
+    (float32 weights, scales None). `swiglu`: as gemm's, y [E, cap, n / 2]. Callers check available()."""
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
     e, cap, k = x.shape
@@ -120,12 +136,15 @@ def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: i
         raise ValueError(f"moe_gemm: x {list(x.shape)} with rows {rows.tolist()} does not fit {len(blocked)} "
                          f"{bits}-bit experts of {n} columns held as {blocked[0].shape}")
     w_ptrs = (ctypes.c_void_p * e)(*[w.data_ptr() for w in blocked])
-    y, out = empty_host((e, cap, n), np.float32)
+    s_ptrs = None if scales is None else (ctypes.c_void_p * e)(*[s.data_ptr() for s in scales])
+    y, out = empty_host((e, cap, n // 2 if swiglu else n), np.float32)
     out.fill(0.0)
+    if swiglu:
+        lib.ernie_moe_gemm_swiglu(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, s_ptrs, out.ctypes.data, bits)
+        return y
     if bits == 32:
         lib.ernie_moe_gemm_f32(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, out.ctypes.data)
         return y
-    s_ptrs = (ctypes.c_void_p * e)(*[s.data_ptr() for s in scales])
     fn = lib.ernie_moe_gemm_wint8 if bits == 8 else lib.ernie_moe_gemm_wint4
     fn(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, s_ptrs, out.ctypes.data)
     return y

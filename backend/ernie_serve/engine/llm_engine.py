@@ -126,18 +126,18 @@ class LLMEngine:
         self._num_host_blocks = 0 if shard.host_cache is None else shard.host_cache.shape[0]
         self.cpu_threads = 0
         if shard.ops.name == "paddle" and not shard.ops.on_gpu:
-            from .._env import use_all_cpu_threads
+            from .._env import setup_model_process
 
-            self.cpu_threads = use_all_cpu_threads()
+            self.cpu_threads = setup_model_process()
         return shard
 
     def _load_single_rank(self, spec: dict) -> ModelShard:
-        from .._env import use_all_cpu_threads
+        from .._env import setup_model_process
         from ..model.loader import load_model
         from .model_shard import ModelShard
 
         c = self.config
-        self.cpu_threads = use_all_cpu_threads()
+        self.cpu_threads = setup_model_process()
         self._check_layout()
         model = load_model(self.model_dir, num_output_ids=len(self.tokenizer) if self.tokenizer else None,
                            show_progress=not c.disable_progress_bar, quantization=c.quantization)
@@ -156,8 +156,7 @@ class LLMEngine:
 
     def _start_ranks(self):
         """Rank 0 here, ranks 1..N-1 in worker processes (engine/workers.py), each with its shard and KV pool."""
-        from paddle.base import core
-
+        from .._env import setup_model_process
         from ..model.checkpoint_map import tensor_directory
         from ..quantization.plan import QuantPlan
         from .workers import TensorParallelExecutor, threads_per_rank
@@ -166,8 +165,7 @@ class LLMEngine:
         self._check_layout()
         tensor_directory(self.model_dir, self.layout)  # a pre-sharded checkpoint's rank count: before workers start
         plan = QuantPlan.resolve(c.quantization, self.model_config.quantization_config)
-        self.cpu_threads = threads_per_rank(c.tensor_parallel_size)
-        core.set_num_threads(self.cpu_threads)
+        self.cpu_threads = setup_model_process(threads_per_rank(c.tensor_parallel_size))
         c8 = plan is not None and plan.kv_cache == "int8"
         num_blocks, self._num_host_blocks = self._size_kv_pool(self.model_config.num_hidden_layers, c8)
         executor = TensorParallelExecutor(dict(

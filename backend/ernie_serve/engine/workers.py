@@ -58,9 +58,9 @@ from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
 
-import paddle
 import zmq
 
+from .._env import setup_model_process
 from ..model.loader import load_model
 from ..model.parallel import ParallelLayout
 from .model_shard import ModelShard
@@ -286,7 +286,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         control.send(json.dumps({"kind": kind, "rank": args.rank, **extra}).encode())
 
     try:
-        paddle.base.core.set_num_threads(threads_per_rank(spec.world_size))
+        setup_model_process(threads_per_rank(spec.world_size))
         report("hello")
         group, _store = make_group(args.rank, spec)
         shard = load_shard(args.rank, spec, group)

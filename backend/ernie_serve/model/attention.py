@@ -6,7 +6,7 @@ tokens each sees, its block table, the cache slot of every new token, and how ma
 decodes. A backend derives what it needs from it once per step (`derive`) and every layer reuses that.
 
 The reference backend (reference_attention.py holds its math) runs the leading decodes as one padded
-batch (or, on a float32 cache on the CPU, in one call of cpu_kernels/cpu_attention.c that reads the blocks
+batch (or, in inference on a float32 CPU cache, in one call of cpu_kernels/cpu_attention.c that reads the blocks
 in place) and every longer chunk in tiles with an online softmax. The causal rule is one: query i of a
 sequence with `seq_len` visible tokens and `q_len` new ones sees keys j <= seq_len - q_len + i.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from ..cpu_kernels import cpu_attention
+from ..cpu_kernels import cpu_attention, cpu_ops
 from .attention_metadata import AttentionMetadata
 from .host_tensor import to_paddle
 from .kv_cache import PagedKVCache
@@ -105,8 +105,7 @@ def paged_attention(
     """q [T, nh, hd], k/v [T, nkv, hd] for the step's new tokens -> [T, nh*hd]."""
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
-    native = (meta.num_decodes > 0 and cache is not None and cache.quant is None and q.stop_gradient
-              and q.place.is_cpu_place() and cpu_attention.available())
+    native = meta.num_decodes > 0 and cache is not None and cache.quant is None and cpu_ops.serves(q)
     plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None, native))
     nh, hd = q.shape[1], q.shape[2]
     outs = []

@@ -38,14 +38,7 @@ class Attention(nn.Layer):
         self.o_proj = make_linear(q_size, cfg.hidden_size, quant_method)
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, cache):
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = paddle.split(qkv, [q_size, kv_size, kv_size], axis=-1)
-        q = q.reshape([t, self.num_heads, self.head_dim])
-        k = k.reshape([t, self.num_kv_heads, self.head_dim])
-        v = v.reshape([t, self.num_kv_heads, self.head_dim])
-        q, k = rope(positions, meta.max_position, q, k)
+        q, k, v = rope.split_rotate(self.qkv_proj(x), positions, meta.max_position, self.num_heads, self.num_kv_heads)
         out = paged_attention(q, k, v, self.layer_idx, meta, cache, self.scale)
         return self.o_proj(out)
 

@@ -10,6 +10,7 @@ straight into that view and pay no extra copy. Every hot-path NumPy -> Paddle co
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import numpy as np
 import paddle
@@ -39,3 +40,31 @@ def to_paddle(a) -> paddle.Tensor:
     t, view = empty_host(a.shape, a.dtype)
     view[...] = a
     return t
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def empty_weight(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tensor, np.ndarray]:
+    """As empty_host, for a weight streamed every step (the serving layouts): its memory is asked for transparent
+    huge pages before it is first written, so streaming it walks one page table entry per 2 MB instead of per
+    4 KB. Measured here (a VM, where each TLB miss walks two page tables): the experts' decode GEMM read 28.8-29.6
+    GB/s from huge pages against 24.3-27.2 GB/s from 4 KB ones. Small weights and kernels without THP get
+    ordinary memory."""
+    dtype = np.dtype(dtype)
+    shape = [int(s) for s in shape]
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes < 4 * _HUGE_PAGE:
+        return empty_host(shape, dtype)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    offset = (-addr) % _HUGE_PAGE
+    try:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(addr + offset), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass  # no madvise here: ordinary pages
+    view = np.frombuffer(region, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+    # zero-copy: the tensor holds the array, the array holds the mapping (one-off at load: the constructor
+    # leak described above is one list per weight)
+    return paddle.utils.dlpack.from_dlpack(view), view

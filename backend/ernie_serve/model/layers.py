@@ -11,7 +11,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..cpu_kernels import cpu_gemm
+from ..cpu_kernels import cpu_gemm, cpu_ops
 from .host_tensor import to_paddle
 
 
@@ -24,6 +24,8 @@ class RMSNorm(nn.Layer):
         self.weight = self.create_parameter([hidden_size], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if cpu_ops.serves(x):
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
         x32 = x.astype("float32")
         var = (x32 * x32).mean(axis=-1, keepdim=True)
         return (x32 * paddle.rsqrt(var + self.eps) * self.weight).astype(x.dtype)
@@ -39,6 +41,10 @@ class Linear(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.matmul(x, self.weight)
+
+    def swiglu(self, x: paddle.Tensor) -> paddle.Tensor:
+        """silu(gate) * up of this gate-up projection (gate half first); serving layouts fuse it."""
+        return silu_and_mul(self(x))
 
     def serving_layout(self) -> "BlockedLinear | None":
         """The same weight column-blocked for cpu_gemm.c, or None where that kernel is not built / not on CPU."""
@@ -64,9 +70,16 @@ class BlockedLinear(nn.Layer):
         return cls(cpu_gemm.packed(w), w.shape[0], w.shape[1])
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self._gemm(x, False)
+
+    def swiglu(self, x: paddle.Tensor) -> paddle.Tensor:
+        """silu(gate) * up with the activation fused into the matmul (cpu_gemm.c), where the width allows."""
+        return self._gemm(x, True) if cpu_gemm.swiglu_fits(self.out_features) else silu_and_mul(self(x))
+
+    def _gemm(self, x: paddle.Tensor, swiglu: bool) -> paddle.Tensor:
         x2 = x.astype("float32").reshape([-1, self.in_features])
-        y = cpu_gemm.gemm(np.from_dlpack(x2), self.weight_blocked, self.out_features, None, 32)
-        return y.reshape(list(x.shape[:-1]) + [self.out_features])
+        y = cpu_gemm.gemm(np.from_dlpack(x2), self.weight_blocked, self.out_features, None, 32, swiglu)
+        return y.reshape(list(x.shape[:-1]) + [y.shape[-1]])
 
 
 class TiedEmbedding(nn.Layer):
@@ -112,6 +125,17 @@ class RotaryEmbedding:
         self._cos = paddle.to_tensor(np.cos(freqs))
         self._sin = paddle.to_tensor(np.sin(freqs))
 
+    def split_rotate(self, qkv: paddle.Tensor, positions: paddle.Tensor, max_position: int, num_heads: int,
+                     num_kv_heads: int) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+        """A fused [Q | K | V] projection [T, (nh + 2 nkv) hd] -> q [T, nh, hd], k, v [T, nkv, hd], q and k rotated."""
+        t, hd = qkv.shape[0], self.head_dim
+        self._ensure(max_position + 1)
+        if cpu_ops.serves(qkv):
+            return cpu_ops.split_rope(qkv, positions.numpy(), self._cos, self._sin, num_heads, num_kv_heads, hd)
+        q, k, v = paddle.split(qkv, [num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], axis=-1)
+        q, k = self(positions, max_position, q.reshape([t, num_heads, hd]), k.reshape([t, num_kv_heads, hd]))
+        return q, k, v.reshape([t, num_kv_heads, hd])
+
     def __call__(self, positions: paddle.Tensor, max_position: int, *xs: paddle.Tensor) -> list[paddle.Tensor]:
         """Rotate each x of shape [T, heads, head_dim] at its token's position."""
         self._ensure(max_position + 1)
@@ -144,9 +168,11 @@ class MLP(nn.Layer):
         self.down_proj = make_linear(intermediate_size, hidden_size, quant_method)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj(silu_and_mul(self.up_gate_proj(x)))
+        return self.down_proj(self.up_gate_proj.swiglu(x))
 
 
 def silu_and_mul(gate_up: paddle.Tensor) -> paddle.Tensor:
+    if cpu_ops.serves(gate_up):
+        return cpu_ops.silu_and_mul(gate_up)
     gate, up = paddle.chunk(gate_up, 2, axis=-1)
     return F.silu(gate) * up

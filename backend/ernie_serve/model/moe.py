@@ -10,9 +10,9 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..cpu_kernels import cpu_gemm
+from ..cpu_kernels import cpu_gemm, cpu_ops
 from .config import ErnieModelConfig
-from .host_tensor import empty_host, to_paddle
+from .host_tensor import empty_weight, to_paddle
 from .layers import MLP, silu_and_mul
 from .parallel import SINGLE_RANK, ParallelLayout
 
@@ -26,6 +26,8 @@ class TopKRouter(nn.Layer):
             [1, num_experts], dtype="float32", default_initializer=nn.initializer.Constant(0.0))
 
     def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        if cpu_ops.serves(x):
+            return cpu_ops.route(x, self.weight, self.e_score_correction_bias, self.top_k, self.norm_min)
         probs = F.softmax(paddle.matmul(x.astype("float32"), self.weight), axis=-1)
         _, ids = paddle.topk(probs + self.e_score_correction_bias, self.top_k, axis=-1)
         weights = paddle.take_along_axis(probs, ids, axis=-1)
@@ -71,7 +73,7 @@ class FusedExperts(nn.Layer):
 
         def blocked(param: paddle.Tensor) -> paddle.Tensor:
             e, k, n = param.shape
-            t, view = empty_host((e, *cpu_gemm.blocked_shape((k, n))), np.float32)
+            t, view = empty_weight((e, *cpu_gemm.blocked_shape((k, n))), np.float32)
             for i, w in enumerate(np.from_dlpack(param.detach())):  # one expert at a time, written in place
                 cpu_gemm.pack_columns(w, out=view[i])
             return t
@@ -116,12 +118,20 @@ class BlockedExperts(nn.Layer):
         return int(counts.max(initial=0)) <= cpu_gemm.MAX_ROWS
 
     def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
-        h = cpu_gemm.moe_gemm(np.from_dlpack(xs), counts, self._up_gate, self.up_gate_cols, None, 32)
-        return cpu_gemm.moe_gemm(np.from_dlpack(silu_and_mul(h)), counts, self._down, self.down_cols, None, 32)
+        x = np.from_dlpack(xs)
+        if cpu_gemm.swiglu_fits(self.up_gate_cols):  # SwiGLU fused into the gate-up matmul
+            h = cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, 32, swiglu=True)
+        else:
+            h = silu_and_mul(cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, 32))
+        return cpu_gemm.moe_gemm(np.from_dlpack(h), counts, self._down, self.down_cols, None, 32)
 
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
-        h = cpu_gemm.gemm(np.from_dlpack(x), self._up_gate[e], self.up_gate_cols, None, 32)
-        return cpu_gemm.gemm(np.from_dlpack(silu_and_mul(h)), self._down[e], self.down_cols, None, 32)
+        xe = np.from_dlpack(x)
+        if cpu_gemm.swiglu_fits(self.up_gate_cols):
+            h = cpu_gemm.gemm(xe, self._up_gate[e], self.up_gate_cols, None, 32, swiglu=True)
+        else:
+            h = silu_and_mul(cpu_gemm.gemm(xe, self._up_gate[e], self.up_gate_cols, None, 32))
+        return cpu_gemm.gemm(np.from_dlpack(h), self._down[e], self.down_cols, None, 32)
 
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
                 expert_offset: int | None = None) -> paddle.Tensor:
@@ -135,7 +145,8 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
     are experts [offset, offset + num_experts) of the model; choices of other ranks' experts are skipped.
 
     Tokens are sorted by expert once, then each active expert runs once over its tokens; results are
-    weighted and scattered back with index_add. There is no per-token loop, and gradients flow.
+    weighted and scattered back with index_add (in inference on the CPU: one cpu_ops.c gather in and one weighted
+    combine out). There is no per-token loop, and gradients flow.
     Experts run all at once instead (`batched_forward` over a padded [E, cap, H] batch) when their
     `can_batch(counts)` says so: float experts when few tokens spread over most experts (`_use_batched`),
     quantized ones at decode sizes (one cpu_gemm.c call per matrix).
@@ -154,19 +165,50 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
             return paddle.zeros_like(x)
         counts = np.bincount(flat_ids[mine], minlength=experts.num_experts)
         order = mine[np.argsort(flat_ids[mine], kind="stable")]
+    if cpu_ops.serves(x):
+        return _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights)
     token_of = to_paddle(order // k)
     w = paddle.index_select(topk_weights.reshape([-1]), to_paddle(order)).astype(x.dtype)
     if experts.can_batch(counts):
-        ys = _batched(experts, x, flat_ids, order, counts, k)
+        ys = paddle.index_select(_batched(experts, x, flat_ids, order, counts, k), to_paddle(_padded_rows(
+            flat_ids, order, counts)))
     else:
-        xs = paddle.index_select(x, token_of)
-        outs, start = [], 0
-        for e in np.nonzero(counts)[0]:
-            n = int(counts[e])
-            outs.append(experts.expert_forward(int(e), xs[start : start + n]))
-            start += n
-        ys = paddle.concat(outs, axis=0)
+        ys = _per_expert(experts, paddle.index_select(x, token_of), counts)
     return paddle.index_add(paddle.zeros_like(x), token_of, 0, ys * w.unsqueeze(-1))
+
+
+def _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights) -> paddle.Tensor:
+    """grouped_expert_forward's dispatch and mixture in cpu_ops.c: one gather into the experts' input, one
+    weighted combine out of their output rows (no sorted copy of the outputs, no index_add)."""
+    src = np.full(x.shape[0] * k, -1, dtype=np.int64)  # the expert output row of each (token, choice)
+    if experts.can_batch(counts):
+        rows = _padded_rows(flat_ids, order, counts)
+        gather = np.full(counts.shape[0] * int(counts.max()), -1, dtype=np.int64)
+        gather[rows] = order // k
+        xs = cpu_ops.gather_rows(x, gather).reshape([counts.shape[0], int(counts.max()), -1])
+        ys = experts.batched_forward(xs, counts)
+        src[order] = rows
+    else:
+        ys = _per_expert(experts, cpu_ops.gather_rows(x, order // k), counts)
+        src[order] = np.arange(order.size)
+    return cpu_ops.weighted_combine(ys, src.reshape(-1, k), topk_weights)
+
+
+def _per_expert(experts, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
+    """Each active expert once over its consecutive rows of xs (rows sorted by expert)."""
+    outs, start = [], 0
+    for e in np.nonzero(counts)[0]:
+        n = int(counts[e])
+        outs.append(experts.expert_forward(int(e), xs[start : start + n]))
+        start += n
+    return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+
+
+def _padded_rows(flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The row of each sorted (token, choice) pair in the padded [E, cap] expert batch."""
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    expert_of = flat_ids[order]
+    return expert_of * int(counts.max()) + (np.arange(order.size) - starts[expert_of])
 
 
 def _use_batched(counts: np.ndarray) -> bool:
@@ -180,17 +222,14 @@ def _use_batched(counts: np.ndarray) -> bool:
 
 def _batched(experts, x: paddle.Tensor, flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray,
              k: int) -> paddle.Tensor:
-    """Expert outputs of the (token, choice) pairs in `order`, from one padded [E, cap, H] batch."""
+    """The experts' padded output [E * cap, H] for the (token, choice) pairs in `order`, from one padded
+    [E, cap, H] batch (pair i's output is row _padded_rows(...)[i])."""
     num_experts, cap, t = counts.shape[0], int(counts.max()), x.shape[0]
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    expert_of = flat_ids[order]
-    rows = expert_of * cap + (np.arange(order.size) - starts[expert_of])  # padded row of each pair
     gather = np.full(num_experts * cap, t, dtype=np.int64)  # row t of the padded input is zeros
-    gather[rows] = order // k
+    gather[_padded_rows(flat_ids, order, counts)] = order // k
     padded = paddle.concat([x, paddle.zeros([1, x.shape[1]], x.dtype)])
     xs = paddle.index_select(padded, to_paddle(gather)).reshape([num_experts, cap, -1])
-    ys = experts.batched_forward(xs, counts).reshape([num_experts * cap, -1])
-    return paddle.index_select(ys, to_paddle(rows))
+    return experts.batched_forward(xs, counts).reshape([num_experts * cap, -1])
 
 
 def make_experts(cfg: ErnieModelConfig, quant_method: str | None, layout: ParallelLayout = SINGLE_RANK) -> nn.Layer:

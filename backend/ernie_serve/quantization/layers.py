@@ -233,6 +233,16 @@ class QuantLinear(nn.Layer):
             s = s[n0:n1]
         return paddle.matmul(xq, self._float_codes(n0, n1)) * s
 
+    def swiglu(self, x: paddle.Tensor) -> paddle.Tensor:
+        """silu(gate) * up of this gate-up projection; fused into cpu_gemm.c's matmul at decode sizes of the
+        weight-only int formats (w4a8 scales its product after the matmul, so it cannot fuse)."""
+        bits = _WEIGHT_ONLY_BITS.get(self.method)
+        if (bits and self.method != "w4a8" and x.shape[0] <= cpu_gemm.MAX_ROWS and cpu_gemm.serves(x)
+                and cpu_gemm.swiglu_fits(self.out_features) and x.shape[-1] == self.in_features):
+            return cpu_gemm.gemm(np.from_dlpack(x.astype("float32")), self.tensors["quant_weight"], self.out_features,
+                                 self.tensors["weight_scale"], bits, swiglu=True)
+        return silu_and_mul(self(x))
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects x [T, {self.in_features}], got {list(x.shape)}")
@@ -306,7 +316,7 @@ class QuantMoEExperts(nn.Layer):
         return sum(m.float_nbytes for m in self.up_gate_proj) + sum(m.float_nbytes for m in self.down_proj)
 
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj[e](silu_and_mul(self.up_gate_proj[e](x)))
+        return self.down_proj[e](self.up_gate_proj[e].swiglu(x))
 
     def can_batch(self, counts: np.ndarray) -> bool:
         """Decode sizes of a weight-only int format run every expert in one cpu_gemm.c call (batched_forward):
@@ -317,17 +327,19 @@ class QuantMoEExperts(nn.Layer):
     def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
         """Every expert on its own rows: xs [E, cap, H] (expert e's tokens in its first counts[e] rows) ->
         [E, cap, H]; the other rows are zeros. Two cpu_gemm.c calls for the whole layer."""
-        h = self._all_experts(self.up_gate_proj, np.from_dlpack(xs), counts)
-        return self._all_experts(self.down_proj, np.from_dlpack(silu_and_mul(h)), counts)
+        fused = self.method != "w4a8" and cpu_gemm.swiglu_fits(self.up_gate_proj[0].out_features)
+        h = self._all_experts(self.up_gate_proj, np.from_dlpack(xs), counts, swiglu=fused)
+        return self._all_experts(self.down_proj, np.from_dlpack(h if fused else silu_and_mul(h)), counts)
 
-    def _all_experts(self, linears: nn.LayerList, x: np.ndarray, counts: np.ndarray) -> paddle.Tensor:
+    def _all_experts(self, linears: nn.LayerList, x: np.ndarray, counts: np.ndarray,
+                     swiglu: bool = False) -> paddle.Tensor:
         bits = _WEIGHT_ONLY_BITS[self.method]
         first = linears[0]
         if self.method == "w4a8":  # each expert's static int8 activation scale (see _quantize_act_int8)
             a = np.asarray([q.act_scale for q in linears], np.float32)[:, None, None]
             x = np.clip(fmt.round_half_away(x / a), -127.0, 127.0).astype(np.float32)
         y = cpu_gemm.moe_gemm(x, counts, [q.tensors["quant_weight"] for q in linears], first.out_features,
-                              [q.tensors["weight_scale"] for q in linears], bits)
+                              [q.tensors["weight_scale"] for q in linears], bits, swiglu)
         return y * to_paddle(a) if self.method == "w4a8" else y
 
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
