@@ -46,12 +46,12 @@ def test_matches_numpy_attention_over_the_paged_cache(nh, nkv, hd, bs, q_lens):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     q = rng.standard_normal((int(qsl[-1]), nh, hd)).astype(np.float32)
     scale = hd ** -0.5
-    got = cpu_attention.decode_attention(q, k_cache, v_cache, tables, qsl, lens, scale).numpy()
+    got = cpu_attention.paged_attention(q, k_cache, v_cache, tables, qsl, lens, scale).numpy()
     np.testing.assert_allclose(got, reference(q, k_cache, v_cache, tables, qsl, lens, scale), rtol=1e-4, atol=1e-5)
 
 
 def test_a_cache_that_does_not_fit_the_queries_is_refused():
     cache = np.zeros((4, 16, 2, 64), np.float32)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_attention.decode_attention(np.zeros((1, 4, 32), np.float32), cache, cache, np.zeros((1, 1), np.int64),
+        cpu_attention.paged_attention(np.zeros((1, 4, 32), np.float32), cache, cache, np.zeros((1, 1), np.int64),
                                        np.array([0, 1]), np.array([5]), 1.0)

@@ -10,7 +10,7 @@ import paddle
 import pytest
 
 from ernie_serve.cpu_kernels import cpu_attention, cpu_ops
-from ernie_serve.model import reference_attention
+from ernie_serve.model import attention, reference_attention
 from ernie_serve.model.attention import SCORE_TILE_ELEMENTS, AttentionMetadata, paged_attention
 from ernie_serve.model.kv_cache import KVCacheQuant, PagedKVCache, transpose
 
@@ -92,7 +92,10 @@ def decode_path(request, monkeypatch):
 @pytest.mark.parametrize("nh,nkv,hd", HEADS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("tiles", TILES, ids=["default_tiles", "small_tiles", "one_key_tiles"])
-def test_mixed_step_matches_dense_attention(nh, nkv, hd, block_size, tiles, decode_path):
+@pytest.mark.parametrize("chunk_limit", [attention.NATIVE_CHUNK_WORK, 0], ids=["short_chunks", "long_chunks"])
+def test_mixed_step_matches_dense_attention(nh, nkv, hd, block_size, tiles, decode_path, chunk_limit, monkeypatch):
+    """Short chunks: the C kernel takes the whole step; a longer one keeps every chunk on the tiled path."""
+    monkeypatch.setattr(attention, "NATIVE_CHUNK_WORK", chunk_limit)
     step = _Step(STEP, nh, nkv, hd, block_size, seed=nh * hd + block_size)
     np.testing.assert_allclose(step.run(**tiles), step.reference(), rtol=1e-4, atol=1e-5)
 

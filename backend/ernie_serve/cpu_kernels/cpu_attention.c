@@ -1,13 +1,15 @@
-/* Decode attention straight from the paged KV cache (float32), for the CPU serving path.
+/* Attention straight from the paged KV cache (float32) for decodes and short prefill chunks, CPU serving path.
  *
  *   out[t, h] = softmax_j(q[t, h] . K[j, h / G] * scale) @ V[j, h / G]     over the keys row t sees
  *
  * Why: the Paddle path gathers every decode's blocks into a contiguous [B, kv_heads, L, head_dim] copy per
  * layer, then runs a padded batched matmul pair under an additive mask: at 16 decodes of ~130 tokens that
- * was ~2.4 ms a layer, 20% of the decode step. Here each (sequence, KV head) task walks its block table,
- * reads each key and value row once for the G query heads that share it (GQA) and the sequence's few query
- * rows (speculative verification), and folds the blocks with an online softmax (flash attention's running
- * max and sum), so no copy, mask or score matrix of the whole context exists.
+ * was ~2.4 ms a layer, 20% of the decode step; a short prefill chunk took ~2 ms a layer in ~15 small ops. Here
+ * each (sequence, KV head) task walks its block table, scores tiles of 4 (query row, head) pairs against 4
+ * keys in registers (each key and query vector loaded once a tile; the G heads sharing a KV head are pairs of
+ * the same task), and folds the blocks with an online softmax (flash attention's running max and sum), so no
+ * copy, mask or score matrix of the whole context exists. Its dot-product tiles run far below the matmul
+ * path's rate on long chunks, which stay there (model/attention.NATIVE_CHUNK_WORK).
  *
  * Layout: cache [num_blocks, block_size, kv_heads, head_dim]; q [T, heads, head_dim] with sequence s's rows
  * at [query_start_loc[s], query_start_loc[s + 1]); row i of a sequence with seq_len visible tokens and q_len
@@ -28,14 +30,84 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+#define RT 4  /* (row, head) pairs per register tile */
+#define KT 4  /* keys per register tile */
+
+/* p[r][j] = q_r . k_j * scale for the `rows` pairs (qp: their query vectors) and keys j < nk of a block. */
+static void block_scores(const float *const *qp, int rows, const float *kb, int64_t key_stride, int nk, int hd,
+                         float scale, float *p, int ldp) {
+#ifdef __AVX512F__
+    if (hd % 16 == 0) {  /* RT x KT dot products at a time: each q and k vector loaded once per tile */
+        for (int r0 = 0; r0 < rows; r0 += RT)
+            for (int j0 = 0; j0 < nk; j0 += KT) {
+                const float *qr[RT], *kr[KT];
+                for (int i = 0; i < RT; i++) qr[i] = qp[r0 + i < rows ? r0 + i : rows - 1];
+                for (int i = 0; i < KT; i++) kr[i] = kb + (j0 + i < nk ? j0 + i : nk - 1) * key_stride;
+                __m512 acc[RT][KT];
+                for (int a = 0; a < RT; a++)
+                    for (int b = 0; b < KT; b++) acc[a][b] = _mm512_setzero_ps();
+                for (int d = 0; d < hd; d += 16) {
+                    __m512 kv[KT];
+                    for (int b = 0; b < KT; b++) kv[b] = _mm512_loadu_ps(kr[b] + d);
+                    for (int a = 0; a < RT; a++) {
+                        __m512 qv = _mm512_loadu_ps(qr[a] + d);
+                        for (int b = 0; b < KT; b++) acc[a][b] = _mm512_fmadd_ps(qv, kv[b], acc[a][b]);
+                    }
+                }
+                for (int a = 0; a < RT && r0 + a < rows; a++)
+                    for (int b = 0; b < KT && j0 + b < nk; b++)
+                        p[(r0 + a) * ldp + j0 + b] = _mm512_reduce_add_ps(acc[a][b]) * scale;
+            }
+        return;
+    }
+#endif
+    for (int j = 0; j < nk; j++)
+        for (int r = 0; r < rows; r++) p[r * ldp + j] = dot(qp[r], kb + j * key_stride, hd) * scale;
+}
+
+/* acc[r] += sum_j p[r][j] * v_j over keys j < nk (p is zero past what row r sees). */
+static void block_values(const float *p, int ldp, int rows, const float *vb, int64_t key_stride, int nk, int hd,
+                         float *acc) {
+#ifdef __AVX512F__
+    if (hd % 16 == 0) {  /* a tile of RT accumulators stays in registers across the block's keys */
+        for (int r0 = 0; r0 < rows; r0 += RT) {
+            const int nr = rows - r0 < RT ? rows - r0 : RT;
+            for (int d = 0; d < hd; d += 16) {
+                __m512 a[RT];
+                for (int i = 0; i < RT; i++) a[i] = i < nr ? _mm512_loadu_ps(acc + (int64_t)(r0 + i) * hd + d)
+                                                           : _mm512_setzero_ps();
+                for (int j = 0; j < nk; j++) {
+                    __m512 v = _mm512_loadu_ps(vb + j * key_stride + d);
+                    for (int i = 0; i < RT; i++)
+                        a[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[(r0 + (i < nr ? i : 0)) * ldp + j]), v, a[i]);
+                }
+                for (int i = 0; i < nr; i++) _mm512_storeu_ps(acc + (int64_t)(r0 + i) * hd + d, a[i]);
+            }
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < nk; j++)
+        for (int r = 0; r < rows; r++) {
+            const float pj = p[r * ldp + j], *vr = vb + j * key_stride;
+            float *a = acc + (int64_t)r * hd;
+            #pragma omp simd
+            for (int d = 0; d < hd; d++) a[d] += pj * vr[d];
+        }
+}
+
 /* One sequence's query rows for one KV head: `rows` = q_len * G (row, head) pairs, row-major in p [rows, bs].
- * Each key and value row is loaded once for all the pairs that see it. */
+ * Each key and value row is read once per tile of pairs that see it. */
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
                    int64_t q_start, int q_len, int64_t seq_len, int kvh, int nh, int nkv, int hd, int bs,
-                   float scale, float *out, float *m, float *l, float *acc, float *p, int *seen) {
+                   float scale, float *out, float *m, float *l, float *acc, float *p, int *seen, const float **qp) {
     const int G = nh / nkv, rows = q_len * G;
     const int64_t key_stride = (int64_t)nkv * hd;
-    for (int r = 0; r < rows; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
+    for (int r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        qp[r] = q + ((q_start + r / G) * nh + kvh * G + r % G) * (int64_t)hd;
+    }
     memset(acc, 0, sizeof(float) * rows * hd);
     for (int64_t b0 = 0; b0 < seq_len; b0 += bs) {
         const int64_t base = (table[b0 / bs] * bs * nkv + kvh) * (int64_t)hd;
@@ -46,36 +118,27 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
             seen[r] = visible <= 0 ? 0 : visible < bs ? (int)visible : bs;
             nk_max = seen[r] > nk_max ? seen[r] : nk_max;
         }
-        for (int j = 0; j < nk_max; j++) {
-            const float *kr = kb + j * key_stride;
-            for (int r = 0; r < rows; r++)
-                if (j < seen[r])
-                    p[r * bs + j] = dot(q + ((q_start + r / G) * nh + kvh * G + r % G) * (int64_t)hd, kr, hd) * scale;
-        }
+        block_scores(qp, rows, kb, key_stride, nk_max, hd, scale, p, bs);
         for (int r = 0; r < rows; r++) {
             const int nk = seen[r];
-            if (nk == 0) continue;
-            float *pr = p + r * bs, mb = -INFINITY;
+            float *pr = p + r * bs;
+            if (nk == 0) {
+                for (int j = 0; j < nk_max; j++) pr[j] = 0.0f;
+                continue;
+            }
+            float mb = -INFINITY;
             for (int j = 0; j < nk; j++) mb = pr[j] > mb ? pr[j] : mb;
             const float m_new = mb > m[r] ? mb : m[r];
             const float alpha = expf(m[r] - m_new);  /* 0 on the first block (m = -inf) */
             const float sum = exp_shifted_sum(pr, nk, m_new);
+            for (int j = nk; j < nk_max; j++) pr[j] = 0.0f;  /* keys this row does not see */
             l[r] = l[r] * alpha + sum;
             m[r] = m_new;
             float *a = acc + (int64_t)r * hd;
             #pragma omp simd
             for (int d = 0; d < hd; d++) a[d] *= alpha;
         }
-        for (int j = 0; j < nk_max; j++) {
-            const float *vr = vb + j * key_stride;
-            for (int r = 0; r < rows; r++) {
-                if (j >= seen[r]) continue;
-                const float pj = p[r * bs + j];
-                float *a = acc + (int64_t)r * hd;
-                #pragma omp simd
-                for (int d = 0; d < hd; d++) a[d] += pj * vr[d];
-            }
-        }
+        block_values(p, bs, rows, vb, key_stride, nk_max, hd, acc);
     }
     for (int r = 0; r < rows; r++) {
         float *o = out + ((q_start + r / G) * nh + kvh * G + r % G) * (int64_t)hd;
@@ -86,7 +149,7 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 }
 
 /* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete). */
-int ernie_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+int ernie_paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int64_t *block_tables, int table_stride, const int64_t *query_start_loc,
                                const int64_t *seq_lens, int num_seqs, int nh, int nkv, int hd, int bs, float scale,
                                float *out) {
@@ -96,12 +159,14 @@ int ernie_decode_attention_f32(const float *q, const float *k_cache, const float
         const int s = task / nkv, kvh = task % nkv;
         const int q_len = (int)(query_start_loc[s + 1] - query_start_loc[s]);
         const int rows = q_len * (nh / nkv);
-        float *buf = malloc(sizeof(float) * (size_t)rows * (hd + 3 + bs));
-        if (!buf) { failed = 1; continue; }
+        /* qp [rows] pointers, then m, l [rows], acc [rows, hd], p [rows, bs] floats, seen [rows] ints */
+        const float **qp = malloc(sizeof(float *) * (size_t)rows + sizeof(float) * (size_t)rows * (hd + 3 + bs));
+        if (!qp) { failed = 1; continue; }
+        float *buf = (float *)(qp + rows);
         attend(q, k_cache, v_cache, block_tables + (int64_t)s * table_stride, query_start_loc[s], q_len,
                seq_lens[s], kvh, nh, nkv, hd, bs, scale, out, buf, buf + rows, buf + 2 * rows,
-               buf + (size_t)rows * (hd + 2), (int *)(buf + (size_t)rows * (hd + 2 + bs)));
-        free(buf);
+               buf + (size_t)rows * (hd + 2), (int *)(buf + (size_t)rows * (hd + 2 + bs)), qp);
+        free(qp);
     }
     return failed ? -1 : 0;
 }

@@ -1,8 +1,8 @@
-"""Decode attention from the paged float32 KV cache in one C call per layer (cpu_attention.c).
+"""Attention of each sequence's new rows over its paged float32 KV cache, in one C call per layer (cpu_attention.c).
 
-model/attention.paged_attention runs its leading decode sequences (one to a few query rows each) here
-when the cache is float32 on the CPU and nothing needs a gradient; longer prefill chunks keep the tiled
-Paddle path, whose matmuls are the faster way to do their many rows.
+model/attention.paged_attention runs its decodes (one to a few query rows each) here in inference on a float32
+CPU cache, and the prefill chunks too when all are short; long chunks keep the tiled Paddle path, whose
+matmuls are the faster way to do their many rows.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ _lib: ctypes.CDLL | None = None
 def _load() -> ctypes.CDLL | None:
     global _lib
     if _lib is None and build.library() is not None:
-        build.declare(build.library(), {"ernie_decode_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I,
+        build.declare(build.library(), {"ernie_paged_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I,
                                                                        _I, ctypes.c_float, _P]}, ctypes.c_int)
         _lib = build.library()
     return _lib
@@ -31,7 +31,7 @@ def available() -> bool:
     return _load() is not None
 
 
-def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                      query_start_loc: np.ndarray, seq_lens: np.ndarray, scale: float) -> paddle.Tensor:
     """q [T, heads, head_dim] float32 (sequence s's rows at query_start_loc[s]..[s+1]), caches [num_blocks,
     block_size, kv_heads, head_dim] float32, block_tables [S, nb] -> [T, heads * head_dim] float32."""
@@ -42,16 +42,16 @@ def decode_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bl
     if (hd_cache != hd or nh % nkv or v_cache.shape != k_cache.shape or k_cache.dtype != np.float32
             or q.dtype != np.float32 or query_start_loc.shape != (num_seqs + 1,) or int(query_start_loc[-1]) != t
             or block_tables.shape[0] != num_seqs or block_tables.shape[1] * bs < int(seq_lens.max(initial=0))):
-        raise ValueError(f"decode_attention: q {list(q.shape)} {q.dtype} does not fit a {k_cache.dtype} cache "
+        raise ValueError(f"paged_attention: q {list(q.shape)} {q.dtype} does not fit a {k_cache.dtype} cache "
                          f"{list(k_cache.shape)} with {num_seqs} sequences, tables {list(block_tables.shape)}")
     q = np.ascontiguousarray(q)
     tables = np.ascontiguousarray(block_tables, dtype=np.int64)
     qsl = np.ascontiguousarray(query_start_loc, dtype=np.int64)
     lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
     y, out = empty_host((t, nh * hd), np.float32)
-    rc = lib.ernie_decode_attention_f32(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, tables.ctypes.data,
+    rc = lib.ernie_paged_attention_f32(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, tables.ctypes.data,
                                         tables.shape[1], qsl.ctypes.data, lens.ctypes.data, num_seqs, nh, nkv, hd,
                                         bs, scale, out.ctypes.data)
     if rc != 0:
-        raise MemoryError("decode_attention: no memory for the kernel's work buffers")
+        raise MemoryError("paged_attention: no memory for the kernel's work buffers")
     return y

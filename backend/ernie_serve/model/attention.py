@@ -26,6 +26,10 @@ from .reference_attention import MASKED, FreshKV, PagedKV, batched_attention, ti
 
 KV_TILE_TOKENS = 512  # keys per tile of a prefill chunk (rounded to whole cache blocks)
 SCORE_TILE_ELEMENTS = 1 << 20  # q_tile = this // (heads * kv tile): a 4 MB fp32 score tile
+# q_len * seq_len of the longest chunk cpu_attention.c still takes (see _native_seqs): measured per layer, 8 / 2
+# heads of 128, 16 chunks of 101 tokens 12 ms against the tiled path's 36, 4 of 512: 93 against 123, 1 of 1024:
+# 93 against 80, 1 of 2048: 359 against 208
+NATIVE_CHUNK_WORK = 512 * 512
 
 
 @dataclass
@@ -55,20 +59,30 @@ class _ReferencePlan:
     chunks: list[_Chunk]
 
 
-def _plan(meta: AttentionMetadata, read_cache: bool, native_decodes: bool) -> _ReferencePlan:
+def _plan(meta: AttentionMetadata, read_cache: bool, native_seqs: int) -> _ReferencePlan:
     """read_cache: every chunk attends to what the cache holds, its own new K/V included (a C8 cache: attention
     then sees the same int8-rounded K/V however the prompt was chunked, as the kernels backend does).
-    native_decodes: the decodes run in cpu_attention.c, which needs no padded batch or mask."""
+    native_seqs: the leading sequences cpu_attention.c runs (no padded batch, mask or tiles for them)."""
     qsl, lens, bs = meta.query_start_loc, meta.seq_lens, meta.block_size
     q_lens = meta.query_lens
-    decodes = _decode_batch(meta) if meta.num_decodes and not native_decodes else None
+    decodes = _decode_batch(meta) if meta.num_decodes and not native_seqs else None
     chunks = []
-    for i in range(meta.num_decodes, len(lens)):
+    for i in range(max(meta.num_decodes, native_seqs), len(lens)):
         q, s = int(q_lens[i]), int(lens[i])
         cached = meta.block_tables is not None and meta.slot_mapping is not None and (s > q or read_cache)
         ids = meta.block_tables[i, : -(-s // bs)] if cached else None
         chunks.append(_Chunk(int(qsl[i]), q, s, ids))
     return _ReferencePlan(decodes, chunks)
+
+
+def _native_seqs(meta: AttentionMetadata) -> int:
+    """How many leading sequences cpu_attention.c takes: the decodes, and every chunk too when all are short
+    enough that its row-by-row tiles beat the tiled matmul path (q_len * seq_len <= NATIVE_CHUNK_WORK)."""
+    if meta.block_tables is None or meta.slot_mapping is None:
+        return 0
+    if int((meta.query_lens * meta.seq_lens)[meta.num_decodes:].max(initial=0)) <= NATIVE_CHUNK_WORK:
+        return len(meta.seq_lens)
+    return meta.num_decodes
 
 
 def _decode_batch(meta: AttentionMetadata) -> _DecodeBatch:
@@ -105,13 +119,14 @@ def paged_attention(
     """q [T, nh, hd], k/v [T, nkv, hd] for the step's new tokens -> [T, nh*hd]."""
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
-    native = meta.num_decodes > 0 and cache is not None and cache.quant is None and cpu_ops.serves(q)
-    plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None, native))
+    native = cache is not None and cache.quant is None and cpu_ops.serves(q)
+    n = meta.derive("native_seqs", _native_seqs) if native else 0
+    plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None, n))
     nh, hd = q.shape[1], q.shape[2]
     outs = []
-    if native:
-        n, nd = meta.num_decodes, meta.num_decode_tokens
-        outs.append(cpu_attention.decode_attention(np.from_dlpack(q)[:nd], cache.k[layer], cache.v[layer],
+    if n:
+        rows = int(meta.query_start_loc[n])
+        outs.append(cpu_attention.paged_attention(np.from_dlpack(q)[:rows], cache.k[layer], cache.v[layer],
                                                    meta.block_tables[:n], meta.query_start_loc[:n + 1],
                                                    meta.seq_lens[:n], scale))
     elif plan.decodes is not None:
