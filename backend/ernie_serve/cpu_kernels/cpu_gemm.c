@@ -16,6 +16,9 @@
  * libiomp5, so the two never compete for the cores). Built by cpu_gemm.py on first use.
  */
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "vec_math.h"
 
@@ -142,36 +145,40 @@ static void gemm(const float *x, int M, int K, const int8_t *w, int N, const flo
     if (vec_cols < N) columns_plain(x, M, K, w, N, s, y, vec_cols, N, bits);
 }
 
-void ernie_gemm_wint8(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y) {
-    gemm(x, M, K, w, N, s, y, 8);
+/* How the threads share E experts x nb column blocks: contiguous halves (each thread streams one run of the
+ * weights) when the experts' row counts are even, as at decode; round robin (static chunks of 1) when a few experts
+ * hold most rows, as with a prefill chunk in the step, which would otherwise leave a thread idle. */
+static int task_chunk(const int64_t *rows, int E, int nb) {
+    int64_t total = 0, most = 0;
+    for (int e = 0; e < E; e++) {
+        total += rows[e];
+        most = rows[e] > most ? rows[e] : most;
+    }
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    return most * E <= 2 * total ? (E * nb + threads - 1) / threads : 1;
 }
 
-void ernie_gemm_wint4(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y) {
-    gemm(x, M, K, w, N, s, y, 4);
-}
-
-/* A float32 weight held column-blocked ([N/32, K, 32] floats): no scale. */
-void ernie_gemm_f32(const float *x, int M, int K, const int8_t *w, int N, float *y) {
-    gemm(x, M, K, w, N, 0, y, 32);
-}
-
-/* Every routed expert of a MoE layer in one call: y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e for e < E,
- * x [E, cap, K] and y [E, cap, N] (rows past rows[e] are neither read nor written). w[e] / s[e] point at each
- * expert's column-blocked weight and scale. The threads split the (expert, column block) pairs, so a decode
- * step's many small expert matmuls become one parallel loop instead of a Python call per expert. */
-static void moe_gemm(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
-                     const float *const *s, float *y, int bits) {
+/* Every routed expert of a MoE layer in one call: y[starts[e] + m] = x[starts[e] + m] @ W_e * scale_e for m < rows[e]
+ * (rows of x [*, K] and y [*, N]; a padded [E, cap] batch has starts[e] = e * cap, a packed one the running sum of
+ * rows). w[e] / s[e] point at each expert's column-blocked weight and scale. The threads split the (expert, column
+ * block) pairs, so a step's many expert matmuls, small at decode or mid-sized in a step mixing decodes and a
+ * prefill chunk, become one parallel loop instead of a call per expert. */
+static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
+                     const int8_t *const *w, int N, const float *const *s, float *y, int bits) {
     int vec_cols = 0;
 #ifdef __AVX512F__
     vec_cols = N / COLS * COLS;
     const block_fn *blocks = blocks_for(bits);
     const int64_t block_bytes = (int64_t)block_rows(K, bits) * COLS * (bits == 32 ? 4 : 1);
-    const int nb = N / COLS;
-    #pragma omp parallel for schedule(static)
+    const int nb = N / COLS, chunk = task_chunk(rows, E, nb);
+    #pragma omp parallel for schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb, b = task % nb, M = (int)rows[e];
-        const float *xe = x + (int64_t)e * cap * K;
-        float *ye = y + (int64_t)e * cap * N;
+        const float *xe = x + starts[e] * K;
+        float *ye = y + starts[e] * N;
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             int mb = M - m0 < ROWS ? M - m0 : ROWS;
             blocks[mb](xe + (int64_t)m0 * K, K, w[e] + b * block_bytes, N, s ? s[e] : 0, ye + (int64_t)m0 * N,
@@ -181,32 +188,15 @@ static void moe_gemm(const float *x, const int64_t *rows, int E, int cap, int K,
 #endif
     if (vec_cols < N)
         for (int e = 0; e < E; e++)
-            columns_plain(x + (int64_t)e * cap * K, (int)rows[e], K, w[e], N, s ? s[e] : 0,
-                          y + (int64_t)e * cap * N, vec_cols, N, bits);
-}
-
-void ernie_moe_gemm_wint8(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
-                          const float *const *s, float *y) {
-    moe_gemm(x, rows, E, cap, K, w, N, s, y, 8);
-}
-
-void ernie_moe_gemm_wint4(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
-                          const float *const *s, float *y) {
-    moe_gemm(x, rows, E, cap, K, w, N, s, y, 4);
-}
-
-/* float32 experts held column-blocked ([N/32, K, 32] floats each): no scales. */
-void ernie_moe_gemm_f32(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w, int N,
-                        float *y) {
-    moe_gemm(x, rows, E, cap, K, w, N, 0, y, 32);
+            columns_plain(x + starts[e] * K, (int)rows[e], K, w[e], N, s ? s[e] : 0, y + starts[e] * N, vec_cols, N,
+                          bits);
 }
 
 /* The SwiGLU MLP's first matmul with its activation fused: W is [K, 2I] with the gate half first, and
  * y[m, j] = silu(g[m, j]) * u[m, j] for [g | u] = (x @ W) * scale, y [M, I]. Each task computes gate block b and
  * up block b into two register-block tiles and writes their product, so the [M, 2I] projection is never stored
- * and read back (at decode it was a separate pass per MLP). Needs I % 32 == 0 and AVX-512 (callers check
- * ernie_gemm_swiglu_fits). Experts: as moe_gemm, every expert's rows[e] rows of x [E, cap, K] -> y [E, cap, I]. */
-int ernie_gemm_swiglu_fits(int N) {
+ * and read back (at decode it was a separate pass per MLP). Needs I % 32 == 0 and AVX-512 (swiglu_fits). */
+static int swiglu_fits(int N) {
 #ifdef __AVX512F__
     return N % (2 * COLS) == 0;
 #else
@@ -214,6 +204,8 @@ int ernie_gemm_swiglu_fits(int N) {
     return 0;
 #endif
 }
+
+int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
 
 #ifdef __AVX512F__
 static void swiglu_rows(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y, int b,
@@ -233,30 +225,35 @@ static void swiglu_rows(const float *x, int M, int K, const int8_t *w, int N, co
 }
 #endif
 
-void ernie_gemm_swiglu(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y, int bits) {
+/* y = x @ W * scale (bits 8: int8 W, 4: packed int4, 32: float32 with s NULL); swiglu: y [M, N / 2] as above. */
+void ernie_gemm(const float *x, int M, int K, const int8_t *w, int N, const float *s, float *y, int bits,
+                int swiglu) {
+    if (!swiglu) {
+        gemm(x, M, K, w, N, s, y, bits);
+        return;
+    }
 #ifdef __AVX512F__
+    if (!swiglu_fits(N)) return;
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, w, N, s, y, b, bits);
 #endif
 }
 
-void ernie_moe_gemm_swiglu(const float *x, const int64_t *rows, int E, int cap, int K, const int8_t *const *w,
-                           int N, const float *const *s, float *y, int bits) {
+/* moe_gemm above, or with swiglu each expert's rows -> y rows of width N / 2. */
+void ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K, const int8_t *const *w,
+                    int N, const float *const *s, float *y, int bits, int swiglu) {
+    if (!swiglu) {
+        moe_gemm(x, rows, starts, E, K, w, N, s, y, bits);
+        return;
+    }
 #ifdef __AVX512F__
-    const int nb = N / 2 / COLS;
-    #pragma omp parallel for schedule(static)
+    if (!swiglu_fits(N)) return;
+    const int nb = N / 2 / COLS, chunk = task_chunk(rows, E, nb);
+    #pragma omp parallel for schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;
-        swiglu_rows(x + (int64_t)e * cap * K, (int)rows[e], K, w[e], N, s ? s[e] : 0, y + (int64_t)e * cap * N / 2,
-                    task % nb, bits);
+        swiglu_rows(x + starts[e] * K, (int)rows[e], K, w[e], N, s ? s[e] : 0, y + starts[e] * N / 2, task % nb,
+                    bits);
     }
-#endif
-}
-
-int ernie_gemm_has_avx512(void) {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
 #endif
 }

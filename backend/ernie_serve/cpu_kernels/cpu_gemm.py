@@ -18,13 +18,8 @@ from . import build
 MAX_ROWS = 32  # beyond this (prefill chunks) Paddle's matmul over dequantized tiles is the faster path
 _P, _I = ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
-    "ernie_gemm_wint8": [_P, _I, _I, _P, _I, _P, _P], "ernie_gemm_wint4": [_P, _I, _I, _P, _I, _P, _P],
-    "ernie_gemm_f32": [_P, _I, _I, _P, _I, _P],
-    "ernie_moe_gemm_wint8": [_P, _P, _I, _I, _I, _P, _I, _P, _P],
-    "ernie_moe_gemm_wint4": [_P, _P, _I, _I, _I, _P, _I, _P, _P],
-    "ernie_moe_gemm_f32": [_P, _P, _I, _I, _I, _P, _I, _P],
-    "ernie_gemm_swiglu": [_P, _I, _I, _P, _I, _P, _P, _I],
-    "ernie_moe_gemm_swiglu": [_P, _P, _I, _I, _I, _P, _I, _P, _P, _I],
+    "ernie_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I],
+    "ernie_moe_gemm": [_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I],
 }
 _lib: ctypes.CDLL | None = None
 
@@ -103,48 +98,44 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    if not _fits(blocked.shape, k, n, bits) or (scale is None) != (bits == 32) or (scale is not None
-                                                                                 and scale.shape[0] != n):
+    if (not _fits(blocked.shape, k, n, bits) or (scale is None) != (bits == 32)
+            or (scale is not None and scale.shape[0] != n) or (swiglu and not swiglu_fits(n))):
         raise ValueError(f"cpu_gemm.gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
-                         f"held as {blocked.shape} with scale {None if scale is None else scale.shape}")
-    if swiglu:
-        y, out = empty_host((m, n // 2), np.float32)
-        lib.ernie_gemm_swiglu(x.ctypes.data, m, k, blocked.data_ptr(), n, None if scale is None else scale.data_ptr(),
-                              out.ctypes.data, bits)
-        return y
-    y, out = empty_host((m, n), np.float32)
-    if bits == 32:
-        lib.ernie_gemm_f32(x.ctypes.data, m, k, blocked.data_ptr(), n, out.ctypes.data)
-        return y
-    fn = lib.ernie_gemm_wint8 if bits == 8 else lib.ernie_gemm_wint4
-    fn(x.ctypes.data, m, k, blocked.data_ptr(), n, scale.data_ptr(), out.ctypes.data)
+                         f"held as {blocked.shape} with scale {None if scale is None else scale.shape}"
+                         f"{' (swiglu)' if swiglu else ''}")
+    y, out = empty_host((m, n // 2 if swiglu else n), np.float32)
+    lib.ernie_gemm(x.ctypes.data, m, k, blocked.data_ptr(), n, None if scale is None else scale.data_ptr(),
+                   out.ctypes.data, bits, int(swiglu))
     return y
 
 
 def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: int,
              scales: list[paddle.Tensor] | None, bits: int, swiglu: bool = False) -> paddle.Tensor:
-    """Every expert's matmul in one call: x [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)
-    -> y [E, cap, n] with y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e; rows past rows[e] are zero.
-    `blocked` / `scales`: each expert's weight (pack_columns' layout) and scale; bits 8 / 4 (int codes) or 32
-    (float32 weights, scales None). `swiglu`: as gemm's, y [E, cap, n / 2]. Callers check available()."""
+    """Every expert's matmul in one call. x padded [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)
+    -> y [E, cap, n] with y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e and rows past rows[e] zero; or x packed
+    [sum(rows), K] (expert e's rows after those of experts < e) -> y [sum(rows), n]. `blocked` / `scales`: each
+    expert's weight (pack_columns' layout) and scale; bits 8 / 4 (int codes) or 32 (float32 weights, scales None).
+    `swiglu`: as gemm's, y rows of n / 2. Callers check available()."""
     lib = _load()
     x = np.ascontiguousarray(x, dtype=np.float32)
-    e, cap, k = x.shape
     rows = np.ascontiguousarray(rows, dtype=np.int64)
-    if (len(blocked) != e or (scales is None) != (bits == 32) or (scales is not None and len(scales) != e)
-            or rows.shape != (e,) or not _fits(blocked[0].shape, k, n, bits) or rows.max(initial=0) > cap):
+    e, k = len(blocked), x.shape[-1]
+    if x.ndim == 3:
+        cap = x.shape[1]
+        starts = np.arange(e, dtype=np.int64) * cap
+        fits = x.shape[0] == e and rows.max(initial=0) <= cap
+    else:
+        starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+        fits = x.ndim == 2 and int(rows.sum()) == x.shape[0]
+    if (not fits or (scales is None) != (bits == 32) or (scales is not None and len(scales) != e)
+            or rows.shape != (e,) or not _fits(blocked[0].shape, k, n, bits) or (swiglu and not swiglu_fits(n))):
         raise ValueError(f"moe_gemm: x {list(x.shape)} with rows {rows.tolist()} does not fit {len(blocked)} "
-                         f"{bits}-bit experts of {n} columns held as {blocked[0].shape}")
+                         f"{bits}-bit experts of {n} columns held as {blocked[0].shape}{' (swiglu)' if swiglu else ''}")
     w_ptrs = (ctypes.c_void_p * e)(*[w.data_ptr() for w in blocked])
     s_ptrs = None if scales is None else (ctypes.c_void_p * e)(*[s.data_ptr() for s in scales])
-    y, out = empty_host((e, cap, n // 2 if swiglu else n), np.float32)
-    out.fill(0.0)
-    if swiglu:
-        lib.ernie_moe_gemm_swiglu(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, s_ptrs, out.ctypes.data, bits)
-        return y
-    if bits == 32:
-        lib.ernie_moe_gemm_f32(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, out.ctypes.data)
-        return y
-    fn = lib.ernie_moe_gemm_wint8 if bits == 8 else lib.ernie_moe_gemm_wint4
-    fn(x.ctypes.data, rows.ctypes.data, e, cap, k, w_ptrs, n, s_ptrs, out.ctypes.data)
+    y, out = empty_host((*x.shape[:-1], n // 2 if swiglu else n), np.float32)
+    if x.ndim == 3:
+        out.fill(0.0)
+    lib.ernie_moe_gemm(x.ctypes.data, rows.ctypes.data, starts.ctypes.data, e, k, w_ptrs, n, s_ptrs, out.ctypes.data,
+                       bits, int(swiglu))
     return y

@@ -96,8 +96,8 @@ class BlockedExperts(nn.Layer):
     Why: at decode each expert multiplies a few rows, so the step streams the experts' weights, and Paddle's
     matmul over [K, N] streams them at 8-10 GB/s on this CPU where cpu_gemm.c reads column-blocked fp32 at
     ~27 GB/s (4 rows, cold weights, measured); at prefill sizes the C kernel is still ~1.5x MKL (BlockedLinear).
-    Decode sizes run every expert in one call; larger row counts (prefill) one call per active expert,
-    without padding every expert to the busiest one. Inference only."""
+    Every expert runs in one call per matrix (per-expert calls only when one expert has most of the rows: a
+    step of 15 decodes and a 230-token chunk ran ~50 rows an expert in 32 small calls a layer). Inference only."""
 
     def __init__(self, up_gate: paddle.Tensor, down: paddle.Tensor, up_gate_cols: int, down_cols: int):
         """`up_gate` [E, ceil(2I/32), H, 32], `down` [E, ceil(H/32), I, 32] float32 (cpu_gemm.pack_columns)."""
@@ -115,15 +115,18 @@ class BlockedExperts(nn.Layer):
         return 4 * (int(np.prod(self.up_gate_blocked.shape)) + int(np.prod(self.down_blocked.shape)))
 
     def can_batch(self, counts: np.ndarray) -> bool:
-        return int(counts.max(initial=0)) <= cpu_gemm.MAX_ROWS
+        return True
 
     def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
+        """xs padded [E, cap, H] or packed [sum(counts), H] (each expert's rows after the previous expert's)."""
         x = np.from_dlpack(xs)
         if cpu_gemm.swiglu_fits(self.up_gate_cols):  # SwiGLU fused into the gate-up matmul
             h = cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, 32, swiglu=True)
         else:
             h = silu_and_mul(cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, 32))
         return cpu_gemm.moe_gemm(np.from_dlpack(h), counts, self._down, self.down_cols, None, 32)
+
+    packed_forward = batched_forward  # grouped_expert_forward's packed layout: no padding at any row count
 
     def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
         xe = np.from_dlpack(x)
@@ -181,7 +184,11 @@ def _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights
     """grouped_expert_forward's dispatch and mixture in cpu_ops.c: one gather into the experts' input, one
     weighted combine out of their output rows (no sorted copy of the outputs, no index_add)."""
     src = np.full(x.shape[0] * k, -1, dtype=np.int64)  # the expert output row of each (token, choice)
-    if experts.can_batch(counts):
+    packed = getattr(experts, "packed_forward", None)  # experts that take their rows packed, unpadded
+    if packed is not None:
+        ys = packed(cpu_ops.gather_rows(x, order // k), counts)
+        src[order] = np.arange(order.size)
+    elif experts.can_batch(counts):
         rows = _padded_rows(flat_ids, order, counts)
         gather = np.full(counts.shape[0] * int(counts.max()), -1, dtype=np.int64)
         gather[rows] = order // k
