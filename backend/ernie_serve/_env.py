@@ -24,12 +24,16 @@ _USER_OMP_THREADS = None if "paddle" in sys.modules else os.environ.get("OMP_NUM
 
 
 def setup_model_process(threads: int | None = None) -> int:
-    """For the process that runs the model: Paddle's CPU kernels get `threads` (default: every core this process
-    may run on, or the user's OMP_NUM_THREADS), freed host memory is kept for reuse. Returns the thread count."""
+    """For the process that runs the model: Paddle's CPU kernels and ours (cpu_kernels) get `threads` (default:
+    every core this process may run on, or the user's OMP_NUM_THREADS), freed host memory is kept for reuse.
+    Returns the thread count."""
     from paddle.base import core
+
+    from .cpu_kernels import build
 
     n = threads or (int(_USER_OMP_THREADS) if _USER_OMP_THREADS else len(os.sched_getaffinity(0)))
     core.set_num_threads(n)
+    build.set_threads(n)  # for whichever thread steps the engine (OpenMP's setting is per thread)
     _keep_freed_memory()
     return n
 

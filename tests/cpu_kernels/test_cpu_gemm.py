@@ -132,3 +132,19 @@ def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
     fused_e = cpu_gemm.moe_gemm(xs, rows, [blocked, blocked], 2 * inter, scales, bits, swiglu=True).numpy()
     for e, r in enumerate(rows):
         np.testing.assert_allclose(fused_e[e, :r], plain_e[e, :r], rtol=2e-6, atol=1e-6)
+
+
+def test_the_kernels_thread_count_holds_in_every_calling_thread():
+    """OpenMP keeps its thread count per calling thread (Paddle pins it to 1 at import); the served engine steps
+    from its own thread, so the kernels take theirs from the process-wide setting instead."""
+    import threading
+
+    from ernie_serve.cpu_kernels import build
+
+    build.set_threads(3)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(build.threads()))
+    t.start()
+    t.join()
+    build.set_threads(len(os.sched_getaffinity(0)))
+    assert seen == [3]

@@ -86,3 +86,17 @@ def declare(lib: ctypes.CDLL, signatures: dict[str, list], restype=None) -> None
 
 def available() -> bool:
     return library() is not None
+
+
+def set_threads(n: int) -> None:
+    """The thread count of every kernel's parallel loops, whichever thread calls them (cpu_kernels/threads.h:
+    OpenMP's own setting is per calling thread, and the served engine steps from a thread of its own)."""
+    lib = library()
+    if lib is not None:
+        lib.ernie_set_num_threads(ctypes.c_int(n))
+
+
+def threads() -> int:
+    """What the kernels' parallel loops use now (1 without the library)."""
+    lib = library()
+    return int(lib.ernie_threads()) if lib is not None else 1

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "threads.h"
 #include "vec_math.h"
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -154,7 +155,7 @@ int ernie_paged_attention_f32(const float *q, const float *k_cache, const float 
                                const int64_t *seq_lens, int num_seqs, int nh, int nkv, int hd, int bs, float scale,
                                float *out) {
     int failed = 0;
-    #pragma omp parallel for schedule(static, 1) reduction(| : failed)
+    #pragma omp parallel for THREADS schedule(static, 1) reduction(| : failed)
     for (int task = 0; task < num_seqs * nkv; task++) {
         const int s = task / nkv, kvh = task % nkv;
         const int q_len = (int)(query_start_loc[s + 1] - query_start_loc[s]);

@@ -16,10 +16,8 @@
  * libiomp5, so the two never compete for the cores). Built by cpu_gemm.py on first use.
  */
 #include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
+#include "threads.h"
 #include "vec_math.h"
 
 #define ROWS 8   /* rows per register block */
@@ -135,7 +133,7 @@ static void gemm(const float *x, int M, int K, const int8_t *w, int N, const flo
     vec_cols = N / COLS * COLS;
     const block_fn *blocks = blocks_for(bits);
     const int64_t block_bytes = (int64_t)block_rows(K, bits) * COLS * (bits == 32 ? 4 : 1);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for THREADS schedule(static)
     for (int b = 0; b < N / COLS; b++)
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             int mb = M - m0 < ROWS ? M - m0 : ROWS;
@@ -154,10 +152,7 @@ static int task_chunk(const int64_t *rows, int E, int nb) {
         total += rows[e];
         most = rows[e] > most ? rows[e] : most;
     }
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
+    const int threads = ernie_threads();
     return most * E <= 2 * total ? (E * nb + threads - 1) / threads : 1;
 }
 
@@ -174,7 +169,7 @@ static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts,
     const block_fn *blocks = blocks_for(bits);
     const int64_t block_bytes = (int64_t)block_rows(K, bits) * COLS * (bits == 32 ? 4 : 1);
     const int nb = N / COLS, chunk = task_chunk(rows, E, nb);
-    #pragma omp parallel for schedule(static, chunk)
+    #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb, b = task % nb, M = (int)rows[e];
         const float *xe = x + starts[e] * K;
@@ -234,7 +229,7 @@ void ernie_gemm(const float *x, int M, int K, const int8_t *w, int N, const floa
     }
 #ifdef __AVX512F__
     if (!swiglu_fits(N)) return;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for THREADS schedule(static)
     for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, w, N, s, y, b, bits);
 #endif
 }
@@ -249,7 +244,7 @@ void ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, 
 #ifdef __AVX512F__
     if (!swiglu_fits(N)) return;
     const int nb = N / 2 / COLS, chunk = task_chunk(rows, E, nb);
-    #pragma omp parallel for schedule(static, chunk)
+    #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;
         swiglu_rows(x + starts[e] * K, (int)rows[e], K, w[e], N, s ? s[e] : 0, y + starts[e] * N / 2, task % nb,

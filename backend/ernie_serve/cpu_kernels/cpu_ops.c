@@ -11,13 +11,14 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "threads.h"
 #include "vec_math.h"
 
 #define PARALLEL(elements) if ((int64_t)(elements) >= (1 << 18))
 
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w */
 void ernie_rms_norm(const float *x, const float *w, int T, int H, float eps, float *out) {
-    #pragma omp parallel for schedule(static) PARALLEL((int64_t)T * H)
+    #pragma omp parallel for THREADS schedule(static) PARALLEL((int64_t)T * H)
     for (int t = 0; t < T; t++) {
         const float *xr = x + (int64_t)t * H;
         float *o = out + (int64_t)t * H, ss = 0.0f;
@@ -35,7 +36,7 @@ void ernie_rms_norm(const float *x, const float *w, int T, int H, float eps, flo
 void ernie_split_rope(const float *qkv, const int64_t *positions, const float *cos_t, const float *sin_t, int T,
                       int nh, int nkv, int hd, float *q, float *k, float *v) {
     const int64_t row = (int64_t)(nh + 2 * nkv) * hd;
-    #pragma omp parallel for schedule(static) PARALLEL(T * row)
+    #pragma omp parallel for THREADS schedule(static) PARALLEL(T * row)
     for (int t = 0; t < T; t++) {
         const float *src = qkv + t * row, *c = cos_t + positions[t] * hd, *s = sin_t + positions[t] * hd;
         for (int h = 0; h < nh + nkv; h++) {
@@ -55,7 +56,7 @@ void ernie_split_rope(const float *qkv, const int64_t *positions, const float *c
 
 /* gate_up [T, 2I] (gate half first) -> silu(gate) * up [T, I] */
 void ernie_silu_and_mul(const float *gate_up, int T, int I, float *out) {
-    #pragma omp parallel for schedule(static) PARALLEL((int64_t)T * I * 8)
+    #pragma omp parallel for THREADS schedule(static) PARALLEL((int64_t)T * I * 8)
     for (int t = 0; t < T; t++) {
         const float *g = gate_up + (int64_t)t * 2 * I;
         silu_mul_row(g, g + I, out + (int64_t)t * I, I);
@@ -64,7 +65,7 @@ void ernie_silu_and_mul(const float *gate_up, int T, int I, float *out) {
 
 /* out[i] = x[idx[i]], or zeros where idx[i] < 0 (the padding rows of a batched expert input) */
 void ernie_gather_rows(const float *x, const int64_t *idx, int n, int H, float *out) {
-    #pragma omp parallel for schedule(static) PARALLEL((int64_t)n * H)
+    #pragma omp parallel for THREADS schedule(static) PARALLEL((int64_t)n * H)
     for (int i = 0; i < n; i++) {
         float *o = out + (int64_t)i * H;
         if (idx[i] < 0) {
@@ -80,7 +81,7 @@ void ernie_gather_rows(const float *x, const int64_t *idx, int n, int H, float *
 /* The mixture: out[t] = sum_j w[t, j] * ys[src[t, j]] over the k choices of token t whose src >= 0 (choices of
  * another expert-parallel rank's experts are -1). Summed in choice order, so no two threads write a row. */
 void ernie_weighted_combine(const float *ys, const int64_t *src, const float *w, int T, int k, int H, float *out) {
-    #pragma omp parallel for schedule(static) PARALLEL((int64_t)T * k * H)
+    #pragma omp parallel for THREADS schedule(static) PARALLEL((int64_t)T * k * H)
     for (int t = 0; t < T; t++) {
         float *o = out + (int64_t)t * H;
         for (int j = 0; j < H; j++) o[j] = 0.0f;
@@ -99,7 +100,7 @@ void ernie_weighted_combine(const float *ys, const int64_t *src, const float *w,
  * clipped below at norm_min). The bias only chooses. */
 void ernie_route(const float *x, const float *w, const float *bias, int T, int H, int E, int k, float norm_min,
                  int64_t *ids, float *weights) {
-    #pragma omp parallel for schedule(static) PARALLEL((int64_t)T * H * E)
+    #pragma omp parallel for THREADS schedule(static) PARALLEL((int64_t)T * H * E)
     for (int t = 0; t < T; t++) {
         float probs[E], score[E];
         for (int e = 0; e < E; e++) probs[e] = 0.0f;

@@ -96,8 +96,9 @@ class BlockedExperts(nn.Layer):
     Why: at decode each expert multiplies a few rows, so the step streams the experts' weights, and Paddle's
     matmul over [K, N] streams them at 8-10 GB/s on this CPU where cpu_gemm.c reads column-blocked fp32 at
     ~27 GB/s (4 rows, cold weights, measured); at prefill sizes the C kernel is still ~1.5x MKL (BlockedLinear).
-    Every expert runs in one call per matrix (per-expert calls only when one expert has most of the rows: a
-    step of 15 decodes and a 230-token chunk ran ~50 rows an expert in 32 small calls a layer). Inference only."""
+    Every expert runs in one call per matrix at any row count, its rows packed after the previous expert's
+    (packed_forward; a step of 15 decodes and a 180-token chunk ran ~50 rows an expert in 32 small calls a layer
+    before). Inference only."""
 
     def __init__(self, up_gate: paddle.Tensor, down: paddle.Tensor, up_gate_cols: int, down_cols: int):
         """`up_gate` [E, ceil(2I/32), H, 32], `down` [E, ceil(H/32), I, 32] float32 (cpu_gemm.pack_columns)."""
@@ -128,14 +129,6 @@ class BlockedExperts(nn.Layer):
 
     packed_forward = batched_forward  # grouped_expert_forward's packed layout: no padding at any row count
 
-    def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor:
-        xe = np.from_dlpack(x)
-        if cpu_gemm.swiglu_fits(self.up_gate_cols):
-            h = cpu_gemm.gemm(xe, self._up_gate[e], self.up_gate_cols, None, 32, swiglu=True)
-        else:
-            h = silu_and_mul(cpu_gemm.gemm(xe, self._up_gate[e], self.up_gate_cols, None, 32))
-        return cpu_gemm.gemm(np.from_dlpack(h), self._down[e], self.down_cols, None, 32)
-
     def forward(self, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
                 expert_offset: int | None = None) -> paddle.Tensor:
         return grouped_expert_forward(self, x, topk_ids, topk_weights, expert_offset)
@@ -144,7 +137,8 @@ class BlockedExperts(nn.Layer):
 def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
                            expert_offset: int | None = None):
     """sum_j w[t, j] * Expert_{ids[t, j]}(x[t]) for every expert implementation (float or quantized):
-    `experts.expert_forward(e, x_e)` is all that differs. `expert_offset` (expert parallelism): these
+    `experts.expert_forward(e, x_e)` (one expert), `batched_forward` (all, padded) or `packed_forward` (all, packed
+    rows; the serving layout, which has only that) is all that differs. `expert_offset` (expert parallelism): these
     are experts [offset, offset + num_experts) of the model; choices of other ranks' experts are skipped.
 
     Tokens are sorted by expert once, then each active expert runs once over its tokens; results are

@@ -1,0 +1,15 @@
+/* How many threads the kernels' parallel loops use: set once per process (ernie_set_num_threads, called by
+ * ernie_serve._env.setup_model_process), not taken from the calling thread's OpenMP settings.
+ *
+ * Why: OpenMP keeps its thread count per calling thread, and Paddle sets OMP_NUM_THREADS=1 at import, so a loop
+ * started from any thread but the one that called omp_set_num_threads ran on one core. The served engine steps
+ * from its own thread (engine/async_engine.py): measured inside tritonserver, the server used 0.53-0.70 of the two
+ * cores and gave 55 tok/s at concurrency 16 where the same engine offline gave 103. THREADS is the clause every
+ * parallel loop here carries. */
+#ifndef ERNIE_THREADS_H
+#define ERNIE_THREADS_H
+
+int ernie_threads(void);
+
+#define THREADS num_threads(ernie_threads())
+#endif
