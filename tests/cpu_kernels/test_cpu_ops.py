@@ -6,10 +6,10 @@ import numpy as np
 import paddle
 import pytest
 
-from ernie_serve.cpu_kernels import cpu_ops
+from ernie_serve.cpu_kernels import build, cpu_ops
 from ernie_serve.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
-pytestmark = pytest.mark.skipif(cpu_ops._load() is None, reason="no C compiler to build the CPU kernels")
+pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler to build the CPU kernels")
 
 
 @pytest.fixture(autouse=True)

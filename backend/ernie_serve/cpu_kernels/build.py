@@ -22,6 +22,23 @@ import paddle
 from ..paths import build_dir
 
 log = logging.getLogger(__name__)
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# Every function the library exports: argument types, return type (None: void). One table for all the .c files,
+# declared once when the library loads.
+_SIGNATURES = {
+    "ernie_gemm": ([_P, _I, _I, _P, _I, _P, _P, _I, _I], None),
+    "ernie_moe_gemm": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I], None),
+    "ernie_gemm_swiglu_fits": ([_I], _I),
+    "ernie_paged_attention_f32": ([_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P], _I),
+    "ernie_rms_norm": ([_P, _P, _I, _I, _F, _P], None),
+    "ernie_split_rope": ([_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P], None),
+    "ernie_silu_and_mul": ([_P, _I, _I, _P], None),
+    "ernie_gather_rows": ([_P, _P, _I, _I, _P], None),
+    "ernie_weighted_combine": ([_P, _P, _P, _I, _I, _I, _P], None),
+    "ernie_route": ([_P, _P, _P, _I, _I, _I, _I, _F, _P, _P], None),
+    "ernie_set_num_threads": ([_I], None),
+    "ernie_threads": ([], _I),
+}
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _lib: ctypes.CDLL | None = None
@@ -69,19 +86,16 @@ def library() -> ctypes.CDLL | None:
                 if not out.exists():
                     log.info("building the CPU kernels (%s)", out.name)
                     _compile(out)
-        _lib = ctypes.CDLL(str(out))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        lib = ctypes.CDLL(str(out))
+        for name, (args, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, restype
+        _lib = lib
+    except (OSError, AttributeError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         _failed = detail.strip().splitlines()[-1] if detail.strip() else repr(e)
         log.warning("CPU kernels not built (%s): the CPU path runs on Paddle ops only (slower)", _failed)
     return _lib
-
-
-def declare(lib: ctypes.CDLL, signatures: dict[str, list], restype=None) -> None:
-    """Set each function's argument types and its return type (void by default)."""
-    for name, args in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, restype
 
 
 def available() -> bool:
@@ -93,7 +107,7 @@ def set_threads(n: int) -> None:
     OpenMP's own setting is per calling thread, and the served engine steps from a thread of its own)."""
     lib = library()
     if lib is not None:
-        lib.ernie_set_num_threads(ctypes.c_int(n))
+        lib.ernie_set_num_threads(n)
 
 
 def threads() -> int:

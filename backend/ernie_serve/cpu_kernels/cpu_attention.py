@@ -6,36 +6,23 @@ matmuls are the faster way to do their many rows.
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import paddle
 
 from ..model.host_tensor import empty_host
 from . import build
 
-_P, _I = ctypes.c_void_p, ctypes.c_int
-_lib: ctypes.CDLL | None = None
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib
-    if _lib is None and build.library() is not None:
-        build.declare(build.library(), {"ernie_paged_attention_f32": [_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I,
-                                                                       _I, ctypes.c_float, _P]}, ctypes.c_int)
-        _lib = build.library()
-    return _lib
 
 
 def available() -> bool:
-    return _load() is not None
+    return build.available()
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, block_tables: np.ndarray,
                      query_start_loc: np.ndarray, seq_lens: np.ndarray, scale: float) -> paddle.Tensor:
     """q [T, heads, head_dim] float32 (sequence s's rows at query_start_loc[s]..[s+1]), caches [num_blocks,
     block_size, kv_heads, head_dim] float32, block_tables [S, nb] -> [T, heads * head_dim] float32."""
-    lib = _load()
+    lib = build.library()
     t, nh, hd = q.shape
     nblocks, bs, nkv, hd_cache = k_cache.shape
     num_seqs = seq_lens.shape[0]

@@ -16,30 +16,15 @@ from ..model.host_tensor import empty_host, empty_weight
 from . import build
 
 MAX_ROWS = 32  # beyond this (prefill chunks) Paddle's matmul over dequantized tiles is the faster path
-_P, _I = ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {
-    "ernie_gemm": [_P, _I, _I, _P, _I, _P, _P, _I, _I],
-    "ernie_moe_gemm": [_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I],
-}
-_lib: ctypes.CDLL | None = None
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib
-    if _lib is None and build.library() is not None:
-        build.declare(build.library(), _SIGNATURES)
-        build.declare(build.library(), {"ernie_gemm_swiglu_fits": [_I]}, ctypes.c_int)
-        _lib = build.library()
-    return _lib
 
 
 def available() -> bool:
-    return _load() is not None
+    return build.available()
 
 
 def swiglu_fits(n: int) -> bool:
     """Whether a [K, n] gate-up weight (gate half first) can run with SwiGLU fused (`swiglu=True`)."""
-    lib = _load()
+    lib = build.library()
     return lib is not None and bool(lib.ernie_gemm_swiglu_fits(n))
 
 
@@ -95,7 +80,7 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
     """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W in pack_columns' layout: int8 (bits 8),
     int4-packed (bits 4), or float32 (bits 32, scale None). `swiglu`: W is a gate-up projection and the result
     is silu(gate) * up, [M, n / 2] (needs swiglu_fits(n)). Callers check available() first."""
-    lib = _load()
+    lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
     if (not _fits(blocked.shape, k, n, bits) or (scale is None) != (bits == 32)
@@ -116,7 +101,7 @@ def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: i
     [sum(rows), K] (expert e's rows after those of experts < e) -> y [sum(rows), n]. `blocked` / `scales`: each
     expert's weight (pack_columns' layout) and scale; bits 8 / 4 (int codes) or 32 (float32 weights, scales None).
     `swiglu`: as gemm's, y rows of n / 2. Callers check available()."""
-    lib = _load()
+    lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     e, k = len(blocked), x.shape[-1]

@@ -1,10 +1,9 @@
 """The fused small ops of cpu_ops.c on Paddle CPU tensors: each reads its inputs in place (DLPack views) and
 returns a new tensor. The model's layers call these instead of their Paddle op chains when `serves(x)`:
-inference (under paddle.no_grad, as the engine runs the model) on the CPU with the library built; training, other devices and builds without a
-compiler keep the Paddle ops, which remain the definition the tests hold these to."""
+inference (under paddle.no_grad, as the engine runs the model) on the CPU with the library built; training,
+other devices and builds without a compiler keep the Paddle ops, which remain the definition the tests hold
+these to."""
 from __future__ import annotations
-
-import ctypes
 
 import numpy as np
 import paddle
@@ -12,29 +11,12 @@ import paddle
 from ..model.host_tensor import empty_host
 from . import build
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "ernie_rms_norm": [_P, _P, _I, _I, _F, _P],
-    "ernie_split_rope": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P],
-    "ernie_silu_and_mul": [_P, _I, _I, _P],
-    "ernie_gather_rows": [_P, _P, _I, _I, _P],
-    "ernie_weighted_combine": [_P, _P, _P, _I, _I, _I, _P],
-    "ernie_route": [_P, _P, _P, _I, _I, _I, _I, _F, _P, _P],
-}
-_lib: ctypes.CDLL | None = None
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib
-    if _lib is None and build.library() is not None:
-        build.declare(build.library(), _SIGNATURES)
-        _lib = build.library()
-    return _lib
 
 
 def serves(x: paddle.Tensor) -> bool:
     """Whether these kernels may stand in for the Paddle ops on x: float32 on the CPU, gradients off."""
-    return not paddle.is_grad_enabled() and x.dtype == paddle.float32 and x.place.is_cpu_place() and _load() is not None
+    return (not paddle.is_grad_enabled() and x.dtype == paddle.float32 and x.place.is_cpu_place()
+            and build.available())
 
 
 def _rows(x: paddle.Tensor) -> np.ndarray:
@@ -46,7 +28,7 @@ def _rows(x: paddle.Tensor) -> np.ndarray:
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     a = _rows(x)
     y, out = empty_host(a.shape, np.float32)
-    _load().ernie_rms_norm(a.ctypes.data, weight.data_ptr(), a.shape[0], a.shape[1], eps, out.ctypes.data)
+    build.library().ernie_rms_norm(a.ctypes.data, weight.data_ptr(), a.shape[0], a.shape[1], eps, out.ctypes.data)
     return y.reshape(x.shape)
 
 
@@ -61,7 +43,7 @@ def split_rope(qkv: paddle.Tensor, positions: np.ndarray, cos: paddle.Tensor, si
         raise ValueError(f"split_rope: qkv {list(a.shape)} with {pos.shape[0]} positions does not fit {nh} + 2 x "
                          f"{nkv} heads of {hd} and a table of {cos.shape[0]} positions")
     (q, qv), (k, kv), (v, vv) = (empty_host((t, n, hd), np.float32) for n in (nh, nkv, nkv))
-    _load().ernie_split_rope(a.ctypes.data, pos.ctypes.data, cos.data_ptr(), sin.data_ptr(), t, nh, nkv, hd,
+    build.library().ernie_split_rope(a.ctypes.data, pos.ctypes.data, cos.data_ptr(), sin.data_ptr(), t, nh, nkv, hd,
                           qv.ctypes.data, kv.ctypes.data, vv.ctypes.data)
     return q, k, v
 
@@ -70,7 +52,7 @@ def silu_and_mul(gate_up: paddle.Tensor) -> paddle.Tensor:
     a = _rows(gate_up)
     inter = a.shape[1] // 2
     y, out = empty_host((a.shape[0], inter), np.float32)
-    _load().ernie_silu_and_mul(a.ctypes.data, a.shape[0], inter, out.ctypes.data)
+    build.library().ernie_silu_and_mul(a.ctypes.data, a.shape[0], inter, out.ctypes.data)
     return y.reshape(list(gate_up.shape[:-1]) + [inter])
 
 
@@ -81,7 +63,7 @@ def gather_rows(x: paddle.Tensor, idx: np.ndarray) -> paddle.Tensor:
     if idx.size and int(idx.max()) >= a.shape[0]:
         raise ValueError(f"gather_rows: index {int(idx.max())} past {a.shape[0]} rows")
     y, out = empty_host((idx.shape[0], a.shape[1]), np.float32)
-    _load().ernie_gather_rows(a.ctypes.data, idx.ctypes.data, idx.shape[0], a.shape[1], out.ctypes.data)
+    build.library().ernie_gather_rows(a.ctypes.data, idx.ctypes.data, idx.shape[0], a.shape[1], out.ctypes.data)
     return y
 
 
@@ -95,7 +77,7 @@ def weighted_combine(ys: paddle.Tensor, src: np.ndarray, weights: paddle.Tensor)
                          f"weights {list(w.shape)} and {a.shape[0]} expert rows")
     t, k = src.shape
     y, out = empty_host((t, a.shape[1]), np.float32)
-    _load().ernie_weighted_combine(a.ctypes.data, src.ctypes.data, w.ctypes.data, t, k, a.shape[1], out.ctypes.data)
+    build.library().ernie_weighted_combine(a.ctypes.data, src.ctypes.data, w.ctypes.data, t, k, a.shape[1], out.ctypes.data)
     return y
 
 
@@ -108,6 +90,6 @@ def route(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor, k: int,
     if a.shape[1] != h or bias.size != e or not 0 < k <= e:
         raise ValueError(f"route: x {list(a.shape)} does not fit a router of {h} x {e} choosing {k}")
     (ids, iv), (w, wv) = empty_host((a.shape[0], k), np.int64), empty_host((a.shape[0], k), np.float32)
-    _load().ernie_route(a.ctypes.data, weight.data_ptr(), bias.data_ptr(), a.shape[0], h, e, k, norm_min,
+    build.library().ernie_route(a.ctypes.data, weight.data_ptr(), bias.data_ptr(), a.shape[0], h, e, k, norm_min,
                         iv.ctypes.data, wv.ctypes.data)
     return ids, w
