@@ -167,8 +167,8 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
     token_of = to_paddle(order // k)
     w = paddle.index_select(topk_weights.reshape([-1]), to_paddle(order)).astype(x.dtype)
     if experts.can_batch(counts):
-        ys = paddle.index_select(_batched(experts, x, flat_ids, order, counts, k), to_paddle(_padded_rows(
-            flat_ids, order, counts)))
+        rows, sources = _padded_layout(flat_ids, order, counts, k)
+        ys = paddle.index_select(_batched(experts, x, sources, counts), to_paddle(rows))
     else:
         ys = _per_expert(experts, paddle.index_select(x, token_of), counts)
     return paddle.index_add(paddle.zeros_like(x), token_of, 0, ys * w.unsqueeze(-1))
@@ -183,10 +183,8 @@ def _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights
         ys = packed(cpu_ops.gather_rows(x, order // k), counts)
         src[order] = np.arange(order.size)
     elif experts.can_batch(counts):
-        rows = _padded_rows(flat_ids, order, counts)
-        gather = np.full(counts.shape[0] * int(counts.max()), -1, dtype=np.int64)
-        gather[rows] = order // k
-        xs = cpu_ops.gather_rows(x, gather).reshape([counts.shape[0], int(counts.max()), -1])
+        rows, sources = _padded_layout(flat_ids, order, counts, k)
+        xs = cpu_ops.gather_rows(x, sources).reshape([counts.shape[0], int(counts.max()), -1])
         ys = experts.batched_forward(xs, counts)
         src[order] = rows
     else:
@@ -205,11 +203,17 @@ def _per_expert(experts, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor
     return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
 
-def _padded_rows(flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The row of each sorted (token, choice) pair in the padded [E, cap] expert batch."""
+def _padded_layout(flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The padded [E, cap] expert batch of the (token, choice) pairs in `order`: the batch row of each pair, and
+    the token each batch row reads (-1: a padding row)."""
+    cap = int(counts.max())
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     expert_of = flat_ids[order]
-    return expert_of * int(counts.max()) + (np.arange(order.size) - starts[expert_of])
+    rows = expert_of * cap + (np.arange(order.size) - starts[expert_of])
+    sources = np.full(counts.shape[0] * cap, -1, dtype=np.int64)
+    sources[rows] = order // k
+    return rows, sources
 
 
 def _use_batched(counts: np.ndarray) -> bool:
@@ -221,16 +225,14 @@ def _use_batched(counts: np.ndarray) -> bool:
     return 4 * active >= 3 * num_experts and num_experts * int(counts.max()) <= 2 * int(counts.sum()) + num_experts
 
 
-def _batched(experts, x: paddle.Tensor, flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray,
-             k: int) -> paddle.Tensor:
-    """The experts' padded output [E * cap, H] for the (token, choice) pairs in `order`, from one padded
-    [E, cap, H] batch (pair i's output is row _padded_rows(...)[i])."""
-    num_experts, cap, t = counts.shape[0], int(counts.max()), x.shape[0]
-    gather = np.full(num_experts * cap, t, dtype=np.int64)  # row t of the padded input is zeros
-    gather[_padded_rows(flat_ids, order, counts)] = order // k
+def _batched(experts, x: paddle.Tensor, sources: np.ndarray, counts: np.ndarray) -> paddle.Tensor:
+    """The experts' padded output [E * cap, H] from one padded [E, cap, H] batch whose rows read `sources`
+    (_padded_layout's; padding rows read an appended zero row)."""
+    num_experts, t = counts.shape[0], x.shape[0]
     padded = paddle.concat([x, paddle.zeros([1, x.shape[1]], x.dtype)])
-    xs = paddle.index_select(padded, to_paddle(gather)).reshape([num_experts, cap, -1])
-    return experts.batched_forward(xs, counts).reshape([num_experts * cap, -1])
+    xs = paddle.index_select(padded, to_paddle(np.where(sources < 0, t, sources)))
+    xs = xs.reshape([num_experts, -1, x.shape[1]])
+    return experts.batched_forward(xs, counts).reshape([-1, x.shape[1]])
 
 
 def make_experts(cfg: ErnieModelConfig, quant_method: str | None, layout: ParallelLayout = SINGLE_RANK) -> nn.Layer:
