@@ -148,3 +148,12 @@ def test_the_kernels_thread_count_holds_in_every_calling_thread():
     t.join()
     build.set_threads(len(os.sched_getaffinity(0)))
     assert seen == [3]
+
+
+@pytest.mark.parametrize("value,expect", [("0", "available False"), ("yes", "ERNIE_CPU_KERNELS='yes'")])
+def test_the_kernel_switch_turns_them_off_or_is_refused(value, expect):
+    env = dict(os.environ, ERNIE_CPU_KERNELS=value)
+    code = ("from ernie_serve.cpu_kernels import build\n"
+            "try:\n    print('available', build.available())\nexcept ValueError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert expect in r.stdout, r.stderr

@@ -72,7 +72,10 @@ def library() -> ctypes.CDLL | None:
     global _lib, _failed
     if _lib is not None or _failed is not None:
         return _lib
-    if os.environ.get("ERNIE_CPU_KERNELS", "1") == "0":  # the Paddle-only path, for A/B runs and bisecting
+    switch = os.environ.get("ERNIE_CPU_KERNELS", "1")
+    if switch not in ("0", "1"):  # refused (the engine loads the library at start-up), never read as "on"
+        raise ValueError(f"ERNIE_CPU_KERNELS={switch!r}: expected 1 (the C kernels, default) or 0 (Paddle ops only)")
+    if switch == "0":  # the Paddle-only path, for A/B runs and bisecting
         _failed = "ERNIE_CPU_KERNELS=0"
         return None
     key = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + str(_paddle_libs()).encode()
