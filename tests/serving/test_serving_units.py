@@ -12,9 +12,10 @@ import pytest
 from ernie_serve.engine.async_engine import EngineDeadError, EngineOverloadedError
 from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ernie_serve.serving.control import AbortListener, send_abort
-from ernie_serve.serving.engine_model import EngineModel
-from ernie_serve.serving.errors import InvalidInput
+from ernie_serve.serving.engine_model import SHUT_DOWN, EngineModel
+from ernie_serve.serving.errors import InBandError, InvalidInput, in_band_error
 from ernie_serve.serving.postprocess import OUTPUT_NAMES, OrderError, Postprocessor
+from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.repository import get_parameter, render_repository
 from ernie_serve.serving.request import parse_request
 
@@ -92,7 +93,6 @@ def tokenizer(tiny_model_dir):
 
 
 def test_preprocessor_rejects_long_prompts_and_unknown_parsers(tokenizer):
-    from ernie_serve.serving.preprocess import Preprocessor
 
     pre = Preprocessor(tokenizer, max_model_len=16)
     with pytest.raises(InvalidInput, match="max_model_len"):
@@ -105,7 +105,6 @@ def test_preprocessor_rejects_long_prompts_and_unknown_parsers(tokenizer):
 
 
 def test_skip_parsers_turns_the_configured_parsers_off_for_one_request(tokenizer):
-    from ernie_serve.serving.preprocess import Preprocessor
 
     pre = Preprocessor(tokenizer, 512, reasoning_parser="ernie-x1", tool_call_parser="ernie-x1")
     _, payload = pre.encode(parse_request({"text_input": s("hello")}))
@@ -115,7 +114,6 @@ def test_skip_parsers_turns_the_configured_parsers_off_for_one_request(tokenizer
 
 
 def test_n_above_1_is_refused_with_what_to_do_instead(tokenizer):
-    from ernie_serve.serving.preprocess import Preprocessor
 
     with pytest.raises(InvalidInput) as info:
         Preprocessor(tokenizer, 512).encode(parse_request({"text_input": s("a"),
@@ -125,7 +123,6 @@ def test_n_above_1_is_refused_with_what_to_do_instead(tokenizer):
 
 def test_chat_request_renders_the_template(tokenizer):
     from ernie_serve.chat import render_chat_prompt
-    from ernie_serve.serving.preprocess import Preprocessor
 
     messages = [{"role": "user", "content": "hi"}]
     ids, payload = Preprocessor(tokenizer, 512).encode(parse_request({"messages": s(json.dumps(messages))}))
@@ -424,6 +421,40 @@ def test_abort_by_key_over_the_control_socket():
     # the detokenizer's abort: a bare FINAL, no CANCELLED error (see engine_model's docstring)
     assert sink.done.wait(2) and sink.sent == [(None, True)] and not sink.errors
     model.shutdown()
+
+
+def test_ensemble_requests_end_with_their_error_in_band_and_the_detokenizer_raises_it(tokenizer):
+    """A drain ends a running stream: inside the ensemble as a FINAL response the detokenizer turns into
+    the error, after the stream's earlier responses (an error step while the detokenizer holds one of
+    them leaks the ensemble request in tritonserver 2.51); a direct caller gets the error response."""
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    ids, payload = Preprocessor(tokenizer, 512).encode(parse_request({"text_input": s("hi"), "stream": np.array([[True]])}))
+    via_ensemble, direct = Sink(), Sink()
+    model.submit({"input_ids": np.array([ids], np.int32), "request_json": s(json.dumps(payload))}, via_ensemble, "e")
+    model.submit(engine_inputs(True), direct, "d")
+    for rid in list(engine.callbacks):
+        engine.emit(rid, "x")
+    model.drain(0.01)
+    assert via_ensemble.done.wait(2) and direct.done.wait(2)
+    assert direct.errors == [(SHUT_DOWN.code, SHUT_DOWN.message)]
+    assert not via_ensemble.errors and [f for _, f in via_ensemble.sent] == [False, True]
+    post = Postprocessor(tokenizer)
+    assert text_of(post.process(via_ensemble.sent[0][0])) == "x"
+    with pytest.raises(InBandError) as raised:
+        post.process(via_ensemble.sent[1][0])
+    assert (raised.value.code, str(raised.value)) == (SHUT_DOWN.code, SHUT_DOWN.message)
+    assert post.num_states == 0
+    model.shutdown()
+
+
+def test_an_engine_failure_reaches_the_ensemble_client_with_its_code(tokenizer):
+    post = Postprocessor(tokenizer)
+    post.process(moe_response("k", 0, "a"))
+    with pytest.raises(InBandError) as raised:
+        post.process(moe_response("k", 1, "", finish=in_band_error("INTERNAL", "request failed: no token: left")))
+    assert raised.value.code == "INTERNAL" and str(raised.value) == "request failed: no token: left"
+    assert post.num_states == 0
 
 
 # ------------------------------------------------------------------ repository rendering

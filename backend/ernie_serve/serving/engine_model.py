@@ -14,11 +14,16 @@ no way to mark itself not ready). A drain from the launcher (control.py) refuses
 after its grace period, ends those still running UNAVAILABLE, so that no stream is left for
 tritonserver's exit timeout to cut.
 
-An abort from the detokenizer ends with a bare FINAL instead of the CANCELLED error: the request
-belongs to an ensemble, and tritonserver 2.51's ensemble scheduler stops counting a request's step
-completions once any step has failed, so an error while other steps are still in flight leaves the
-ensemble request in flight forever (measured: every cancelled stream then held shutdown for the whole
---exit-timeout-secs). The client that cancelled gets nothing either way.
+Errors of a request inside the ensemble travel in band. tritonserver 2.51's ensemble scheduler stops
+counting a request's step completions once any step has failed, so an error response from this model
+while the detokenizer still holds one of the request's earlier responses leaves the ensemble request in
+flight forever (measured: a drain that ended 6 streams UNAVAILABLE held tritonserver's shutdown for the
+whole --exit-timeout-secs whenever the detokenizer lagged). So a request whose meta asks for it (the
+tokenizer sets `errors_in_band`) ends with a normal FINAL response whose engine_finish_reason carries the
+error (errors.in_band_error); the detokenizer, the last step, raises it after the earlier responses, and
+the client gets the same error. Direct callers of ernie_moe get the error response itself.
+
+An abort from the detokenizer ends with a bare FINAL: the client that cancelled reads nothing.
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloaded
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .control import AbortListener
-from .errors import InvalidInput, ServingError, Unavailable, error_code
+from .errors import InvalidInput, ServingError, Unavailable, error_code, in_band_error
 
 log = logging.getLogger(__name__)
 CANCEL_POLL_SECONDS = 0.05
@@ -76,6 +81,7 @@ class _Live:
     meta: str
     prompt_ids: list[int]
     num_logprobs: int | None = None  # SamplingParams.logprobs: None = no logprobs output
+    errors_in_band: bool = False  # end with a FINAL response carrying the error (module docstring)
     index: int = 0
     logprobs_sent: int = 0
     ending: Ending | None = None  # set when the request is aborted
@@ -175,7 +181,8 @@ class EngineModel:
             meta = dict(req.get("meta") or {})
             meta["abort_address"] = self.aborts.public_address
             live = _Live(key, sink, bool(req.get("stream", meta.get("stream", False))),
-                         json.dumps(meta, ensure_ascii=False), ids, params.logprobs)
+                         json.dumps(meta, ensure_ascii=False), ids, params.logprobs,
+                         errors_in_band=meta.get("errors_in_band") is True)
             with self._lock:
                 if self._draining:
                     raise Unavailable(DRAINING_MESSAGE)
@@ -233,12 +240,15 @@ class EngineModel:
             if self.metrics is not None:
                 self.metrics.request_finished(comp.finish_reason, len(comp.token_ids), out.metrics)
         if err is not None:
-            self._outbox.put((live.sink, None, self._failure(err)))
+            self._end_with_error(live, out, *self._failure(err))
             return
         if live.ending is not None or (out.finished and comp.finish_reason == "abort"):
             if out.finished:
                 ending = live.ending or CANCELLED
-                self._outbox.put((live.sink, None, None if ending.code is None else (ending.code, ending.message)))
+                if ending.code is None:
+                    self._outbox.put((live.sink, None, None))
+                else:
+                    self._end_with_error(live, out, ending.code, ending.message)
             return
         logprobs = new_logprob_entries(live, comp)
         if not live.stream:
@@ -253,8 +263,16 @@ class EngineModel:
         self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids_delta), comp.text_delta, logprobs),
                           None))
 
+    def _end_with_error(self, live: _Live, out: RequestOutput, code: str, message: str) -> None:
+        """The request's FINAL as an error: in band for the ensemble (module docstring), else an error response."""
+        if not live.errors_in_band:
+            self._outbox.put((live.sink, None, (code, message)))
+            return
+        outputs, _ = self._tensors(live, out, [], "", [], finish_reason=in_band_error(code, message))
+        self._outbox.put((live.sink, (outputs, True), None))
+
     def _tensors(self, live: _Live, out: RequestOutput, token_ids: list[int], text: str,
-                 logprobs: list[dict]) -> tuple[dict, bool]:
+                 logprobs: list[dict], finish_reason: str | None = None) -> tuple[dict, bool]:
         first = live.index == 0
         comp = out.outputs[0]
         outputs = {
@@ -262,7 +280,7 @@ class EngineModel:
             "response_index": _scalar(live.index),
             "token_ids": _int_tensor(token_ids),
             "text_delta": _str_tensor(text),
-            "engine_finish_reason": _str_tensor(comp.finish_reason or "" if out.finished else ""),
+            "engine_finish_reason": _str_tensor(finish_reason or (comp.finish_reason or "" if out.finished else "")),
             "num_input_tokens": _scalar(len(out.prompt_token_ids)),
             "num_output_tokens": _scalar(len(comp.token_ids)),
             "num_cached_tokens": _scalar(out.num_cached_tokens),

@@ -9,6 +9,9 @@ State lives in this process, keyed by the request key that ernie_moe puts on eve
 dropped on the final response, on cancellation, and after `ttl` seconds without a response (a
 request whose producer died must not leak).
 
+An error ernie_moe ends a request with arrives in band (engine_finish_reason "error:<CODE>:<message>")
+and is raised here, after the request's earlier responses; see engine_model.py.
+
 A cancelled request is answered with empty outputs, not an error: ernie_moe is still streaming it
 (until the abort sent here reaches the engine), and in tritonserver 2.51 a failed ensemble step
 while another is in flight leaks the ensemble request (see engine_model.py). Nobody reads the answer.
@@ -28,7 +31,7 @@ import numpy as np
 from ..chat import finish_reason_for
 from ..parsers import ChatOutputParser, DeltaMessage
 from .control import send_abort
-from .errors import InvalidInput, ServingError
+from .errors import InvalidInput, ServingError, raise_in_band_error
 
 log = logging.getLogger(__name__)
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "finish_reason", "num_input_tokens",
@@ -171,6 +174,7 @@ class Postprocessor:
             engine_reason = _str(inputs, "engine_finish_reason") or None
             if engine_reason is not None:
                 self._states.pop(key, None)
+                raise_in_band_error(engine_reason)
         return self._outputs(state, inputs, engine_reason)
 
     def _cancel(self, key: str, inputs: dict[str, np.ndarray], now: float) -> None:

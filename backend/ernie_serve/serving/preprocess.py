@@ -89,6 +89,8 @@ class Preprocessor:
             "max_tokens": params.max_tokens,
             "skip_special_tokens": params.skip_special_tokens,
             "logprobs": params.logprobs,
+            # ernie_moe ends this request's errors inside its FINAL response (see engine_model.py)
+            "errors_in_band": True,
         }
         return ids, {"sampling": asdict(params), "stream": req.stream, "meta": meta}
 
