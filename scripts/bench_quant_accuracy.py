@@ -10,8 +10,8 @@ top-1 agreement; free-running greedy agreement (position by position, so one ear
 every later token); resident weight bytes; load time; decode tok/s (prompts already prefix-cached).
 wint8 / wint4 / block_wise_fp8 are quantized online while loading; wint2 and w4a8 are written first
 with scripts/quantize_checkpoint.py's code (w4a8 calibrated on 8 random sequences), cached next to
-the checkpoint. At decode sizes wint8 / wint4 / w4a8 run through cpu_kernels/cpu_gemm.c (each weight
-byte read once); wint2 and block_wise_fp8 still dequantize fp32 tiles every forward, so wint2 decodes
+the checkpoint. wint8 / wint4 / w4a8 run through cpu_kernels/cpu_qgemm.c (integer dot products over the
+codes as stored); wint2 and block_wise_fp8 still dequantize fp32 tiles every forward, so wint2 decodes
 fewer free-running tokens (--slow-tokens) to keep the run near 10 minutes.
 Prints a table and writes out/bench_quant_accuracy.json.
 """

@@ -1,4 +1,5 @@
-"""The CPU weight-only GEMM (cpu_gemm.c) against the dequantized reference, and QuantLinear's use of it."""
+"""The CPU GEMMs (cpu_gemm.c float32, cpu_qgemm.c int8 / int4) against the dequantized reference, and QuantLinear's
+use of them."""
 from __future__ import annotations
 
 import os
@@ -18,15 +19,39 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (3, 64, 96), (8, 128, 40), (9, 256, 64), (16, 1024, 1408),
-                                   (17, 32, 33), (32, 96, 7)])
+                                   (17, 32, 33), (32, 96, 7), (5, 58, 65), (70, 136, 64)])
 def test_matches_the_dequantized_matmul(bits, m, k, n):
+    """Activations enter cpu_qgemm.c at 16-bit precision (two int8 levels a row): within max|x| / 64516 an
+    element, so the product is within ~1e-4 of its row's scale; K not a multiple of the 4 / 8-row groups too."""
     rng = np.random.default_rng(m * 1000 + n + bits)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0] *= 1000.0  # rows are scaled one by one
     q, s = fmt.quantize_weight_only(w, bits)
     ref = x @ fmt.dequantize_weight_only(q, s, bits)
-    got = cpu_gemm.gemm(x, paddle.to_tensor(cpu_gemm.pack_columns(q)), n, paddle.to_tensor(s), bits).numpy()
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
+    got = cpu_gemm.gemm(x, cpu_gemm.packed_codes(q, bits), n, paddle.to_tensor(s), bits).numpy()
+    row_scale = np.abs(ref).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - ref) <= 1e-4 * row_scale)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_integer_valued_activations_are_exact(bits):
+    """w4a8's activations are int8 already (int_x): one exact level, so the product is the integer one."""
+    rng = np.random.default_rng(bits)
+    q, s = fmt.quantize_weight_only(rng.standard_normal((64, 48)).astype(np.float32), bits)
+    x = rng.integers(-127, 128, (6, 64)).astype(np.float32)
+    codes = fmt.unpack_int4(q) if bits == 4 else q
+    want = (x.astype(np.int64) @ codes.astype(np.int64)).astype(np.float32) * s
+    got = cpu_gemm.gemm(x, cpu_gemm.packed_codes(q, bits), 48, paddle.to_tensor(s), bits, int_x=True).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_zero_rows_give_zeros_and_non_finite_rows_do_not_pass_as_numbers():
+    q, s = fmt.quantize_weight_only(np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32), 8)
+    x = np.zeros((3, 32), np.float32)
+    x[1, 3], x[2, 5] = np.inf, np.nan
+    got = cpu_gemm.gemm(x, cpu_gemm.packed_codes(q, 8), 32, paddle.to_tensor(s), 8).numpy()
+    assert np.all(got[0] == 0) and np.all(np.isnan(got[1:]))
 
 
 @pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])
@@ -37,7 +62,7 @@ def test_quant_linear_gives_the_same_result_on_both_paths(method, monkeypatch):
     layer = QuantLinear.from_float(w, method, calib_x=rng.standard_normal((64, 256)).astype(np.float32)
                                    if method == "w4a8" else None)
     fast = layer(x).numpy()
-    monkeypatch.setattr(cpu_gemm, "MAX_ROWS", 0)  # every row count takes the dequantized-tile path
+    monkeypatch.setattr(cpu_gemm, "serves", lambda t: False)  # the dequantized-tile path
     slow = layer(x).numpy()
     np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-4 * np.abs(slow).max())
 
@@ -49,6 +74,18 @@ def test_the_column_blocked_layout_round_trips_every_column_range(n):
     assert blocked.shape == (-(-n // 32), 6, 32)
     for n0, n1 in [(0, n), (0, 1), (n - 1, n), (min(32, n - 1), n)]:
         np.testing.assert_array_equal(cpu_gemm.unpack_columns(blocked, n0, n1), q[:, n0:n1])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("k,n", [(8, 1), (12, 31), (64, 32), (72, 33), (30, 100)])
+def test_the_integer_layout_round_trips_every_column_range(bits, k, n):
+    codes = np.random.default_rng(k + n).integers(-8 if bits == 4 else -128, 8 if bits == 4 else 128, (k, n),
+                                                  dtype=np.int8)
+    q = fmt.pack_int4(codes) if bits == 4 else codes
+    blocked = cpu_gemm.pack_codes(q, bits)
+    assert blocked.shape == cpu_gemm.codes_shape(k, n, bits) and blocked.dtype == np.uint8
+    for n0, n1 in [(0, n), (0, 1), (n - 1, n), (min(32, n - 1), n)]:
+        np.testing.assert_array_equal(cpu_gemm.unpack_codes(blocked, k, bits, n0, n1), q[:, n0:n1])
 
 
 def test_quant_linear_exports_the_checkpoint_layout_it_was_given():
@@ -65,8 +102,7 @@ def test_quant_linear_exports_the_checkpoint_layout_it_was_given():
 def test_a_shape_mismatch_is_refused():
     q, s = fmt.quantize_weight_only(np.ones((64, 32), np.float32), 8)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_gemm.gemm(np.ones((2, 63), np.float32), paddle.to_tensor(cpu_gemm.pack_columns(q)), 32,
-                                  paddle.to_tensor(s), 8)
+        cpu_gemm.gemm(np.ones((2, 60), np.float32), cpu_gemm.packed_codes(q, 8), 32, paddle.to_tensor(s), 8)
 
 
 def test_without_a_compiler_it_is_not_built_and_says_why(tmp_path):
@@ -81,8 +117,8 @@ def test_without_a_compiler_it_is_not_built_and_says_why(tmp_path):
 @pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])
 @pytest.mark.parametrize("offset", [None, 4])
 def test_quantized_experts_batched_in_one_call_equal_the_per_expert_path(method, offset):
-    """At decode sizes every routed expert runs in one cpu_gemm.c call (QuantMoEExperts.batched_forward); it
-    must give the per-expert loop's result exactly, under expert parallelism (an offset) too."""
+    """Every routed expert runs in one cpu_qgemm.c call per matrix (QuantMoEExperts.packed_forward); it must give the
+    per-expert loop's result exactly (the same rows quantize the same way), under expert parallelism too."""
     from ernie_serve.quantization.layers import QuantMoEExperts
 
     rng = np.random.default_rng(7)
@@ -102,7 +138,7 @@ def test_quantized_experts_batched_in_one_call_equal_the_per_expert_path(method,
 
 def test_the_batched_expert_call_refuses_rows_that_do_not_fit():
     q, s = fmt.quantize_weight_only(np.ones((64, 32), np.float32), 8)
-    blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(q)), paddle.to_tensor(s)
+    blocked, scale = cpu_gemm.packed_codes(q, 8), paddle.to_tensor(s)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_gemm.moe_gemm(np.ones((2, 3, 64), np.float32), np.array([1, 4]), [blocked, blocked], 32, [scale, scale], 8)
 
@@ -120,7 +156,7 @@ def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
         blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(w)), None
     else:
         q, s = fmt.quantize_weight_only(rng.standard_normal((k, 2 * inter)).astype(np.float32), bits)
-        blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(q)), paddle.to_tensor(s)
+        blocked, scale = cpu_gemm.packed_codes(q, bits), paddle.to_tensor(s)
     assert cpu_gemm.swiglu_fits(2 * inter) and not cpu_gemm.swiglu_fits(2 * 40)
     x = rng.standard_normal((m, k)).astype(np.float32)
     plain = silu_and_mul(cpu_gemm.gemm(x, blocked, 2 * inter, scale, bits)).numpy()

@@ -143,9 +143,9 @@ def test_prequantized_checkpoint_serves_like_online_quantization(tmp_path, ckpt,
     assert "ernie.layers.1.mlp.gate.weight" in names and "lm_head.weight" in names
     online = load_model(ckpt, show_progress=False, quantization=method)
     pre = load_model(out, show_progress=False)
-    # same tensors (so same memory); logits agree to fp32 rounding (the CPU GEMM's blocking is not
-    # bit-reproducible across allocations)
-    np.testing.assert_allclose(_logits(pre), _logits(online), rtol=1e-5, atol=1e-4)
+    # same tensors (so same memory); logits agree to rounding: Paddle's matmuls are not bit-reproducible across
+    # allocations, and an fp32 rounding difference can move a row's 16-bit activation code (cpu_qgemm.c) by one
+    np.testing.assert_allclose(_logits(pre), _logits(online), rtol=1e-5, atol=5e-4)
     assert weight_memory_report(pre) == weight_memory_report(online)
     assert _greedy(out) == _greedy(ckpt, quantization=method)
 

@@ -19,7 +19,7 @@ def data():
 
 def _reference(w, x, method, layer):
     """Dequantize with formats.py (NumPy), fake-quantize activations the same way, fp32 matmul."""
-    t = layer.export()  # checkpoint layouts (the layer holds int codes column-blocked for cpu_gemm.c)
+    t = layer.export()  # checkpoint layouts (the layer holds int codes in cpu_qgemm.c's layout)
     if method == "wint8":
         return x @ F.dequantize_weight_only(t["quant_weight"], t["weight_scale"], 8)
     if method == "wint4":
@@ -36,6 +36,12 @@ def _reference(w, x, method, layer):
             F.unpack_int4(t["quant_weight"]).astype(np.float32)) * a * t["weight_scale"]
 
 
+def _activation_rounding(method: str, ref: np.ndarray) -> float:
+    """wint8 / wint4 on the CPU kernel take activations at 16-bit precision (cpu_qgemm.c): ~1e-5 of the output's
+    scale; the other formats compute on the dequantized weight (fp32 rounding only)."""
+    return 1e-4 * float(np.abs(ref).max()) if method in ("wint8", "wint4") else 1e-5
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_quant_linear_equals_dequantize_then_matmul(data, method):
     w, x = data
@@ -43,7 +49,8 @@ def test_quant_linear_equals_dequantize_then_matmul(data, method):
     layer.tile_n = 128  # exercise the column tiling (N=160 -> tiles of 128 and 32)
     y = layer(paddle.to_tensor(x)).numpy()
     assert y.shape == (T, N)
-    np.testing.assert_allclose(y, _reference(w, x, method, layer), rtol=1e-5, atol=1e-5)
+    ref = _reference(w, x, method, layer)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=_activation_rounding(method, ref))
 
 
 @pytest.mark.parametrize("method,max_rel", [("wint8", 0.01), ("wint4", 0.15), ("block_wise_fp8", 0.05),
@@ -116,7 +123,8 @@ def test_quant_experts_equal_float_experts_on_dequantized_weights(moe, method):
     ug_d = np.stack([m.dequantize().numpy() for m in qe.up_gate_proj])
     dn_d = np.stack([m.dequantize().numpy() for m in qe.down_proj])
     y = qe(*_pd(x, ids, wts)).numpy()
-    np.testing.assert_allclose(y, FusedExperts.from_weights(ug_d, dn_d)(*_pd(x, ids, wts)).numpy(), rtol=1e-5, atol=1e-5)
+    ref = FusedExperts.from_weights(ug_d, dn_d)(*_pd(x, ids, wts)).numpy()
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=_activation_rounding(method, ref))
 
 
 @pytest.mark.parametrize("method,max_rel", [("block_wise_fp8", 0.1), ("w4a8", 0.3), ("wint4", 0.3)])
@@ -134,7 +142,8 @@ def test_quant_experts_from_stacked_checkpoint_tensors(moe):
     qe = QuantMoEExperts.from_checkpoint({"quant_weight": q1, "weight_scale": s1},
                                          {"quant_weight": q2, "weight_scale": s2}, "wint8")
     ref = FusedExperts.from_weights(F.dequantize_weight_only(q1, s1, 8), F.dequantize_weight_only(q2, s2, 8))
-    np.testing.assert_allclose(qe(*_pd(x, ids, wts)).numpy(), ref(*_pd(x, ids, wts)).numpy(), rtol=1e-5, atol=1e-5)
+    want = ref(*_pd(x, ids, wts)).numpy()
+    np.testing.assert_allclose(qe(*_pd(x, ids, wts)).numpy(), want, rtol=1e-5, atol=_activation_rounding("wint8", want))
     fe = FusedExperts.from_weights(ug, dn)
     assert model_memory_bytes([qe]) == q1.size + q2.size + (s1.size + s2.size) * 4
     assert model_memory_bytes([fe, paddle.zeros([10])]) == (ug.size + dn.size) * 4 + 40

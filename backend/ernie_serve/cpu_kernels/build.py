@@ -26,8 +26,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # Every function the library exports: argument types, return type (None: void). One table for all the .c files,
 # declared once when the library loads.
 _SIGNATURES = {
-    "ernie_gemm": ([_P, _I, _I, _P, _I, _P, _P, _I, _I], None),
-    "ernie_moe_gemm": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I], None),
+    "ernie_gemm": ([_P, _I, _I, _P, _I, _P, _P, _I, _I, _I], _I),
+    "ernie_moe_gemm": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I], _I),
     "ernie_gemm_swiglu_fits": ([_I], _I),
     "ernie_paged_attention_f32": ([_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P], _I),
     "ernie_rms_norm": ([_P, _P, _I, _I, _F, _P], None),

@@ -1,9 +1,9 @@
-"""The GEMM of cpu_gemm.c, called through ctypes (the library: cpu_kernels/build.py).
+"""The GEMMs of cpu_gemm.c (float32) and cpu_qgemm.c (int8 / int4 codes), called through ctypes.
 
-y = (x @ W) * scale for int8 or packed-int4 W at decode sizes, reading each weight byte once (see the C
-file for why Paddle's fp32 matmul over a dequantized tile cannot be as fast), fp32 W at every size (the
-serving layout of model/layers.BlockedLinear), and every routed expert of a layer in one call, quantized or
-float32 (model/moe.BlockedExperts). Without the library `available()` is False and callers keep their Paddle path.
+y = (x @ W) * scale at every row count: float32 W in the column-blocked serving layout (model/layers.BlockedLinear,
+model/moe.BlockedExperts; pack_columns), int8 or int4 codes of the weight-only formats in the integer kernel's
+layout (quantization/layers.QuantLinear; pack_codes), and every routed expert of a layer in one call. Without the
+library `available()` is False and callers keep their Paddle path.
 """
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ import numpy as np
 import paddle
 
 from ..model.host_tensor import empty_host, empty_weight
+from ..quantization.formats import pack_int4, unpack_int4
 from . import build
-
-MAX_ROWS = 32  # beyond this (prefill chunks) Paddle's matmul over dequantized tiles is the faster path
-
 
 def available() -> bool:
     return build.available()
@@ -42,9 +40,8 @@ def blocked_shape(q_shape: tuple[int, int]) -> tuple[int, int, int]:
 
 
 def pack_columns(q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """A weight [R, N] (int8 codes with R = K or K/2 packed int4 rows, or float32; any strides) -> the
-    column-blocked layout cpu_gemm.c streams: [ceil(N/32), R, 32], the last block zero-padded. Written into
-    `out` when given (one copy, no temporary)."""
+    """A float32 weight [K, N] (any strides) -> the column-blocked layout cpu_gemm.c streams: [ceil(N/32), K, 32], the
+    last block zero-padded. Written into `out` when given (one copy, no temporary)."""
     r, n = q.shape
     out = np.empty(blocked_shape(q.shape), q.dtype) if out is None else out
     full = n // COLS
@@ -70,16 +67,68 @@ def unpack_columns(blocked: np.ndarray, n0: int, n1: int) -> np.ndarray:
     return np.ascontiguousarray(cols[:, n0 - b0 * COLS: n1 - b0 * COLS])
 
 
+def codes_shape(k: int, n: int, bits: int) -> tuple[int, int, int, int]:
+    """cpu_qgemm.c's layout of a [k, n] weight's int8 (bits 8) or int4 (bits 4) codes: [ceil(n/32), G, 32, 4] bytes,
+    G = ceil(k/4) (int8) or ceil(k/8) (int4, two codes a byte)."""
+    return -(-n // COLS), -(-k // (4 if bits == 8 else 8)), COLS, 4
+
+
+def pack_codes(q: np.ndarray, bits: int, out: np.ndarray | None = None) -> np.ndarray:
+    """A weight's codes in checkpoint layout (int8 [K, N], or int4 packed [K/2, N] as formats.pack_int4) -> the
+    layout cpu_qgemm.c streams (codes_shape), offset to unsigned (int8 w + 128, int4 w + 8), K zero-padded."""
+    codes = unpack_int4(q) if bits == 4 else np.asarray(q, np.int8)
+    k, n = codes.shape
+    nb, g, _, _ = codes_shape(k, n, bits)
+    per = 4 if bits == 8 else 8  # k rows in a group
+    u = np.full((g * per, nb * COLS), 128 if bits == 8 else 8, np.uint8)
+    u[:k, :n] = codes.astype(np.int16) + (128 if bits == 8 else 8)
+    if bits == 8:  # [g, 4, nb, 32] -> [nb, g, 32, 4]
+        blocked = u.reshape(g, 4, nb, COLS).transpose(2, 0, 3, 1)
+    else:  # low nibble k = 8g + j, high nibble k = 8g + 4 + j
+        v = u.reshape(g, 2, 4, nb, COLS)
+        blocked = (v[:, 0] | (v[:, 1] << 4)).transpose(2, 0, 3, 1)
+    out = np.empty(codes_shape(k, n, bits), np.uint8) if out is None else out
+    out[...] = blocked
+    return out
+
+
+def unpack_codes(blocked: np.ndarray, k: int, bits: int, n0: int, n1: int) -> np.ndarray:
+    """Columns [n0, n1) of pack_codes' layout back in checkpoint layout (int8 [k, n], or int4 packed [k/2, n])."""
+    b0, b1 = n0 // COLS, -(-n1 // COLS)
+    part = np.asarray(blocked[b0:b1])  # [nb, g, 32, 4]
+    if bits == 8:
+        u = part.transpose(1, 3, 0, 2).reshape(-1, (b1 - b0) * COLS)
+    else:
+        lo, hi = part & 15, part >> 4  # [nb, g, 32, 4] each
+        u = np.stack([lo, hi], axis=2).transpose(1, 2, 4, 0, 3).reshape(-1, (b1 - b0) * COLS)
+    codes = (u[:k, n0 - b0 * COLS: n1 - b0 * COLS].astype(np.int16) - (128 if bits == 8 else 8)).astype(np.int8)
+    return pack_int4(codes) if bits == 4 else np.ascontiguousarray(codes)
+
+
+def packed_codes(q: np.ndarray, bits: int) -> paddle.Tensor:
+    """pack_codes(q, bits) as a new CPU tensor (host_tensor.empty_weight's memory), written in place."""
+    k = q.shape[0] * (2 if bits == 4 else 1)
+    t, view = empty_weight(codes_shape(k, q.shape[1], bits), np.uint8)
+    pack_codes(q, bits, out=view)
+    return t
+
+
 def _fits(shape, k: int, n: int, bits: int) -> bool:
-    """Whether a column-blocked weight of this shape is a [k, n] weight of this format."""
-    return tuple(shape) == blocked_shape((k // 2 if bits == 4 else k, n))
+    """Whether a weight held as `shape` is a [k, n] weight of this format (float32: pack_columns; int: pack_codes)."""
+    return tuple(shape) == (blocked_shape((k, n)) if bits == 32 else codes_shape(k, n, bits))
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("cpu_qgemm.c could not allocate its quantized activations")
 
 
 def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | None, bits: int,
-         swiglu: bool = False) -> paddle.Tensor:
-    """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W in pack_columns' layout: int8 (bits 8),
-    int4-packed (bits 4), or float32 (bits 32, scale None). `swiglu`: W is a gate-up projection and the result
-    is silu(gate) * up, [M, n / 2] (needs swiglu_fits(n)). Callers check available() first."""
+         swiglu: bool = False, int_x: bool = False) -> paddle.Tensor:
+    """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W float32 in pack_columns' layout (bits 32,
+    scale None) or int8 / int4 codes in pack_codes' (bits 8 / 4; x enters at 16-bit precision, see cpu_qgemm.c,
+    or exactly when `int_x` says it is integer-valued). `swiglu`: W is a gate-up projection and the result is
+    silu(gate) * up, [M, n / 2] (needs swiglu_fits(n)). Callers check available() first."""
     lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
@@ -89,18 +138,18 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
                          f"held as {blocked.shape} with scale {None if scale is None else scale.shape}"
                          f"{' (swiglu)' if swiglu else ''}")
     y, out = empty_host((m, n // 2 if swiglu else n), np.float32)
-    lib.ernie_gemm(x.ctypes.data, m, k, blocked.data_ptr(), n, None if scale is None else scale.data_ptr(),
-                   out.ctypes.data, bits, int(swiglu))
+    _check(lib.ernie_gemm(x.ctypes.data, m, k, blocked.data_ptr(), n, None if scale is None else scale.data_ptr(),
+                          out.ctypes.data, bits, int(swiglu), int(int_x)))
     return y
 
 
 def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: int,
-             scales: list[paddle.Tensor] | None, bits: int, swiglu: bool = False) -> paddle.Tensor:
+             scales: list[paddle.Tensor] | None, bits: int, swiglu: bool = False, int_x: bool = False) -> paddle.Tensor:
     """Every expert's matmul in one call. x padded [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)
     -> y [E, cap, n] with y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e and rows past rows[e] zero; or x packed
     [sum(rows), K] (expert e's rows after those of experts < e) -> y [sum(rows), n]. `blocked` / `scales`: each
-    expert's weight (pack_columns' layout) and scale; bits 8 / 4 (int codes) or 32 (float32 weights, scales None).
-    `swiglu`: as gemm's, y rows of n / 2. Callers check available()."""
+    expert's weight and scale as gemm takes them: bits 32 (float32, scales None) or 8 / 4 (codes). `swiglu`, `int_x`:
+    as gemm's, y rows of n / 2. Callers check available()."""
     lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -121,6 +170,6 @@ def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: i
     y, out = empty_host((*x.shape[:-1], n // 2 if swiglu else n), np.float32)
     if x.ndim == 3:
         out.fill(0.0)
-    lib.ernie_moe_gemm(x.ctypes.data, rows.ctypes.data, starts.ctypes.data, e, k, w_ptrs, n, s_ptrs, out.ctypes.data,
-                       bits, int(swiglu))
+    _check(lib.ernie_moe_gemm(x.ctypes.data, rows.ctypes.data, starts.ctypes.data, e, k, w_ptrs, n, s_ptrs,
+                              out.ctypes.data, bits, int(swiglu), int(int_x)))
     return y

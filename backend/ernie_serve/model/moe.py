@@ -138,7 +138,7 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
                            expert_offset: int | None = None):
     """sum_j w[t, j] * Expert_{ids[t, j]}(x[t]) for every expert implementation (float or quantized):
     `experts.expert_forward(e, x_e)` (one expert), `batched_forward` (all, padded) or `packed_forward` (all, packed
-    rows; the serving layout, which has only that) is all that differs. `expert_offset` (expert parallelism): these
+    rows, when can_batch; the fp32 serving layout and quantized experts at decode sizes) is all that differs. `expert_offset` (expert parallelism): these
     are experts [offset, offset + num_experts) of the model; choices of other ranks' experts are skipped.
 
     Tokens are sorted by expert once, then each active expert runs once over its tokens; results are
@@ -146,7 +146,7 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
     combine out). There is no per-token loop, and gradients flow.
     Experts run all at once instead (`batched_forward` over a padded [E, cap, H] batch) when their
     `can_batch(counts)` says so: float experts when few tokens spread over most experts (`_use_batched`),
-    quantized ones at decode sizes (one cpu_gemm.c call per matrix).
+    quantized ones at every size (one cpu_qgemm.c call per matrix).
     """
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape([-1]).numpy()
@@ -179,7 +179,7 @@ def _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights
     weighted combine out of their output rows (no sorted copy of the outputs, no index_add)."""
     src = np.full(x.shape[0] * k, -1, dtype=np.int64)  # the expert output row of each (token, choice)
     packed = getattr(experts, "packed_forward", None)  # experts that take their rows packed, unpadded
-    if packed is not None:
+    if packed is not None and experts.can_batch(counts):
         ys = packed(cpu_ops.gather_rows(x, order // k), counts)
         src[order] = np.arange(order.size)
     elif experts.can_batch(counts):

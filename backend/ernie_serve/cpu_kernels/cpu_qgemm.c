@@ -1,0 +1,318 @@
+/* Weight-only int8 / int4 GEMM as integer dot products (AVX-512 VNNI), for the CPU serving path.
+ *
+ *   y[M, N] = (x[M, K] @ W[K, N]) * scale[N]      W int8 or int4 codes, x float32
+ *
+ * Why: widening each weight to fp32 and multiplying it in with FMAs made the int formats compute-bound on this
+ * CPU at 4+ rows (16 rows x 1024 x 1408: int8 13.7 G weights/s where fp32 streams 7, so wint8 decoded at ~1.0-1.2x
+ * fp32 and the 2 cores' FMA units, not memory, set the pace). vpdpbusd multiplies 64 byte pairs an instruction and
+ * needs no widening, so the weights are used as they are stored.
+ *
+ * The activations enter at 16-bit precision: each row is quantized to two int8 levels, x ~ s1 * q1 + s2 * q2 with
+ * s1 = max|x| / 127 and s2 = s1 / 254, so |x - (s1 q1 + s2 q2)| <= max|x| / 64516 (per element, against an int8
+ * weight's quantization error of up to 1/254 of its column's max). Callers whose x is already integer-valued
+ * (w4a8's int8 activations) pass int_x and get one exact level.
+ *
+ * vpdpbusd takes unsigned bytes on one side, so the weights are stored offset: int8 w as w + 128, int4 w as the
+ * nibble w + 8, and the offset times each activation row's sum is subtracted at the end.
+ *
+ * Layout (pack_codes in cpu_gemm.py): [ceil(N/32), G, 32, 4] bytes. int8: G = ceil(K/4), byte j of column c in
+ * group g holds k = 4g + j. int4: G = ceil(K/8), its low nibble holds k = 8g + j and its high nibble k = 8g + 4 + j.
+ * A thread's 32-column task streams one contiguous run; K is zero-padded (padding activations are 0).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qgemm.h"
+#include "threads.h"
+#include "vec_math.h"
+
+#define COLS 32   /* columns per task: two vectors of 16 int32 lanes */
+#define QROWS 4   /* rows per register block: 4 rows x 2 levels x 2 vectors = 16 accumulators */
+#define MAX_LEVELS 2
+
+typedef struct {
+    const int8_t *q;      /* [M][levels][Kp] */
+    const float *scale;   /* [M][levels] */
+    const int32_t *sum;   /* [M][levels]: each level's sum of codes, for the weight offset */
+    int levels, Kp, bias; /* bias: the weights' offset, 128 (int8) or 8 (int4) */
+} qacts;
+
+static int64_t groups(int K, int bits) { return bits == 4 ? (K + 7) / 8 : (K + 3) / 4; }
+
+/* ------------------------------------------------------------------ activations */
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+static inline float clamp127(float v) { return v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v; }
+
+/* q[k] (and q2[k]) of one element; returns the level-1 code, writes the level-2 one. */
+static inline int8_t code_of(float x, float s1, float inv1, float inv2, int8_t *q2) {
+    const float a = clamp127(rintf(x * inv1));
+    *q2 = (int8_t)clamp127(rintf((x - a * s1) * inv2));
+    return (int8_t)a;
+}
+
+static void quantize_row(const float *x, int K, int Kp, int levels, int int_x, int8_t *q, float *scale,
+                         int32_t *sum) {
+    memset(q, 0, (size_t)levels * Kp);
+    if (int_x) {  /* already integer-valued in [-127, 127]: one exact level */
+        int32_t s = 0;
+        for (int k = 0; k < K; k++) {
+            q[k] = (int8_t)clamp127(rintf(x[k]));
+            s += q[k];
+        }
+        scale[0] = 1.0f, sum[0] = s;
+        return;
+    }
+    float amax = 0.0f;
+    int k0 = 0, nan = 0;  /* max ignores NaN, so it is looked for apart */
+#ifdef __AVX512F__
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 unordered = 0;
+    for (; k0 + 16 <= K; k0 += 16) {
+        const __m512 v = _mm512_loadu_ps(x + k0);
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    amax = _mm512_reduce_max_ps(vmax), nan = unordered != 0;
+#endif
+    for (int k = k0; k < K; k++) {
+        amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+        nan |= isnan(x[k]);
+    }
+    if (nan) amax = NAN;
+    if (!(amax > 0.0f) || !isfinite(amax)) {  /* a zero row; a non-finite one gives NaN outputs */
+        for (int l = 0; l < levels; l++) scale[l] = amax == 0.0f ? 0.0f : NAN, sum[l] = 0;
+        return;
+    }
+    const float s1 = amax / 127.0f, s2 = s1 / 254.0f, inv1 = 127.0f / amax, inv2 = 254.0f * inv1;
+    int32_t t1 = 0, t2 = 0;
+    int8_t *q2 = q + Kp;
+    int k = 0;
+#ifdef __AVX512F__
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 vs1 = _mm512_set1_ps(s1), vi1 = _mm512_set1_ps(inv1), vi2 = _mm512_set1_ps(inv2);
+    __m512i c1 = _mm512_setzero_si512(), c2 = _mm512_setzero_si512();
+    for (; k + 16 <= K; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + k);
+        const __m512 a = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(xv, vi1), rnd), lo), hi);
+        const __m512 r = _mm512_fnmadd_ps(a, vs1, xv);
+        const __m512 b = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(r, vi2), rnd), lo), hi);
+        const __m512i ai = _mm512_cvtps_epi32(a), bi = _mm512_cvtps_epi32(b);
+        _mm_storeu_si128((__m128i *)(q + k), _mm512_cvtepi32_epi8(ai));
+        _mm_storeu_si128((__m128i *)(q2 + k), _mm512_cvtepi32_epi8(bi));
+        c1 = _mm512_add_epi32(c1, ai), c2 = _mm512_add_epi32(c2, bi);
+    }
+    t1 = _mm512_reduce_add_epi32(c1), t2 = _mm512_reduce_add_epi32(c2);
+#endif
+    for (; k < K; k++) {
+        q[k] = code_of(x[k], s1, inv1, inv2, q2 + k);
+        t1 += q[k], t2 += q2[k];
+    }
+    scale[0] = s1, scale[1] = s2, sum[0] = t1, sum[1] = t2;
+}
+
+/* ------------------------------------------------------------------ register blocks */
+/* rows [m0, m0 + mb) of the activations times the 32-column block at w -> tile[mb][32] (before the weight scale) */
+typedef void (*qblock_fn)(const qacts *, int, int64_t, const uint8_t *, float *);
+
+static void finish_tile(const qacts *a, int m, const int32_t *acc /* [levels][32] */, float *tile) {
+    for (int j = 0; j < COLS; j++) {
+        float v = 0.0f;
+        for (int l = 0; l < a->levels; l++) {
+            const int64_t i = (int64_t)m * a->levels + l;
+            v += a->scale[i] * (float)(acc[l * COLS + j] - a->bias * a->sum[i]);
+        }
+        tile[j] = v;
+    }
+}
+
+/* Any CPU: the same integer arithmetic, one row at a time. */
+static void qblock_plain(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile) {
+    for (int m = 0; m < mb; m++) {
+        int32_t acc[MAX_LEVELS * COLS] = {0};
+        for (int l = 0; l < a->levels; l++) {
+            const int8_t *q = a->q + ((int64_t)(m0 + m) * a->levels + l) * a->Kp;
+            for (int64_t g = 0; g < G; g++)
+                for (int c = 0; c < COLS; c++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t byte = w[(g * COLS + c) * 4 + j];
+                        if (bits == 8) {
+                            acc[l * COLS + c] += (int32_t)byte * q[4 * g + j];
+                        } else {
+                            acc[l * COLS + c] += (int32_t)(byte & 15) * q[8 * g + j];
+                            acc[l * COLS + c] += (int32_t)(byte >> 4) * q[8 * g + 4 + j];
+                        }
+                    }
+        }
+        finish_tile(a, m0 + m, acc, tile + m * COLS);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+static inline __m512i broadcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* One instance per (bits, rows, levels), so the accumulators stay in registers. */
+#define QBLOCK(NAME, BITS, MB, LV)                                                                               \
+static void NAME(const qacts *a, int m0, int64_t G, const uint8_t *w, float *tile) {                             \
+    __m512i acc[MB][LV][2];                                                                                      \
+    for (int m = 0; m < MB; m++)                                                                                 \
+        for (int l = 0; l < LV; l++) acc[m][l][0] = acc[m][l][1] = _mm512_setzero_si512();                      \
+    const int8_t *q[MB][LV];                                                                                     \
+    for (int m = 0; m < MB; m++)                                                                                 \
+        for (int l = 0; l < LV; l++) q[m][l] = a->q + ((int64_t)(m0 + m) * LV + l) * a->Kp;                     \
+    const __m512i low4 = _mm512_set1_epi8(15);                                                                   \
+    for (int64_t g = 0; g < G; g++, w += 4 * COLS) {                                                            \
+        const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);                               \
+        if (BITS == 8) {                                                                                         \
+            for (int m = 0; m < MB; m++)                                                                         \
+                for (int l = 0; l < LV; l++) {                                                                   \
+                    const __m512i b = broadcast4(q[m][l] + 4 * g);                                               \
+                    acc[m][l][0] = _mm512_dpbusd_epi32(acc[m][l][0], v0, b);                                     \
+                    acc[m][l][1] = _mm512_dpbusd_epi32(acc[m][l][1], v1, b);                                     \
+                }                                                                                                \
+        } else {                                                                                                 \
+            const __m512i lo0 = _mm512_and_si512(v0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4); \
+            const __m512i lo1 = _mm512_and_si512(v1, low4), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4); \
+            for (int m = 0; m < MB; m++)                                                                         \
+                for (int l = 0; l < LV; l++) {                                                                   \
+                    const __m512i bl = broadcast4(q[m][l] + 8 * g), bh = broadcast4(q[m][l] + 8 * g + 4);        \
+                    acc[m][l][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][l][0], lo0, bl), hi0, bh);     \
+                    acc[m][l][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][l][1], lo1, bl), hi1, bh);     \
+                }                                                                                                \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int m = 0; m < MB; m++) {                                                                               \
+        __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();                                              \
+        for (int l = 0; l < LV; l++) {                                                                           \
+            const int64_t i = (int64_t)(m0 + m) * LV + l;                                                        \
+            const __m512i off = _mm512_set1_epi32(a->bias * a->sum[i]);                                          \
+            const __m512 sc = _mm512_set1_ps(a->scale[i]);                                                       \
+            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][l][0], off)), sc, f0);               \
+            f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][l][1], off)), sc, f1);               \
+        }                                                                                                        \
+        _mm512_storeu_ps(tile + m * COLS, f0);                                                                   \
+        _mm512_storeu_ps(tile + m * COLS + 16, f1);                                                              \
+    }                                                                                                            \
+}
+#define QBLOCKS(P, BITS, LV) QBLOCK(P##1, BITS, 1, LV) QBLOCK(P##2, BITS, 2, LV) QBLOCK(P##3, BITS, 3, LV)          \
+    QBLOCK(P##4, BITS, 4, LV) static const qblock_fn P##s[QROWS + 1] = {0, P##1, P##2, P##3, P##4};
+QBLOCKS(qb8_l1_, 8, 1)
+QBLOCKS(qb8_l2_, 8, 2)
+QBLOCKS(qb4_l1_, 4, 1)
+QBLOCKS(qb4_l2_, 4, 2)
+#define HAVE_VNNI 1
+#endif
+
+static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile) {
+#ifdef HAVE_VNNI
+    const qblock_fn *fns = bits == 8 ? (a->levels == 1 ? qb8_l1_s : qb8_l2_s) : (a->levels == 1 ? qb4_l1_s : qb4_l2_s);
+    fns[mb](a, m0, G, w, tile);
+#else
+    qblock_plain(a, m0, mb, G, w, bits, tile);
+#endif
+}
+
+/* ------------------------------------------------------------------ tasks */
+/* Rows [r0, r0 + M) times column block b of one weight -> y rows (stride N), columns scaled by s. */
+static void qcolumns(const qacts *a, int r0, int M, int K, const uint8_t *w, int N, const float *s, float *y, int b,
+                     int bits) {
+    const int64_t G = groups(K, bits);
+    const int n0 = b * COLS, nc = N - n0 < COLS ? N - n0 : COLS;
+    float tile[QROWS * COLS];
+    for (int m0 = 0; m0 < M; m0 += QROWS) {
+        const int mb = M - m0 < QROWS ? M - m0 : QROWS;
+        qblock(a, r0 + m0, mb, G, w + (int64_t)b * G * 4 * COLS, bits, tile);
+        for (int m = 0; m < mb; m++) {
+            float *yr = y + (int64_t)(r0 + m0 + m) * N + n0;
+            for (int j = 0; j < nc; j++) yr[j] = tile[m * COLS + j] * s[n0 + j];
+        }
+    }
+}
+
+/* SwiGLU fused: gate block b and up block b + I/32 of a [K, 2I] weight -> y rows of width I. */
+static void qcolumns_swiglu(const qacts *a, int r0, int M, int K, const uint8_t *w, int N, const float *s, float *y,
+                            int b, int bits) {
+    const int64_t G = groups(K, bits), block = G * 4 * COLS;
+    const int I = N / 2, nb = I / COLS;
+    float g[QROWS * COLS], u[QROWS * COLS];
+    for (int m0 = 0; m0 < M; m0 += QROWS) {
+        const int mb = M - m0 < QROWS ? M - m0 : QROWS;
+        qblock(a, r0 + m0, mb, G, w + b * block, bits, g);
+        qblock(a, r0 + m0, mb, G, w + (b + nb) * block, bits, u);
+        for (int m = 0; m < mb; m++) {
+            for (int j = 0; j < COLS; j++) {
+                g[m * COLS + j] *= s[b * COLS + j];
+                u[m * COLS + j] *= s[I + b * COLS + j];
+            }
+            silu_mul_row(g + m * COLS, u + m * COLS, y + (int64_t)(r0 + m0 + m) * I + b * COLS, COLS);
+        }
+    }
+}
+
+/* Quantize every row once (the tasks below share them); NULL if out of memory. */
+static int8_t *quantize(const float *x, int M, int K, int bits, int int_x, qacts *a, float **scale, int32_t **sum) {
+    const int levels = int_x ? 1 : 2, Kp = (int)groups(K, bits) * (bits == 4 ? 8 : 4);
+    int8_t *q = malloc((size_t)M * levels * Kp + 64);
+    *scale = malloc(sizeof(float) * (size_t)M * levels + 4);
+    *sum = malloc(sizeof(int32_t) * (size_t)M * levels + 4);
+    if (!q || !*scale || !*sum) {
+        free(q), free(*scale), free(*sum);
+        return NULL;
+    }
+    #pragma omp parallel for THREADS schedule(static) if ((int64_t)M * K >= (1 << 18))
+    for (int m = 0; m < M; m++)
+        quantize_row(x + (int64_t)m * K, K, Kp, levels, int_x, q + (int64_t)m * levels * Kp, *scale + m * levels,
+                     *sum + m * levels);
+    *a = (qacts){q, *scale, *sum, levels, Kp, bits == 8 ? 128 : 8};
+    return q;
+}
+
+int ernie_qgemm(const float *x, int M, int K, const uint8_t *w, int N, const float *s, float *y, int bits, int swiglu,
+                int int_x) {
+    qacts a;
+    float *scale;
+    int32_t *sum;
+    int8_t *q = quantize(x, M, K, bits, int_x, &a, &scale, &sum);
+    if (!q) return -1;
+    const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
+    #pragma omp parallel for THREADS schedule(static)
+    for (int b = 0; b < nb; b++) {
+        if (swiglu) qcolumns_swiglu(&a, 0, M, K, w, N, s, y, b, bits);
+        else qcolumns(&a, 0, M, K, w, N, s, y, b, bits);
+    }
+    free(q), free(scale), free(sum);
+    return 0;
+}
+
+int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
+                    const uint8_t *const *w, int N, const float *const *s, float *y, int bits, int swiglu, int int_x,
+                    int chunk) {
+    int64_t M = 0;
+    for (int e = 0; e < E; e++) M = starts[e] + rows[e] > M ? starts[e] + rows[e] : M;
+    qacts a;
+    float *scale;
+    int32_t *sum;
+    int8_t *q = quantize(x, (int)M, K, bits, int_x, &a, &scale, &sum);
+    if (!q) return -1;
+    const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
+    #pragma omp parallel for THREADS schedule(static, chunk)
+    for (int task = 0; task < E * nb; task++) {
+        const int e = task / nb, b = task % nb;
+        if (!rows[e]) continue;
+        /* rows are addressed from x's first row: y's too, so each expert's output lands at its starts[e] */
+        if (swiglu) qcolumns_swiglu(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits);
+        else qcolumns(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits);
+    }
+    free(q), free(scale), free(sum);
+    return 0;
+}
