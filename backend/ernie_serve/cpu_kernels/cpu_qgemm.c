@@ -161,36 +161,55 @@ static inline __m512i broadcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* One instance per (bits, rows, levels), so the accumulators stay in registers. */
+/* Row m's level-l chains for one pair of weight vectors (X0: columns 0-15, X1: 16-31) and the codes at OFF. */
+#define CHAIN(P, A0, A1, X0, X1, OFF)                                                                            \
+    {                                                                                                            \
+        const __m512i b = broadcast4((P) + (OFF));                                                               \
+        A0 = _mm512_dpbusd_epi32(A0, X0, b);                                                                     \
+        A1 = _mm512_dpbusd_epi32(A1, X1, b);                                                                     \
+    }
+#define CHAINS(MB, LV, X0, X1, OFF)                                                                              \
+    CHAIN(q0, a00, a01, X0, X1, OFF)                                                                             \
+    if (MB > 1) CHAIN(q1, a10, a11, X0, X1, OFF)                                                                 \
+    if (MB > 2) CHAIN(q2, a20, a21, X0, X1, OFF)                                                                 \
+    if (MB > 3) CHAIN(q3, a30, a31, X0, X1, OFF)                                                                 \
+    if (LV > 1) {                                                                                                \
+        CHAIN(r0, b00, b01, X0, X1, OFF)                                                                         \
+        if (MB > 1) CHAIN(r1, b10, b11, X0, X1, OFF)                                                             \
+        if (MB > 2) CHAIN(r2, b20, b21, X0, X1, OFF)                                                             \
+        if (MB > 3) CHAIN(r3, b30, b31, X0, X1, OFF)                                                             \
+    }
+
+/* One instance per (bits, rows, levels). The accumulators are named variables, not an array: GCC 12 copied an
+ * array's every element twice per iteration and spilled two (32 moves beside 16 vpdpbusd); named, the loop is the
+ * loads, broadcasts and vpdpbusd alone. q*: level-1 codes of rows m0.., r*: level-2. */
 #define QBLOCK(NAME, BITS, MB, LV)                                                                               \
 static void NAME(const qacts *a, int m0, int64_t G, const uint8_t *w, float *tile) {                             \
-    __m512i acc[MB][LV][2];                                                                                      \
-    for (int m = 0; m < MB; m++)                                                                                 \
-        for (int l = 0; l < LV; l++) acc[m][l][0] = acc[m][l][1] = _mm512_setzero_si512();                      \
-    const int8_t *q[MB][LV];                                                                                     \
-    for (int m = 0; m < MB; m++)                                                                                 \
-        for (int l = 0; l < LV; l++) q[m][l] = a->q + ((int64_t)(m0 + m) * LV + l) * a->Kp;                     \
+    const __m512i z = _mm512_setzero_si512();                                                                    \
+    __m512i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;                              \
+    __m512i b00 = z, b01 = z, b10 = z, b11 = z, b20 = z, b21 = z, b30 = z, b31 = z;                              \
+    const int8_t *row[2 * QROWS];                                                                                \
+    for (int i = 0; i < 2 * QROWS; i++) {                                                                        \
+        const int m = (i % QROWS) < MB ? i % QROWS : 0, l = i / QROWS < LV ? i / QROWS : 0;                      \
+        row[i] = a->q + ((int64_t)(m0 + m) * LV + l) * a->Kp;                                                    \
+    }                                                                                                            \
+    const int8_t *q0 = row[0], *q1 = row[1], *q2 = row[2], *q3 = row[3];                                         \
+    const int8_t *r0 = row[4], *r1 = row[5], *r2 = row[6], *r3 = row[7];                                         \
     const __m512i low4 = _mm512_set1_epi8(15);                                                                   \
     for (int64_t g = 0; g < G; g++, w += 4 * COLS) {                                                            \
         const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);                               \
         if (BITS == 8) {                                                                                         \
-            for (int m = 0; m < MB; m++)                                                                         \
-                for (int l = 0; l < LV; l++) {                                                                   \
-                    const __m512i b = broadcast4(q[m][l] + 4 * g);                                               \
-                    acc[m][l][0] = _mm512_dpbusd_epi32(acc[m][l][0], v0, b);                                     \
-                    acc[m][l][1] = _mm512_dpbusd_epi32(acc[m][l][1], v1, b);                                     \
-                }                                                                                                \
+            CHAINS(MB, LV, v0, v1, 4 * g)                                                                        \
         } else {                                                                                                 \
-            const __m512i lo0 = _mm512_and_si512(v0, low4), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4); \
-            const __m512i lo1 = _mm512_and_si512(v1, low4), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4); \
-            for (int m = 0; m < MB; m++)                                                                         \
-                for (int l = 0; l < LV; l++) {                                                                   \
-                    const __m512i bl = broadcast4(q[m][l] + 8 * g), bh = broadcast4(q[m][l] + 8 * g + 4);        \
-                    acc[m][l][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][l][0], lo0, bl), hi0, bh);     \
-                    acc[m][l][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[m][l][1], lo1, bl), hi1, bh);     \
-                }                                                                                                \
+            const __m512i lo0 = _mm512_and_si512(v0, low4), lo1 = _mm512_and_si512(v1, low4);                    \
+            const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);                               \
+            const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);                               \
+            CHAINS(MB, LV, lo0, lo1, 8 * g)                                                                      \
+            CHAINS(MB, LV, hi0, hi1, 8 * g + 4)                                                                  \
         }                                                                                                        \
     }                                                                                                            \
+    const __m512i acc[QROWS][2][2] = {{{a00, a01}, {b00, b01}}, {{a10, a11}, {b10, b11}},                        \
+                                      {{a20, a21}, {b20, b21}}, {{a30, a31}, {b30, b31}}};                       \
     for (int m = 0; m < MB; m++) {                                                                               \
         __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();                                              \
         for (int l = 0; l < LV; l++) {                                                                           \
