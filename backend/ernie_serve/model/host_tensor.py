@@ -10,6 +10,7 @@ straight into that view and pay no extra copy. Every hot-path NumPy -> Paddle co
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 
 import numpy as np
@@ -25,7 +26,7 @@ def empty_host(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tensor
     dtype = np.dtype(dtype)
     shape = [int(s) for s in shape]
     t = paddle.empty(shape, dtype=_DTYPES[dtype])
-    n = int(np.prod(shape)) * dtype.itemsize
+    n = math.prod(shape) * dtype.itemsize  # np.prod cost ~2.5 of this function's ~15 us (~130 calls a decode step)
     if n == 0:
         return t, np.empty(shape, dtype)
     buf = (ctypes.c_char * n).from_address(t.data_ptr())
