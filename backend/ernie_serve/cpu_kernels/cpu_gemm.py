@@ -94,6 +94,12 @@ def pack_codes(q: np.ndarray, bits: int, out: np.ndarray | None = None) -> np.nd
 
 def unpack_codes(blocked: np.ndarray, k: int, bits: int, n0: int, n1: int) -> np.ndarray:
     """Columns [n0, n1) of pack_codes' layout back in checkpoint layout (int8 [k, n], or int4 packed [k/2, n])."""
+    codes = code_values(blocked, k, bits, n0, n1)
+    return pack_int4(codes) if bits == 4 else codes
+
+
+def code_values(blocked: np.ndarray, k: int, bits: int, n0: int, n1: int) -> np.ndarray:
+    """Columns [n0, n1) of pack_codes' layout as the codes' values, int8 [k, n] (int4 ones in [-8, 7])."""
     b0, b1 = n0 // COLS, -(-n1 // COLS)
     part = np.asarray(blocked[b0:b1])  # [nb, g, 32, 4]
     if bits == 8:
@@ -101,8 +107,7 @@ def unpack_codes(blocked: np.ndarray, k: int, bits: int, n0: int, n1: int) -> np
     else:
         lo, hi = part & 15, part >> 4  # [nb, g, 32, 4] each
         u = np.stack([lo, hi], axis=2).transpose(1, 2, 4, 0, 3).reshape(-1, (b1 - b0) * COLS)
-    codes = (u[:k, n0 - b0 * COLS: n1 - b0 * COLS].astype(np.int16) - (128 if bits == 8 else 8)).astype(np.int8)
-    return pack_int4(codes) if bits == 4 else np.ascontiguousarray(codes)
+    return (u[:k, n0 - b0 * COLS: n1 - b0 * COLS].astype(np.int16) - (128 if bits == 8 else 8)).astype(np.int8)
 
 
 def packed_codes(q: np.ndarray, bits: int) -> paddle.Tensor:
