@@ -87,19 +87,6 @@ static void gemm(const float *x, int M, int K, const float *w, int N, float *y) 
     if (N % COLS) columns_plain(x, M, K, w, N, y, N / COLS * COLS, N);
 }
 
-/* How the threads share E experts x nb column blocks: contiguous halves (each thread streams one run of the
- * weights) when the experts' row counts are even, as at decode; round robin (static chunks of 1) when a few experts
- * hold most rows, as with a prefill chunk in the step, which would otherwise leave a thread idle. */
-static int task_chunk(const int64_t *rows, int E, int nb) {
-    int64_t total = 0, most = 0;
-    for (int e = 0; e < E; e++) {
-        total += rows[e];
-        most = rows[e] > most ? rows[e] : most;
-    }
-    const int threads = ernie_threads();
-    return most * E <= 2 * total ? (E * nb + threads - 1) / threads : 1;
-}
-
 /* Every routed expert of a MoE layer in one call: y[starts[e] + m] = x[starts[e] + m] @ W_e for m < rows[e]
  * (rows of x [*, K] and y [*, N]; a padded [E, cap] batch has starts[e] = e * cap, a packed one the running sum of
  * rows). w[e] points at each expert's column-blocked weight. The threads split the (expert, column block) pairs, so
@@ -107,7 +94,7 @@ static int task_chunk(const int64_t *rows, int E, int nb) {
  * one parallel loop instead of a call per expert. */
 static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
                      const float *const *w, int N, float *y) {
-    const int nb = N / COLS, chunk = task_chunk(rows, E, nb);
+    const int nb = N / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;
@@ -156,15 +143,13 @@ int ernie_gemm(const float *x, int M, int K, const void *w, int N, const float *
 /* moe_gemm above (or cpu_qgemm.c's for int codes), or with swiglu each expert's rows -> y rows of width N / 2. */
 int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K, const void *const *w,
                    int N, const float *const *s, float *y, int bits, int swiglu, int int_x) {
-    const int nb = swiglu ? N / 2 / COLS : N / COLS;
     if (bits != 32)
-        return ernie_moe_qgemm(x, rows, starts, E, K, (const uint8_t *const *)w, N, s, y, bits, swiglu, int_x,
-                               task_chunk(rows, E, swiglu ? nb : (N + COLS - 1) / COLS));
+        return ernie_moe_qgemm(x, rows, starts, E, K, (const uint8_t *const *)w, N, s, y, bits, swiglu, int_x);
     if (!swiglu) {
         moe_gemm(x, rows, starts, E, K, (const float *const *)w, N, y);
         return 0;
     }
-    const int chunk = task_chunk(rows, E, nb);
+    const int nb = N / 2 / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;

@@ -314,8 +314,7 @@ int ernie_qgemm(const float *x, int M, int K, const uint8_t *w, int N, const flo
 }
 
 int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
-                    const uint8_t *const *w, int N, const float *const *s, float *y, int bits, int swiglu, int int_x,
-                    int chunk) {
+                    const uint8_t *const *w, int N, const float *const *s, float *y, int bits, int swiglu, int int_x) {
     int64_t M = 0;
     for (int e = 0; e < E; e++) M = starts[e] + rows[e] > M ? starts[e] + rows[e] : M;
     qacts a;
@@ -323,7 +322,7 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     int32_t *sum;
     int8_t *q = quantize(x, (int)M, K, bits, int_x, &a, &scale, &sum);
     if (!q) return -1;
-    const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
+    const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         const int e = task / nb, b = task % nb;

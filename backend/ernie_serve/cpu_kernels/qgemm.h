@@ -6,6 +6,5 @@
 int ernie_qgemm(const float *x, int M, int K, const uint8_t *w, int N, const float *s, float *y, int bits, int swiglu,
                 int int_x);
 int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
-                    const uint8_t *const *w, int N, const float *const *s, float *y, int bits, int swiglu, int int_x,
-                    int chunk);
+                    const uint8_t *const *w, int N, const float *const *s, float *y, int bits, int swiglu, int int_x);
 #endif

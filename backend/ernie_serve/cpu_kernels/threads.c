@@ -3,6 +3,8 @@
 #include <omp.h>
 #endif
 
+#include <stdint.h>
+
 #include "threads.h"
 
 static int num_threads = 0;  /* 0: not set, the OpenMP default of the calling thread */
@@ -16,4 +18,17 @@ int ernie_threads(void) {
 #else
     return 1;
 #endif
+}
+
+/* How the threads share E experts x nb column blocks: contiguous halves (each thread streams one run of the
+ * weights) when the experts' row counts are even, as at decode; round robin (static chunks of 1) when a few experts
+ * hold most rows, as with a prefill chunk in the step, which would otherwise leave a thread idle. */
+int ernie_task_chunk(const int64_t *rows, int E, int nb) {
+    int64_t total = 0, most = 0;
+    for (int e = 0; e < E; e++) {
+        total += rows[e];
+        most = rows[e] > most ? rows[e] : most;
+    }
+    const int threads = ernie_threads();
+    return most * E <= 2 * total ? (E * nb + threads - 1) / threads : 1;
 }

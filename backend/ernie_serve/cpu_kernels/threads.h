@@ -9,7 +9,11 @@
 #ifndef ERNIE_THREADS_H
 #define ERNIE_THREADS_H
 
+#include <stdint.h>
+
 int ernie_threads(void);
+/* The static schedule's chunk for E experts x nb column-block tasks with rows[e] rows each (threads.c). */
+int ernie_task_chunk(const int64_t *rows, int E, int nb);
 
 #define THREADS num_threads(ernie_threads())
 #endif
