@@ -138,8 +138,9 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
                            expert_offset: int | None = None):
     """sum_j w[t, j] * Expert_{ids[t, j]}(x[t]) for every expert implementation (float or quantized):
     `experts.expert_forward(e, x_e)` (one expert), `batched_forward` (all, padded) or `packed_forward` (all, packed
-    rows, when can_batch; the fp32 serving layout and quantized experts at decode sizes) is all that differs. `expert_offset` (expert parallelism): these
-    are experts [offset, offset + num_experts) of the model; choices of other ranks' experts are skipped.
+    rows, when can_batch: the fp32 serving layout, and quantized experts on the CPU kernels) is all that differs.
+    `expert_offset` (expert parallelism): these are experts [offset, offset + num_experts) of the model; choices of
+    other ranks' experts are skipped.
 
     Tokens are sorted by expert once, then each active expert runs once over its tokens; results are
     weighted and scattered back with index_add (in inference on the CPU: one cpu_ops.c gather in and one weighted
@@ -179,10 +180,11 @@ def _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights
     weighted combine out of their output rows (no sorted copy of the outputs, no index_add)."""
     src = np.full(x.shape[0] * k, -1, dtype=np.int64)  # the expert output row of each (token, choice)
     packed = getattr(experts, "packed_forward", None)  # experts that take their rows packed, unpadded
-    if packed is not None and experts.can_batch(counts):
+    batch = experts.can_batch(counts)
+    if batch and packed is not None:
         ys = packed(cpu_ops.gather_rows(x, order // k), counts)
         src[order] = np.arange(order.size)
-    elif experts.can_batch(counts):
+    elif batch:
         rows, sources = _padded_layout(flat_ids, order, counts, k)
         xs = cpu_ops.gather_rows(x, sources).reshape([counts.shape[0], int(counts.max()), -1])
         ys = experts.batched_forward(xs, counts)
