@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "threads.h"
 #include "vec_math.h"
 

@@ -12,6 +12,7 @@
  */
 #include <stdint.h>
 
+#include "kernels.h"
 #include "qgemm.h"
 #include "threads.h"
 #include "vec_math.h"

@@ -118,7 +118,7 @@ def packed_codes(q: np.ndarray, bits: int) -> paddle.Tensor:
     return t
 
 
-def _fits(shape, k: int, n: int, bits: int) -> bool:
+def fits_layout(shape, k: int, n: int, bits: int) -> bool:
     """Whether a weight held as `shape` is a [k, n] weight of this format (float32: pack_columns; int: pack_codes)."""
     return tuple(shape) == (blocked_shape((k, n)) if bits == 32 else codes_shape(k, n, bits))
 
@@ -137,7 +137,7 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
     lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    if (not _fits(blocked.shape, k, n, bits) or (scale is None) != (bits == 32)
+    if (not fits_layout(blocked.shape, k, n, bits) or (scale is None) != (bits == 32)
             or (scale is not None and scale.shape[0] != n) or (swiglu and not swiglu_fits(n))):
         raise ValueError(f"cpu_gemm.gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
                          f"held as {blocked.shape} with scale {None if scale is None else scale.shape}"
@@ -167,7 +167,7 @@ def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: i
         starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
         fits = x.ndim == 2 and int(rows.sum()) == x.shape[0]
     if (not fits or (scales is None) != (bits == 32) or (scales is not None and len(scales) != e)
-            or rows.shape != (e,) or not _fits(blocked[0].shape, k, n, bits) or (swiglu and not swiglu_fits(n))):
+            or rows.shape != (e,) or not fits_layout(blocked[0].shape, k, n, bits) or (swiglu and not swiglu_fits(n))):
         raise ValueError(f"moe_gemm: x {list(x.shape)} with rows {rows.tolist()} does not fit {len(blocked)} "
                          f"{bits}-bit experts of {n} columns held as {blocked[0].shape}{' (swiglu)' if swiglu else ''}")
     w_ptrs = (ctypes.c_void_p * e)(*[w.data_ptr() for w in blocked])

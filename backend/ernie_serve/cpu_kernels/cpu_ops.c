@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
 #include "threads.h"
 #include "vec_math.h"
 

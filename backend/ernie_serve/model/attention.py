@@ -26,7 +26,7 @@ from .reference_attention import MASKED, FreshKV, PagedKV, batched_attention, ti
 
 KV_TILE_TOKENS = 512  # keys per tile of a prefill chunk (rounded to whole cache blocks)
 SCORE_TILE_ELEMENTS = 1 << 20  # q_tile = this // (heads * kv tile): a 4 MB fp32 score tile
-# q_len * seq_len of the longest chunk cpu_attention.c still takes (see _native_seqs): measured per layer, 8 / 2
+# q_len * seq_len of the longest chunk cpu_attention.c still takes (see native_seqs): measured per layer, 8 / 2
 # heads of 128, 16 chunks of 101 tokens 12 ms against the tiled path's 36, 4 of 512: 93 against 123, 1 of 1024:
 # 93 against 80, 1 of 2048: 359 against 208
 NATIVE_CHUNK_WORK = 512 * 512
@@ -75,7 +75,7 @@ def _plan(meta: AttentionMetadata, read_cache: bool, native_seqs: int) -> _Refer
     return _ReferencePlan(decodes, chunks)
 
 
-def _native_seqs(meta: AttentionMetadata) -> int:
+def native_seqs(meta: AttentionMetadata) -> int:
     """How many leading sequences cpu_attention.c takes: the decodes, and every chunk too when all are short
     enough that its row-by-row tiles beat the tiled matmul path (q_len * seq_len <= NATIVE_CHUNK_WORK)."""
     if meta.block_tables is None or meta.slot_mapping is None:
@@ -120,7 +120,7 @@ def paged_attention(
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
     native = cache is not None and cache.quant is None and cpu_ops.serves(q)
-    n = meta.derive("native_seqs", _native_seqs) if native else 0
+    n = meta.derive("native_seqs", native_seqs) if native else 0
     plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None, n))
     nh, hd = q.shape[1], q.shape[2]
     outs = []

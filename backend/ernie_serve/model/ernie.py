@@ -16,6 +16,7 @@ from paddle import nn
 from ..cpu_kernels import cpu_gemm
 from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
+from .cpu_layers import CpuDecoderStack
 from .kv_cache import KVCacheQuant, PagedKVCache
 from .layers import MLP, BlockedLinear, Linear, RMSNorm, RotaryEmbedding, TiedEmbedding, make_linear
 from .moe import FusedExperts, MoE
@@ -84,13 +85,17 @@ class ErnieForCausalLM(nn.Layer):
         vocab_part = len(layout.split(cfg.vocab_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab_part)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.compression_ratio)
+        self.cpu_layers: CpuDecoderStack | None = None  # set by process_weights_after_loading where it applies
 
     def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor, meta: AttentionMetadata,
                 cache: PagedKVCache | None) -> paddle.Tensor:
         """Final-normed hidden states [T, H] of the step's tokens (MTP drafts from these too)."""
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions, self.rope, meta, cache)
+        if self.cpu_layers is not None and self.cpu_layers.serves(x, meta, cache):
+            x = self.cpu_layers(x, positions, meta, cache)  # the same layers in one C call (model/cpu_layers.py)
+        else:
+            for layer in self.layers:
+                x = layer(x, positions, self.rope, meta, cache)
         return self.norm(x)
 
     def process_weights_after_loading(self) -> None:
@@ -109,6 +114,7 @@ class ErnieForCausalLM(nn.Layer):
                     served = child.serving_layout()
                     if served is not None:
                         setattr(parent, name, served)  # the loaded parameters are freed with the old layer
+        self.cpu_layers = CpuDecoderStack.build(self)
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits over the whole vocabulary (a tensor-parallel rank computes its columns, then all-gathers)."""

@@ -125,13 +125,18 @@ class RotaryEmbedding:
         self._cos = paddle.to_tensor(np.cos(freqs))
         self._sin = paddle.to_tensor(np.sin(freqs))
 
+    def tables(self, max_position: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """The cos / sin tables [positions, head_dim] (both entries of a pair equal), covering max_position."""
+        self._ensure(max_position + 1)
+        return self._cos, self._sin
+
     def split_rotate(self, qkv: paddle.Tensor, positions: paddle.Tensor, max_position: int, num_heads: int,
                      num_kv_heads: int) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """A fused [Q | K | V] projection [T, (nh + 2 nkv) hd] -> q [T, nh, hd], k, v [T, nkv, hd], q and k rotated."""
         t, hd = qkv.shape[0], self.head_dim
-        self._ensure(max_position + 1)
+        cos, sin = self.tables(max_position)
         if cpu_ops.serves(qkv):
-            return cpu_ops.split_rope(qkv, positions.numpy(), self._cos, self._sin, num_heads, num_kv_heads, hd)
+            return cpu_ops.split_rope(qkv, positions.numpy(), cos, sin, num_heads, num_kv_heads, hd)
         q, k, v = paddle.split(qkv, [num_heads * hd, num_kv_heads * hd, num_kv_heads * hd], axis=-1)
         q, k = self(positions, max_position, q.reshape([t, num_heads, hd]), k.reshape([t, num_kv_heads, hd]))
         return q, k, v.reshape([t, num_kv_heads, hd])

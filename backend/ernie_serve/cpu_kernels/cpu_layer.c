@@ -1,0 +1,167 @@
+/* ERNIE-4.5 decoder layers, each in one pass of C over the kernels of cpu_ops.c, cpu_gemm.c / cpu_qgemm.c and
+ * cpu_attention.c, for the CPU serving path's steps that every one of those kernels covers.
+ *
+ * Why: a decode step at 16 running spent ~20 of its ~80 ms between the matmuls (measured 2026-12-03, benchmark
+ * checkpoint): ~60 calls into the small fused ops a step at ~0.13 ms each, almost all of it Python, ctypes and
+ * Paddle tensor creation around microseconds of arithmetic, plus the layers' own dispatch, residual adds, the KV
+ * write and the experts' dispatch in NumPy. Here a layer is the same kernels called back to back on buffers of one
+ * allocation. model/cpu_layers.py builds the descriptors below once at load and runs the layers through here; the
+ * Python layers (model/ernie.py) remain the definition the tests hold this to, and serve every step this does not.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* One projection in a serving layout: float32 column-blocked (bits 32, scale NULL) or int8 / int4 codes with one
+ * scale a column (cpu_qgemm.c's layout), [k, n]. */
+typedef struct {
+    const void *w;
+    const float *scale;
+    int32_t k, n, bits, _pad;
+} ernie_linear;
+
+/* The routed experts of a MoE layer: each expert's gate-up [hidden, 2I] and down [I, hidden] weights. */
+typedef struct {
+    const void *const *up_gate, *const *down;
+    const float *const *up_gate_scale, *const *down_scale;  /* NULL for float32 */
+    const float *router, *router_bias;                      /* [hidden, E], [E] */
+    int32_t num_experts, top_k, up_gate_cols, bits;
+    float norm_min, _pad;
+} ernie_experts;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    ernie_linear qkv, o;
+    ernie_linear mlp_up_gate, mlp_down;  /* the dense MLP, or a MoE layer's shared experts (w NULL: none) */
+    const ernie_experts *experts;        /* NULL: a dense layer */
+    float *k_cache, *v_cache;            /* [num_blocks, block_size, kv_heads, head_dim] float32 */
+} ernie_layer;
+
+typedef struct {
+    int32_t hidden, num_heads, num_kv_heads, head_dim;
+    float eps, attn_scale;
+} ernie_dims;
+
+/* The step's index data (model/attention_metadata.py), the same for every layer. */
+typedef struct {
+    int32_t num_tokens, num_seqs, block_size, table_stride;
+    const int64_t *positions, *slot_mapping, *block_tables, *query_start_loc, *seq_lens;
+    const float *cos, *sin;  /* [positions, head_dim] */
+} ernie_step;
+
+/* y = x @ W, or silu(gate) * up of a gate-up W (y [T, n / 2]), fused where cpu_gemm.c can, else through tmp. */
+static int project(const ernie_linear *l, const float *x, int T, float *y, int swiglu, float *tmp) {
+    if (!swiglu || ernie_gemm_swiglu_fits(l->n)) return ernie_gemm(x, T, l->k, l->w, l->n, l->scale, y, l->bits, swiglu, 0);
+    if (ernie_gemm(x, T, l->k, l->w, l->n, l->scale, tmp, l->bits, 0, 0)) return -1;
+    ernie_silu_and_mul(tmp, T, l->n / 2, y);
+    return 0;
+}
+
+static void add_rows(float *x, const float *y, int64_t n) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* x [T, H] += attention(input_norm(x)), K/V of the step's tokens written to the cache at their slots. */
+static int attention_block(const ernie_dims *d, const ernie_layer *L, const ernie_step *S, float *x, float *buf) {
+    const int T = S->num_tokens, H = d->hidden, nh = d->num_heads, nkv = d->num_kv_heads, hd = d->head_dim;
+    const int64_t qd = (int64_t)nh * hd, kvd = (int64_t)nkv * hd;
+    float *h = buf, *qkv = h + (int64_t)T * H, *q = qkv + T * (qd + 2 * kvd), *k = q + T * qd, *v = k + T * kvd;
+    float *att = v + T * kvd, *o = att + T * qd;
+    ernie_rms_norm(x, L->input_norm, T, H, d->eps, h);
+    if (ernie_gemm(h, T, H, L->qkv.w, L->qkv.n, L->qkv.scale, qkv, L->qkv.bits, 0, 0)) return -1;
+    ernie_split_rope(qkv, S->positions, S->cos, S->sin, T, nh, nkv, hd, q, k, v);
+    for (int t = 0; t < T; t++) {
+        memcpy(L->k_cache + S->slot_mapping[t] * kvd, k + t * kvd, sizeof(float) * kvd);
+        memcpy(L->v_cache + S->slot_mapping[t] * kvd, v + t * kvd, sizeof(float) * kvd);
+    }
+    if (ernie_paged_attention_f32(q, L->k_cache, L->v_cache, S->block_tables, S->table_stride, S->query_start_loc,
+                                  S->seq_lens, S->num_seqs, nh, nkv, hd, S->block_size, d->attn_scale, att))
+        return -1;
+    if (ernie_gemm(att, T, (int)qd, L->o.w, L->o.n, L->o.scale, o, L->o.bits, 0, 0)) return -1;
+    add_rows(x, o, (int64_t)T * H);
+    return 0;
+}
+
+/* out [T, H] = sum over each token's top-k experts of weight * expert(h): tokens counted into per-expert runs
+ * (stable, in token order), gathered, both matmuls over every expert in one call each, weighted back. */
+static int routed_experts(const ernie_experts *X, const float *h, int T, int H, float *out, float *buf) {
+    const int E = X->num_experts, k = X->top_k, n = T * k, I = X->up_gate_cols / 2;
+    int64_t *ids = (int64_t *)buf, *order = ids + n, *src = order + n, *counts = src + n, *starts = counts + E;
+    float *weights = (float *)(starts + E), *xs = weights + n, *act = xs + (int64_t)n * H;
+    float *ys = act + (int64_t)n * I, *tmp = ys + (int64_t)n * H;
+    ernie_route(h, X->router, X->router_bias, T, H, E, k, X->norm_min, ids, weights);
+    memset(counts, 0, sizeof(int64_t) * E);
+    for (int i = 0; i < n; i++) counts[ids[i]]++;
+    for (int e = 0, at = 0; e < E; e++) { starts[e] = at; at += (int)counts[e]; }
+    for (int i = 0; i < n; i++) {        /* starts[e] walks expert e's run as it fills, then is reset below */
+        const int64_t row = starts[ids[i]]++;
+        order[row] = i / k;              /* the token expert row `row` reads */
+        src[i] = row;                    /* the expert row that (token, choice) i reads back */
+    }
+    for (int e = 0; e < E; e++) starts[e] -= counts[e];
+    ernie_gather_rows(h, order, n, H, xs);
+    const int fused = ernie_gemm_swiglu_fits(X->up_gate_cols);
+    if (ernie_moe_gemm(xs, counts, starts, E, H, (const void *const *)X->up_gate, X->up_gate_cols, X->up_gate_scale,
+                       fused ? act : tmp, X->bits, fused, 0))
+        return -1;
+    if (!fused) ernie_silu_and_mul(tmp, n, I, act);
+    if (ernie_moe_gemm(act, counts, starts, E, I, (const void *const *)X->down, H, X->down_scale, ys, X->bits, 0, 0))
+        return -1;
+    ernie_weighted_combine(ys, src, weights, T, k, H, out);
+    return 0;
+}
+
+/* x [T, H] += mlp(post_norm(x)): the routed experts plus the shared ones (summed before the residual, as
+ * model/moe.MoE does), or the dense MLP. */
+static int mlp_block(const ernie_dims *d, const ernie_layer *L, int T, float *x, float *buf) {
+    const int64_t TH = (int64_t)T * d->hidden;
+    float *h = buf, *out = h + TH, *shared = out + TH, *rest = shared + TH;
+    ernie_rms_norm(x, L->post_norm, T, d->hidden, d->eps, h);
+    if (L->experts && routed_experts(L->experts, h, T, d->hidden, out, rest)) return -1;
+    if (L->mlp_up_gate.w) {
+        const int I = L->mlp_up_gate.n / 2;
+        float *act = rest, *tmp = act + (int64_t)T * I, *y = L->experts ? shared : out;
+        if (project(&L->mlp_up_gate, h, T, act, 1, tmp)) return -1;
+        if (ernie_gemm(act, T, I, L->mlp_down.w, L->mlp_down.n, L->mlp_down.scale, y, L->mlp_down.bits, 0, 0))
+            return -1;
+        if (L->experts) add_rows(out, shared, TH);
+    }
+    add_rows(x, out, TH);
+    return 0;
+}
+
+/* The work buffer's floats for T tokens (a bound over every layer; int64 index arrays counted as two floats). */
+static int64_t work_floats(const ernie_dims *d, const ernie_layer *layers, int num_layers, int T) {
+    const int64_t H = d->hidden, qd = (int64_t)d->num_heads * d->head_dim, kvd = (int64_t)d->num_kv_heads * d->head_dim;
+    int64_t need = T * (H + 2 * (qd + 2 * kvd) + qd + H);
+    for (int i = 0; i < num_layers; i++) {
+        const ernie_layer *L = &layers[i];
+        int64_t mlp = 0;
+        if (L->experts) {
+            const int64_t n = (int64_t)T * L->experts->top_k, E = L->experts->num_experts;
+            mlp = 2 * (3 * n + 2 * E) + n + n * (2 * H + L->experts->up_gate_cols / 2 + L->experts->up_gate_cols);
+        }
+        if (L->mlp_up_gate.w) {
+            const int64_t dense = (int64_t)T * (L->mlp_up_gate.n / 2 + L->mlp_up_gate.n);
+            mlp = mlp > dense ? mlp : dense;
+        }
+        mlp += 3 * T * H;
+        need = need > mlp ? need : mlp;
+    }
+    return need;
+}
+
+/* Runs num_layers decoder layers over x [T, H] in place. Returns 0, or -1 when memory ran out (x is then
+ * partly computed). The caller checked every shape (model/cpu_layers.py); slots and block tables are in range. */
+int ernie_decoder_layers(const ernie_dims *d, const ernie_layer *layers, int num_layers, const ernie_step *S,
+                         float *x) {
+    float *buf = malloc(sizeof(float) * (size_t)work_floats(d, layers, num_layers, S->num_tokens));
+    if (!buf) return -1;
+    int failed = 0;
+    for (int i = 0; i < num_layers && !failed; i++)
+        failed = attention_block(d, &layers[i], S, x, buf) != 0 || mlp_block(d, &layers[i], S->num_tokens, x, buf) != 0;
+    free(buf);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,45 @@
+"""cpu_layer.c's descriptors as ctypes structures, and its one entry point: a stack of decoder layers run over the
+step's hidden states in place. model/cpu_layers.py fills the descriptors from a loaded model; the structures mirror
+the C typedefs field for field (the C file is the reference for what each field means)."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import build
+
+_P, _F, _I32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("w", _P), ("scale", _P), ("k", _I32), ("n", _I32), ("bits", _I32), ("_pad", _I32)]
+
+
+class Experts(ctypes.Structure):
+    _fields_ = [("up_gate", _P), ("down", _P), ("up_gate_scale", _P), ("down_scale", _P), ("router", _P),
+                ("router_bias", _P), ("num_experts", _I32), ("top_k", _I32), ("up_gate_cols", _I32), ("bits", _I32),
+                ("norm_min", _F), ("_pad", _F)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", Linear), ("o", Linear), ("mlp_up_gate", Linear),
+                ("mlp_down", Linear), ("experts", ctypes.POINTER(Experts)), ("k_cache", _P), ("v_cache", _P)]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_dim", _I32), ("eps", _F),
+                ("attn_scale", _F)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [("num_tokens", _I32), ("num_seqs", _I32), ("block_size", _I32), ("table_stride", _I32),
+                ("positions", _P), ("slot_mapping", _P), ("block_tables", _P), ("query_start_loc", _P),
+                ("seq_lens", _P), ("cos", _P), ("sin", _P)]
+
+
+def decoder_layers(dims: Dims, layers: ctypes.Array, step: Step, x: np.ndarray) -> None:
+    """Runs every layer of `layers` over x [num_tokens, hidden] float32 (C-contiguous) in place."""
+    if build.library().ernie_decoder_layers(ctypes.byref(dims), layers, len(layers), ctypes.byref(step),
+                                            x.ctypes.data) != 0:
+        raise MemoryError("cpu_layer.c: no memory for the layers' work buffer")

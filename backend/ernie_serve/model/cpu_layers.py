@@ -1,0 +1,172 @@
+"""The CPU serving path's decoder layers in one C call a step (cpu_kernels/cpu_layer.c).
+
+Why: the per-layer Python around the C kernels (about 60 small-op calls a decode step, each a ctypes call and a
+new Paddle tensor, the layers' dispatch, residual adds, the KV write and the experts' dispatch in NumPy) cost
+~20 ms of a ~80 ms decode step at 16 running on the benchmark checkpoint; the kernels' own arithmetic outside
+the matmuls is well under a millisecond. cpu_layer.c calls the same kernels in the same order, so its hidden
+states equal the Python layers' bit for bit (tests/cpu_kernels/test_cpu_layers.py holds it to that).
+
+CpuDecoderStack.build describes the layers once, after the serving layouts exist
+(ErnieForCausalLM.process_weights_after_loading), and only when every layer is covered: one rank (no collectives
+between sublayers), fp32 serving-layout or weight-only wint8 / wint4 linears and experts. `serves` then says per
+step whether this step is one it covers too: inference on a float32 CPU cache whose every sequence
+cpu_attention.c takes (decodes and short prefill chunks). Everything else runs the Python layers, unchanged.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+import paddle
+
+from ..cpu_kernels import build, cpu_gemm, cpu_layer, cpu_ops
+from .attention import native_seqs
+from .attention_metadata import AttentionMetadata
+from .host_tensor import empty_host
+from .kv_cache import PagedKVCache
+from .layers import MLP, BlockedLinear, RMSNorm
+from .moe import MoE, BlockedExperts
+
+log = logging.getLogger(__name__)
+_WEIGHT_ONLY = {"wint8": 8, "wint4": 4}  # quantized formats cpu_layer.c runs (w4a8 rescales around its matmuls)
+
+
+class CpuDecoderStack:
+    def __init__(self, dims: cpu_layer.Dims, layers: ctypes.Array, keep: list, rope):
+        self._dims, self._layers, self._keep, self._rope = dims, layers, keep, rope
+
+    @classmethod
+    def build(cls, model) -> "CpuDecoderStack | None":
+        """The model's layers described for cpu_layer.c, or None (with the reason logged) if one is not covered."""
+        if not build.available() or model.layout.is_parallel:
+            return None
+        cfg, keep, descs = model.config, [], []
+        first = model.layers[0].self_attn
+        dims = cpu_layer.Dims(cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                              model.layers[0].input_layernorm.eps, first.scale)
+        for i, layer in enumerate(model.layers):
+            try:
+                if layer.self_attn.layer_idx != i:
+                    raise _NotCovered(f"reads KV cache layer {layer.self_attn.layer_idx}")
+                descs.append(_layer(layer, dims, keep))
+            except _NotCovered as e:
+                log.info("decoder layers run one op at a time: layer %d %s", i, e)
+                return None
+        return cls(dims, (cpu_layer.Layer * len(descs))(*descs), keep, model.rope)
+
+    def serves(self, x: paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache | None) -> bool:
+        """Whether this step's layers can run here (else the Python layers run it)."""
+        return (cache is not None and cache.quant is None and meta.slot_mapping is not None
+                and meta.block_tables is not None and cpu_ops.serves(x) and len(cache.k) >= len(self._layers)
+                and meta.derive("native_seqs", native_seqs) == len(meta.seq_lens))
+
+    def __call__(self, x: paddle.Tensor, positions: paddle.Tensor, meta: AttentionMetadata,
+                 cache: PagedKVCache) -> paddle.Tensor:
+        """The hidden states after every layer, [T, H] (a new tensor; x is not changed)."""
+        d = self._dims
+        y, out = empty_host(x.shape, np.float32)
+        out[...] = np.from_dlpack(x)
+        pos = np.ascontiguousarray(positions.numpy(), dtype=np.int64)
+        cos, sin = self._rope.tables(meta.max_position)
+        slots = np.ascontiguousarray(meta.slot_mapping, dtype=np.int64)
+        tables = np.ascontiguousarray(meta.block_tables, dtype=np.int64)
+        qsl = np.ascontiguousarray(meta.query_start_loc, dtype=np.int64)
+        lens = np.ascontiguousarray(meta.seq_lens, dtype=np.int64)
+        t, num_blocks = out.shape[0], cache.num_blocks
+        # C indexes with these unchecked: out-of-range values are refused here, not written past the cache
+        if (out.shape[1] != d.hidden or pos.shape != (t,) or slots.shape != (t,) or int(qsl[-1]) != t
+                or cache.block_size != meta.block_size or cache.num_kv_heads != d.num_kv_heads
+                or cache.head_dim != d.head_dim or cache.k[0].dtype != np.float32
+                or (t and (pos.min() < 0 or pos.max() >= cos.shape[0] or slots.min() < 0
+                           or slots.max() >= num_blocks * cache.block_size))
+                or tables.min(initial=0) < 0 or tables.max(initial=0) >= num_blocks
+                or tables.shape[1] * cache.block_size < int(lens.max(initial=0))):
+            raise ValueError(f"cpu_layers: a step of {t} tokens (positions {pos.shape}, slots {slots.shape}, tables "
+                             f"{list(tables.shape)}) does not fit this model or its cache of {num_blocks} blocks")
+        for desc, k, v in zip(self._layers, cache.k, cache.v):
+            desc.k_cache, desc.v_cache = k.ctypes.data, v.ctypes.data
+        step = cpu_layer.Step(t, lens.shape[0], cache.block_size, tables.shape[1], pos.ctypes.data, slots.ctypes.data,
+                              tables.ctypes.data, qsl.ctypes.data, lens.ctypes.data, cos.data_ptr(), sin.data_ptr())
+        cpu_layer.decoder_layers(d, self._layers, step, out)
+        return y
+
+
+class _NotCovered(Exception):
+    """A layer cpu_layer.c does not run; the message says which part."""
+
+
+def _ptr(t: paddle.Tensor, keep: list, shape: tuple[int, ...] | None = None) -> int:
+    """A float32 / uint8 tensor's address, checked contiguous and (if given) of `shape`; kept alive in `keep`."""
+    a = np.from_dlpack(t.detach() if hasattr(t, "detach") else t)
+    if not a.flags.c_contiguous or (shape is not None and a.size != int(np.prod(shape))):
+        raise _NotCovered(f"has a tensor of shape {list(a.shape)} where {shape} was expected")
+    keep.append(t)
+    return a.ctypes.data
+
+
+def _linear(lin, k: int, n: int, keep: list) -> cpu_layer.Linear:
+    if type(lin) is BlockedLinear and (lin.in_features, lin.out_features) == (k, n):
+        return cpu_layer.Linear(_ptr(lin.weight_blocked, keep), None, k, n, 32)
+    bits = _WEIGHT_ONLY.get(getattr(lin, "method", None))
+    if bits and (lin.in_features, lin.out_features) == (k, n) and "quant_weight" in lin.tensors:
+        w, s = lin.tensors["quant_weight"], lin.tensors["weight_scale"]
+        if cpu_gemm.fits_layout(w.shape, k, n, bits) and s.dtype == paddle.float32:
+            return cpu_layer.Linear(_ptr(w, keep), _ptr(s, keep, (n,)), k, n, bits)
+    raise _NotCovered(f"has a {type(lin).__name__} ({getattr(lin, 'method', 'float')}) of [{k}, {n}]")
+
+
+def _norm(norm, dims: cpu_layer.Dims, keep: list) -> int:
+    if type(norm) is not RMSNorm or np.float32(norm.eps) != np.float32(dims.eps):
+        raise _NotCovered("has a norm other than the first layer's RMSNorm")
+    return _ptr(norm.weight, keep, (dims.hidden,))
+
+
+def _experts(moe: MoE, h: int, keep: list) -> cpu_layer.Experts:
+    ex, gate = moe.experts, moe.gate
+    if moe.expert_offset is not None:
+        raise _NotCovered("holds a slice of the experts (expert parallelism)")
+    e = ex.num_experts
+    if type(ex) is BlockedExperts and ex.down_cols == h:
+        bits, ug_cols = 32, ex.up_gate_cols
+        ug, dn, ug_s, dn_s = ex._up_gate, ex._down, None, None
+    elif getattr(ex, "method", None) in _WEIGHT_ONLY:
+        bits, ug_cols = _WEIGHT_ONLY[ex.method], ex.up_gate_proj[0].out_features
+        ugl = [_linear(q, h, ug_cols, keep) for q in ex.up_gate_proj]
+        dnl = [_linear(q, ug_cols // 2, h, keep) for q in ex.down_proj]
+        ug, dn = [lin.w for lin in ugl], [lin.w for lin in dnl]
+        ug_s, dn_s = [lin.scale for lin in ugl], [lin.scale for lin in dnl]
+    else:
+        raise _NotCovered(f"has {type(ex).__name__} experts ({getattr(ex, 'method', 'float')})")
+
+    def ptrs(items):
+        if items is None:
+            return None
+        arr = (ctypes.c_void_p * e)(*[i if isinstance(i, int) else _ptr(i, keep) for i in items])
+        keep.append(arr)
+        return ctypes.cast(arr, ctypes.c_void_p).value
+    desc = cpu_layer.Experts(ptrs(ug), ptrs(dn), ptrs(ug_s), ptrs(dn_s), _ptr(gate.weight, keep, (h, e)),
+                             _ptr(gate.e_score_correction_bias, keep, (e,)), e, gate.top_k, ug_cols, bits,
+                             gate.norm_min)
+    keep.append(desc)
+    return desc
+
+
+def _layer(layer, dims: cpu_layer.Dims, keep: list) -> cpu_layer.Layer:
+    attn, h = layer.self_attn, dims.hidden
+    if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (dims.num_heads, dims.num_kv_heads, dims.head_dim):
+        raise _NotCovered("has attention of another shape than the first layer's")
+    q, kv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    desc = cpu_layer.Layer(_norm(layer.input_layernorm, dims, keep), _norm(layer.post_attention_layernorm, dims, keep),
+                           _linear(attn.qkv_proj, h, q + 2 * kv, keep), _linear(attn.o_proj, q, h, keep))
+    mlp = layer.mlp
+    dense = mlp if type(mlp) is MLP else mlp.shared_experts if type(mlp) is MoE else None
+    if type(mlp) is MoE:
+        desc.experts = ctypes.pointer(_experts(mlp, h, keep))
+    elif dense is None:
+        raise _NotCovered(f"has a {type(mlp).__name__} MLP")
+    if dense is not None:
+        inter = dense.intermediate_size
+        desc.mlp_up_gate = _linear(dense.up_gate_proj, h, 2 * inter, keep)
+        desc.mlp_down = _linear(dense.down_proj, inter, h, keep)
+    return desc
