@@ -8,7 +8,6 @@
  * allocation. model/cpu_layers.py builds the descriptors below once at load and runs the layers through here; the
  * Python layers (model/ernie.py) remain the definition the tests hold this to, and serve every step this does not.
  */
-#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -132,19 +131,19 @@ static int mlp_block(const ernie_dims *d, const ernie_layer *L, int T, float *x,
     return 0;
 }
 
-/* The work buffer's floats for T tokens (a bound over every layer; int64 index arrays counted as two floats). */
-static int64_t work_floats(const ernie_dims *d, const ernie_layer *layers, int num_layers, int T) {
+/* The floats of work buffer T tokens need (a bound over every layer; int64 index arrays count as two floats). */
+int64_t ernie_decoder_layers_work(const ernie_dims *d, const ernie_layer *layers, int num_layers, int T) {
     const int64_t H = d->hidden, qd = (int64_t)d->num_heads * d->head_dim, kvd = (int64_t)d->num_kv_heads * d->head_dim;
     int64_t need = T * (H + 2 * (qd + 2 * kvd) + qd + H);
     for (int i = 0; i < num_layers; i++) {
         const ernie_layer *L = &layers[i];
         int64_t mlp = 0;
         if (L->experts) {
-            const int64_t n = (int64_t)T * L->experts->top_k, E = L->experts->num_experts;
-            mlp = 2 * (3 * n + 2 * E) + n + n * (2 * H + L->experts->up_gate_cols / 2 + L->experts->up_gate_cols);
+            const int64_t n = (int64_t)T * L->experts->top_k, E = L->experts->num_experts, ug = L->experts->up_gate_cols;
+            mlp = 2 * (3 * n + 2 * E) + n + n * (2 * H + ug / 2 + (ernie_gemm_swiglu_fits((int)ug) ? 0 : ug));
         }
         if (L->mlp_up_gate.w) {
-            const int64_t dense = (int64_t)T * (L->mlp_up_gate.n / 2 + L->mlp_up_gate.n);
+            const int64_t ug = L->mlp_up_gate.n, dense = (int64_t)T * (ug / 2 + (ernie_gemm_swiglu_fits((int)ug) ? 0 : ug));
             mlp = mlp > dense ? mlp : dense;
         }
         mlp += 3 * T * H;
@@ -153,15 +152,13 @@ static int64_t work_floats(const ernie_dims *d, const ernie_layer *layers, int n
     return need;
 }
 
-/* Runs num_layers decoder layers over x [T, H] in place. Returns 0, or -1 when memory ran out (x is then
- * partly computed). The caller checked every shape (model/cpu_layers.py); slots and block tables are in range. */
+/* Runs num_layers decoder layers over x [T, H] in place, with `work` of ernie_decoder_layers_work(T) floats (the
+ * caller keeps it between steps: a fresh prefill-sized buffer would be faulted in page by page every step). Returns
+ * 0, or -1 when a kernel ran out of memory (x is then partly computed). The caller checked every shape
+ * (model/cpu_layers.py): slots, positions and block tables are in range. */
 int ernie_decoder_layers(const ernie_dims *d, const ernie_layer *layers, int num_layers, const ernie_step *S,
-                         float *x) {
-    float *buf = malloc(sizeof(float) * (size_t)work_floats(d, layers, num_layers, S->num_tokens));
-    if (!buf) return -1;
-    int failed = 0;
-    for (int i = 0; i < num_layers && !failed; i++)
-        failed = attention_block(d, &layers[i], S, x, buf) != 0 || mlp_block(d, &layers[i], S->num_tokens, x, buf) != 0;
-    free(buf);
-    return failed ? -1 : 0;
+                         float *x, float *work) {
+    for (int i = 0; i < num_layers; i++)
+        if (attention_block(d, &layers[i], S, x, work) || mlp_block(d, &layers[i], S->num_tokens, x, work)) return -1;
+    return 0;
 }

@@ -35,6 +35,7 @@ _WEIGHT_ONLY = {"wint8": 8, "wint4": 4}  # quantized formats cpu_layer.c runs (w
 class CpuDecoderStack:
     def __init__(self, dims: cpu_layer.Dims, layers: ctypes.Array, keep: list, rope):
         self._dims, self._layers, self._keep, self._rope = dims, layers, keep, rope
+        self._work = np.empty(0, np.float32)  # grown to the largest step's need, kept: see cpu_layer.c
 
     @classmethod
     def build(cls, model) -> "CpuDecoderStack | None":
@@ -88,7 +89,10 @@ class CpuDecoderStack:
             desc.k_cache, desc.v_cache = k.ctypes.data, v.ctypes.data
         step = cpu_layer.Step(t, lens.shape[0], cache.block_size, tables.shape[1], pos.ctypes.data, slots.ctypes.data,
                               tables.ctypes.data, qsl.ctypes.data, lens.ctypes.data, cos.data_ptr(), sin.data_ptr())
-        cpu_layer.decoder_layers(d, self._layers, step, out)
+        need = cpu_layer.work_floats(d, self._layers, t)
+        if self._work.size < need:
+            self._work = np.empty(need, np.float32)
+        cpu_layer.decoder_layers(d, self._layers, step, out, self._work)
         return y
 
 
