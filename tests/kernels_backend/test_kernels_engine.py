@@ -9,7 +9,7 @@ import pytest
 
 from ernie_serve import SamplingParams
 from ernie_serve.chat import render_chat_prompt
-from kb_helpers import SHAPES, engine, greedy, prefill_step, prompts, step_logits, write
+from kb_helpers import GREEDY, SHAPES, engine, greedy, prefill_step, prompts, step_logits, write
 
 LOGIT_TOL = 2e-4  # max |kernels - reference| / max |reference| per step (fp32 both sides)
 
@@ -74,3 +74,22 @@ def test_swap_tier_and_ngram_verification_match_the_reference(tiny_model_dir):
     assert greedy(ker, batch, params) == greedy(ref, batch, params)
     stats = ker.engine.stats()
     assert stats["spec_accepted_tokens"] > 0 and stats["prefix_cache_host_hit_tokens"] > 0
+
+
+def test_greedy_steps_copy_only_each_rows_argmax_to_the_host(framework, tiny_model_dir, monkeypatch):
+    ids = prompts(4096, (5, 23))
+    ref = engine(tiny_model_dir, "reference")
+    ker = engine(tiny_model_dir, "kernels")
+    ops = ker.engine.runner.executor.ops
+    argmax_rows, calls = ops.argmax_rows, []
+    monkeypatch.setattr(ops, "argmax_rows", lambda t: (calls.append(t.shape[0]), argmax_rows(t))[1])
+    assert greedy(ker, ids) == greedy(ref, ids)
+    assert len(calls) == GREEDY.max_tokens  # every step (the prefill included) sampled from the argmax alone
+    # logprobs need the logits themselves: they are copied, and both backends give the same ones
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    want, got = (llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False) for llm in (ref, ker))
+    assert len(calls) == GREEDY.max_tokens
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lw.keys() == lg.keys()

@@ -50,6 +50,26 @@ class SamplingBatch:
     draft_tokens: list[int | None] | None = None
     draft_probs: list[np.ndarray | None] | None = None
 
+    @property
+    def argmax_suffices(self) -> bool:
+        """Whether each row's token is just its logits' argmax: every row greedy, with no penalty, mask,
+        grammar or logprobs that would need the logits themselves (see RowArgmax)."""
+        return not self.grammars and self.draft_probs is None and all(
+            p.temperature < GREEDY_EPSILON and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.logprobs is None and not bad
+            and len(out) >= p.min_tokens
+            for p, bad, out in zip(self.params, self.bad_words_ids, self.output_token_ids))
+
+
+@dataclass
+class RowArgmax:
+    """Each sampled row's argmax (the first index of its largest logit) and its largest logit, computed where the
+    logits are: what an executor that holds them on a device returns for a step whose batch argmax_suffices, so
+    only 2 x R numbers cross to the host instead of R x vocab. The sampler then gives exactly what it gives from the
+    logits: a row whose largest logit is not finite (all -inf, or a NaN) has no token left."""
+    token_ids: np.ndarray  # [R] int64
+    row_max: np.ndarray  # [R] float32
+
 
 @dataclass
 class SamplerOutput:
@@ -69,7 +89,9 @@ class Sampler:
                              f"known: {', '.join(SAMPLING_METHODS)}")
         self.method = SAMPLING_METHODS[method]
 
-    def __call__(self, logits: "np.ndarray | paddle.Tensor", batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: "np.ndarray | paddle.Tensor | RowArgmax", batch: SamplingBatch) -> SamplerOutput:
+        if isinstance(logits, RowArgmax):
+            return _from_argmax(logits, batch)
         raw = _as_float32_matrix(logits)
         _check_batch(raw, batch)
         work = raw.copy()
@@ -104,6 +126,16 @@ class Sampler:
         for r in errors:
             logprobs[r] = None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
+
+
+def _from_argmax(best: RowArgmax, batch: SamplingBatch) -> SamplerOutput:
+    if not batch.argmax_suffices or best.token_ids.shape != (len(batch.params),):
+        raise ValueError(f"an argmax of {best.token_ids.shape[0]} rows cannot sample this batch of "
+                         f"{len(batch.params)} (it needs the logits: see SamplingBatch.argmax_suffices)")
+    dead = ~np.isfinite(best.row_max)
+    token_ids = np.where(dead, 0, best.token_ids).astype(np.int64)  # as the logits path: a dead row samples 0
+    return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(batch.params),
+                         errors={int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)})
 
 
 def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> None:

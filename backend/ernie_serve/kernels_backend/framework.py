@@ -62,6 +62,11 @@ class TensorOps:
         """A NumPy copy; floating tensors come back as float32."""
         raise NotImplementedError
 
+    def argmax_rows(self, t: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's argmax (the first index of its largest value) and its largest value (NaN where it holds
+        one), computed on the device; only these two [R] vectors are copied to the host."""
+        raise NotImplementedError
+
     def write(self, dst: Any, a: np.ndarray) -> Any:
         """Copy host data into the leading rows of a persistent buffer; returns that view dst[:len(a)]."""
         n = int(a.shape[0])
@@ -176,6 +181,11 @@ class TorchOps(TensorOps):
             t = t.float()
         return t.detach().cpu().numpy()
 
+    def argmax_rows(self, t):
+        t = t.float()
+        # torch.max and argmax take a NaN as the largest value: a row holding one reports it, as the host path does
+        return self.to_host(self.torch.argmax(t, dim=1)).astype(np.int64), self.to_host(self.torch.amax(t, dim=1))
+
     def _write_rows(self, dst, view, a):
         view.copy_(self.torch.from_numpy(a))
 
@@ -278,6 +288,11 @@ class PaddleOps(TensorOps):
         if t.is_floating_point():
             t = t.astype("float32")
         return t.numpy()
+
+    def argmax_rows(self, t):
+        t = t.astype("float32")
+        return (self.to_host(self.paddle.argmax(t, axis=1)).astype(np.int64),
+                self.to_host(self.paddle.max(t, axis=1)))
 
     def _write_rows(self, dst, view, a):
         if self.on_gpu:
