@@ -13,6 +13,8 @@ from ernie_serve.cpu_kernels import build, cpu_layer
 from ernie_serve.demo.tiny_model import random_weights
 from ernie_serve.engine.step_input import StepInput
 from ernie_serve.model.checkpoint_writer import write_checkpoint
+from ernie_serve.model.cpu_layers import CpuDecoderStack
+from ernie_serve.quantization.layers import QuantLinear
 from ernie_serve.quantization.checkpoint import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels are not built here")
@@ -124,11 +126,22 @@ def test_the_c_stack_equals_the_python_layers_bit_for_bit_on_other_shapes(ckpt, 
     _same_steps(llm, SHAPES[name]["vocab_size"], calls)
 
 
-@pytest.mark.parametrize("method", ["wint8", "wint4"])
-def test_the_c_stack_equals_the_python_layers_on_weight_only_int_formats(ckpt, method, calls):
+@pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])
+def test_the_c_stack_equals_the_python_layers_on_the_int_formats(ckpt, method, calls, tmp_path):
     name = "moe_headdim24_unfused_swiglu"  # experts, shared experts and SwiGLU as its own pass
-    llm = _llm(ckpt(name), quantization=method)
-    assert llm.engine.runner.executor.model.layers[1].mlp.experts.method == method
+    # w4a8 needs calibrated activation scales: a pre-quantized checkpoint
+    llm = (_llm(quantize_checkpoint(ckpt(name), tmp_path / "w4a8", "w4a8")) if method == "w4a8"
+           else _llm(ckpt(name), quantization=method))
+    model = llm.engine.runner.executor.model
+    assert model.layers[1].mlp.experts.method == method
+    if method == "w4a8":
+        # FastDeploy's w4a8 keeps wint8 dense layers; a w4a8 o_proj and dense MLP exercise cpu_layer.c's dense path
+        layer = model.layers[0]
+        for parent, attr in ((layer.self_attn, "o_proj"), (layer.mlp, "up_gate_proj"), (layer.mlp, "down_proj")):
+            w = getattr(parent, attr).dequantize().numpy()
+            setattr(parent, attr, QuantLinear.from_float(w, "w4a8", activation_scale=0.05))
+        model.cpu_layers = CpuDecoderStack.build(model)
+        assert model.cpu_layers is not None
     _same_steps(llm, SHAPES[name]["vocab_size"], calls)
 
 
@@ -159,9 +172,7 @@ def test_steps_and_models_it_does_not_cover_run_the_python_layers(ckpt, tmp_path
     assert llm.engine.runner.executor.model.cpu_layers is not None
     llm.engine.runner.executor.execute(_step([(0, 2), (0, 600)], vocab, blocks=38))
     assert not calls
-    # w4a8 rescales activations around its matmuls: not described; the C8 cache: not served
-    w4a8 = quantize_checkpoint(ckpt(name), tmp_path / "w4a8", "w4a8")
-    assert _llm(w4a8).engine.runner.executor.model.cpu_layers is None
+    # the C8 cache: described (wint8 weights), not served
     c8 = _llm(quantize_checkpoint(ckpt(name), tmp_path / "c8", "wint8", kv_cache_int8=True))
     assert c8.engine.runner.executor.model.cpu_layers is not None
     c8.engine.runner.executor.execute(_step([(0, 9)], vocab))

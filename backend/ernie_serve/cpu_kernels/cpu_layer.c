@@ -8,22 +8,26 @@
  * allocation. model/cpu_layers.py builds the descriptors below once at load and runs the layers through here; the
  * Python layers (model/ernie.py) remain the definition the tests hold this to, and serve every step this does not.
  */
+#include <math.h>
 #include <string.h>
 
 #include "kernels.h"
 
 /* One projection in a serving layout: float32 column-blocked (bits 32, scale NULL) or int8 / int4 codes with one
- * scale a column (cpu_qgemm.c's layout), [k, n]. */
+ * scale a column (cpu_qgemm.c's layout), [k, n]. act_scale > 0 (w4a8): the input is first rounded to the int8
+ * levels of that static scale and the product scaled back by it, as quantization/layers.QuantLinear does. */
 typedef struct {
     const void *w;
     const float *scale;
-    int32_t k, n, bits, _pad;
+    int32_t k, n, bits;
+    float act_scale;
 } ernie_linear;
 
 /* The routed experts of a MoE layer: each expert's gate-up [hidden, 2I] and down [I, hidden] weights. */
 typedef struct {
     const void *const *up_gate, *const *down;
     const float *const *up_gate_scale, *const *down_scale;  /* NULL for float32 */
+    const float *up_gate_act, *down_act;                    /* w4a8: each expert's static activation scale; else NULL */
     const float *router, *router_bias;                      /* [hidden, E], [E] */
     int32_t num_experts, top_k, up_gate_cols, bits;
     float norm_min, _pad;
@@ -49,8 +53,30 @@ typedef struct {
     const float *cos, *sin;  /* [positions, head_dim] */
 } ernie_step;
 
-/* y = x @ W, or silu(gate) * up of a gate-up W (y [T, n / 2]), fused where cpu_gemm.c can, else through tmp. */
-static int project(const ernie_linear *l, const float *x, int T, float *y, int swiglu, float *tmp) {
+/* The int8 levels of x [T, K] at a static scale a (quantization/formats.round_half_away, clipped to +-127). */
+static void int8_levels(const float *x, int64_t n, float a, float *q) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i] / a, r = copysignf(floorf(fabsf(v) + 0.5f), v);
+        q[i] = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+    }
+}
+
+static void scale_rows(float *y, int64_t n, float a) {
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] *= a;
+}
+
+/* y = x @ W, or silu(gate) * up of a gate-up W (y [T, n / 2]), fused where cpu_gemm.c can, else through tmp
+ * ([T, n]); a w4a8 projection quantizes x into qx ([T, k]) first and never fuses. */
+static int project(const ernie_linear *l, const float *x, int T, float *y, int swiglu, float *tmp, float *qx) {
+    if (l->act_scale > 0.0f) {
+        int8_levels(x, (int64_t)T * l->k, l->act_scale, qx);
+        float *out = swiglu ? tmp : y;
+        if (ernie_gemm(qx, T, l->k, l->w, l->n, l->scale, out, l->bits, 0, 1)) return -1;
+        scale_rows(out, (int64_t)T * l->n, l->act_scale);
+        if (swiglu) ernie_silu_and_mul(tmp, T, l->n / 2, y);
+        return 0;
+    }
     if (!swiglu || ernie_gemm_swiglu_fits(l->n)) return ernie_gemm(x, T, l->k, l->w, l->n, l->scale, y, l->bits, swiglu, 0);
     if (ernie_gemm(x, T, l->k, l->w, l->n, l->scale, tmp, l->bits, 0, 0)) return -1;
     ernie_silu_and_mul(tmp, T, l->n / 2, y);
@@ -62,14 +88,16 @@ static void add_rows(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
 /* x [T, H] += attention(input_norm(x)), K/V of the step's tokens written to the cache at their slots. */
 static int attention_block(const ernie_dims *d, const ernie_layer *L, const ernie_step *S, float *x, float *buf) {
     const int T = S->num_tokens, H = d->hidden, nh = d->num_heads, nkv = d->num_kv_heads, hd = d->head_dim;
     const int64_t qd = (int64_t)nh * hd, kvd = (int64_t)nkv * hd;
     float *h = buf, *qkv = h + (int64_t)T * H, *q = qkv + T * (qd + 2 * kvd), *k = q + T * qd, *v = k + T * kvd;
-    float *att = v + T * kvd, *o = att + T * qd;
+    float *att = v + T * kvd, *o = att + T * qd, *qx = o + (int64_t)T * H;
     ernie_rms_norm(x, L->input_norm, T, H, d->eps, h);
-    if (ernie_gemm(h, T, H, L->qkv.w, L->qkv.n, L->qkv.scale, qkv, L->qkv.bits, 0, 0)) return -1;
+    if (project(&L->qkv, h, T, qkv, 0, NULL, qx)) return -1;
     ernie_split_rope(qkv, S->positions, S->cos, S->sin, T, nh, nkv, hd, q, k, v);
     for (int t = 0; t < T; t++) {
         memcpy(L->k_cache + S->slot_mapping[t] * kvd, k + t * kvd, sizeof(float) * kvd);
@@ -78,15 +106,33 @@ static int attention_block(const ernie_dims *d, const ernie_layer *L, const erni
     if (ernie_paged_attention_f32(q, L->k_cache, L->v_cache, S->block_tables, S->table_stride, S->query_start_loc,
                                   S->seq_lens, S->num_seqs, nh, nkv, hd, S->block_size, d->attn_scale, att))
         return -1;
-    if (ernie_gemm(att, T, (int)qd, L->o.w, L->o.n, L->o.scale, o, L->o.bits, 0, 0)) return -1;
+    if (project(&L->o, att, T, o, 0, NULL, qx)) return -1;
     add_rows(x, o, (int64_t)T * H);
     return 0;
 }
 
+static int64_t attention_work(const ernie_dims *d, int T) {
+    const int64_t H = d->hidden, qd = (int64_t)d->num_heads * d->head_dim, kvd = (int64_t)d->num_kv_heads * d->head_dim;
+    return T * (2 * H + 3 * qd + 4 * kvd + max64(H, qd));
+}
+
+/* Each expert's rows of y [*, width] in place: to the int8 levels of its activation scale, or scaled by it. */
+static void per_expert(float *y, const int64_t *counts, const int64_t *starts, int E, int width, const float *a,
+                       int levels) {
+    for (int e = 0; e < E; e++) {
+        float *r = y + starts[e] * width;
+        if (levels) int8_levels(r, counts[e] * width, a[e], r);
+        else scale_rows(r, counts[e] * width, a[e]);
+    }
+}
+
+/* Whether the gate-up matmul of these experts carries SwiGLU (cpu_gemm.c's widths, not w4a8). */
+static int experts_fuse(const ernie_experts *X) { return !X->up_gate_act && ernie_gemm_swiglu_fits(X->up_gate_cols); }
+
 /* out [T, H] = sum over each token's top-k experts of weight * expert(h): tokens counted into per-expert runs
  * (stable, in token order), gathered, both matmuls over every expert in one call each, weighted back. */
 static int routed_experts(const ernie_experts *X, const float *h, int T, int H, float *out, float *buf) {
-    const int E = X->num_experts, k = X->top_k, n = T * k, I = X->up_gate_cols / 2;
+    const int E = X->num_experts, k = X->top_k, n = T * k, I = X->up_gate_cols / 2, w4a8 = X->up_gate_act != NULL;
     int64_t *ids = (int64_t *)buf, *order = ids + n, *src = order + n, *counts = src + n, *starts = counts + E;
     float *weights = (float *)(starts + E), *xs = weights + n, *act = xs + (int64_t)n * H;
     float *ys = act + (int64_t)n * I, *tmp = ys + (int64_t)n * H;
@@ -101,15 +147,24 @@ static int routed_experts(const ernie_experts *X, const float *h, int T, int H, 
     }
     for (int e = 0; e < E; e++) starts[e] -= counts[e];
     ernie_gather_rows(h, order, n, H, xs);
-    const int fused = ernie_gemm_swiglu_fits(X->up_gate_cols);
+    const int fused = experts_fuse(X);
+    if (w4a8) per_expert(xs, counts, starts, E, H, X->up_gate_act, 1);
     if (ernie_moe_gemm(xs, counts, starts, E, H, (const void *const *)X->up_gate, X->up_gate_cols, X->up_gate_scale,
-                       fused ? act : tmp, X->bits, fused, 0))
+                       fused ? act : tmp, X->bits, fused, w4a8))
         return -1;
+    if (w4a8) per_expert(tmp, counts, starts, E, 2 * I, X->up_gate_act, 0);
     if (!fused) ernie_silu_and_mul(tmp, n, I, act);
-    if (ernie_moe_gemm(act, counts, starts, E, I, (const void *const *)X->down, H, X->down_scale, ys, X->bits, 0, 0))
+    if (w4a8) per_expert(act, counts, starts, E, I, X->down_act, 1);
+    if (ernie_moe_gemm(act, counts, starts, E, I, (const void *const *)X->down, H, X->down_scale, ys, X->bits, 0, w4a8))
         return -1;
+    if (w4a8) per_expert(ys, counts, starts, E, H, X->down_act, 0);
     ernie_weighted_combine(ys, src, weights, T, k, H, out);
     return 0;
+}
+
+static int64_t experts_work(const ernie_experts *X, int64_t T, int64_t H) {
+    const int64_t n = T * X->top_k, ug = X->up_gate_cols;
+    return 2 * (3 * n + 2 * X->num_experts) + n + n * (2 * H + ug / 2 + (experts_fuse(X) ? 0 : ug));
 }
 
 /* x [T, H] += mlp(post_norm(x)): the routed experts plus the shared ones (summed before the residual, as
@@ -120,10 +175,9 @@ static int mlp_block(const ernie_dims *d, const ernie_layer *L, int T, float *x,
     ernie_rms_norm(x, L->post_norm, T, d->hidden, d->eps, h);
     if (L->experts && routed_experts(L->experts, h, T, d->hidden, out, rest)) return -1;
     if (L->mlp_up_gate.w) {
-        const int I = L->mlp_up_gate.n / 2;
-        float *act = rest, *tmp = act + (int64_t)T * I, *y = L->experts ? shared : out;
-        if (project(&L->mlp_up_gate, h, T, act, 1, tmp)) return -1;
-        if (ernie_gemm(act, T, I, L->mlp_down.w, L->mlp_down.n, L->mlp_down.scale, y, L->mlp_down.bits, 0, 0))
+        const int64_t I = L->mlp_up_gate.n / 2;
+        float *act = rest, *tmp = act + T * I, *qx = tmp + T * 2 * I, *y = L->experts ? shared : out;
+        if (project(&L->mlp_up_gate, h, T, act, 1, tmp, qx) || project(&L->mlp_down, act, T, y, 0, NULL, qx))
             return -1;
         if (L->experts) add_rows(out, shared, TH);
     }
@@ -131,24 +185,17 @@ static int mlp_block(const ernie_dims *d, const ernie_layer *L, int T, float *x,
     return 0;
 }
 
+static int64_t mlp_work(const ernie_dims *d, const ernie_layer *L, int64_t T) {
+    const int64_t H = d->hidden, I = L->mlp_up_gate.n / 2;
+    const int64_t experts = L->experts ? experts_work(L->experts, T, H) : 0;
+    const int64_t dense = L->mlp_up_gate.w ? T * (3 * I + max64(H, I)) : 0;
+    return 3 * T * H + max64(experts, dense);
+}
+
 /* The floats of work buffer T tokens need (a bound over every layer; int64 index arrays count as two floats). */
 int64_t ernie_decoder_layers_work(const ernie_dims *d, const ernie_layer *layers, int num_layers, int T) {
-    const int64_t H = d->hidden, qd = (int64_t)d->num_heads * d->head_dim, kvd = (int64_t)d->num_kv_heads * d->head_dim;
-    int64_t need = T * (H + 2 * (qd + 2 * kvd) + qd + H);
-    for (int i = 0; i < num_layers; i++) {
-        const ernie_layer *L = &layers[i];
-        int64_t mlp = 0;
-        if (L->experts) {
-            const int64_t n = (int64_t)T * L->experts->top_k, E = L->experts->num_experts, ug = L->experts->up_gate_cols;
-            mlp = 2 * (3 * n + 2 * E) + n + n * (2 * H + ug / 2 + (ernie_gemm_swiglu_fits((int)ug) ? 0 : ug));
-        }
-        if (L->mlp_up_gate.w) {
-            const int64_t ug = L->mlp_up_gate.n, dense = (int64_t)T * (ug / 2 + (ernie_gemm_swiglu_fits((int)ug) ? 0 : ug));
-            mlp = mlp > dense ? mlp : dense;
-        }
-        mlp += 3 * T * H;
-        need = need > mlp ? need : mlp;
-    }
+    int64_t need = attention_work(d, T);
+    for (int i = 0; i < num_layers; i++) need = max64(need, mlp_work(d, &layers[i], T));
     return need;
 }
 

@@ -13,11 +13,12 @@ _P, _F, _I32 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("w", _P), ("scale", _P), ("k", _I32), ("n", _I32), ("bits", _I32), ("_pad", _I32)]
+    _fields_ = [("w", _P), ("scale", _P), ("k", _I32), ("n", _I32), ("bits", _I32), ("act_scale", _F)]
 
 
 class Experts(ctypes.Structure):
-    _fields_ = [("up_gate", _P), ("down", _P), ("up_gate_scale", _P), ("down_scale", _P), ("router", _P),
+    _fields_ = [("up_gate", _P), ("down", _P), ("up_gate_scale", _P), ("down_scale", _P), ("up_gate_act", _P),
+                ("down_act", _P), ("router", _P),
                 ("router_bias", _P), ("num_experts", _I32), ("top_k", _I32), ("up_gate_cols", _I32), ("bits", _I32),
                 ("norm_min", _F), ("_pad", _F)]
 

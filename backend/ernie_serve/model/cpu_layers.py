@@ -8,7 +8,7 @@ states equal the Python layers' bit for bit (tests/cpu_kernels/test_cpu_layers.p
 
 CpuDecoderStack.build describes the layers once, after the serving layouts exist
 (ErnieForCausalLM.process_weights_after_loading), and only when every layer is covered: one rank (no collectives
-between sublayers), fp32 serving-layout or weight-only wint8 / wint4 linears and experts. `serves` then says per
+between sublayers), fp32 serving-layout or wint8 / wint4 / w4a8 linears and experts. `serves` then says per
 step whether this step is one it covers too: inference on a float32 CPU cache whose every sequence
 cpu_attention.c takes (decodes and short prefill chunks). Everything else runs the Python layers, unchanged.
 """
@@ -29,7 +29,7 @@ from .layers import MLP, BlockedLinear, RMSNorm
 from .moe import MoE, BlockedExperts
 
 log = logging.getLogger(__name__)
-_WEIGHT_ONLY = {"wint8": 8, "wint4": 4}  # quantized formats cpu_layer.c runs (w4a8 rescales around its matmuls)
+_INT_FORMATS = {"wint8": 8, "wint4": 4, "w4a8": 4}  # quantized formats cpu_layer.c runs (cpu_qgemm.c's codes)
 
 
 class CpuDecoderStack:
@@ -112,11 +112,13 @@ def _ptr(t: paddle.Tensor, keep: list, shape: tuple[int, ...] | None = None) -> 
 def _linear(lin, k: int, n: int, keep: list) -> cpu_layer.Linear:
     if type(lin) is BlockedLinear and (lin.in_features, lin.out_features) == (k, n):
         return cpu_layer.Linear(_ptr(lin.weight_blocked, keep), None, k, n, 32)
-    bits = _WEIGHT_ONLY.get(getattr(lin, "method", None))
+    method = getattr(lin, "method", None)
+    bits = _INT_FORMATS.get(method)
     if bits and (lin.in_features, lin.out_features) == (k, n) and "quant_weight" in lin.tensors:
         w, s = lin.tensors["quant_weight"], lin.tensors["weight_scale"]
         if cpu_gemm.fits_layout(w.shape, k, n, bits) and s.dtype == paddle.float32:
-            return cpu_layer.Linear(_ptr(w, keep), _ptr(s, keep, (n,)), k, n, bits)
+            act = lin.act_scale if method == "w4a8" else 0.0  # w4a8: int8 activations at a static scale
+            return cpu_layer.Linear(_ptr(w, keep), _ptr(s, keep, (n,)), k, n, bits, act)
     raise _NotCovered(f"has a {type(lin).__name__} ({getattr(lin, 'method', 'float')}) of [{k}, {n}]")
 
 
@@ -131,15 +133,19 @@ def _experts(moe: MoE, h: int, keep: list) -> cpu_layer.Experts:
     if moe.expert_offset is not None:
         raise _NotCovered("holds a slice of the experts (expert parallelism)")
     e = ex.num_experts
+    acts = None
     if type(ex) is BlockedExperts and ex.down_cols == h:
         bits, ug_cols = 32, ex.up_gate_cols
         ug, dn, ug_s, dn_s = ex._up_gate, ex._down, None, None
-    elif getattr(ex, "method", None) in _WEIGHT_ONLY:
-        bits, ug_cols = _WEIGHT_ONLY[ex.method], ex.up_gate_proj[0].out_features
+    elif getattr(ex, "method", None) in _INT_FORMATS:
+        bits, ug_cols = _INT_FORMATS[ex.method], ex.up_gate_proj[0].out_features
         ugl = [_linear(q, h, ug_cols, keep) for q in ex.up_gate_proj]
         dnl = [_linear(q, ug_cols // 2, h, keep) for q in ex.down_proj]
         ug, dn = [lin.w for lin in ugl], [lin.w for lin in dnl]
         ug_s, dn_s = [lin.scale for lin in ugl], [lin.scale for lin in dnl]
+        if ex.method == "w4a8":  # each expert's static activation scales, as QuantMoEExperts applies them
+            acts = [np.asarray([lin.act_scale for lin in ls], np.float32) for ls in (ugl, dnl)]
+            keep.extend(acts)
     else:
         raise _NotCovered(f"has {type(ex).__name__} experts ({getattr(ex, 'method', 'float')})")
 
@@ -149,7 +155,8 @@ def _experts(moe: MoE, h: int, keep: list) -> cpu_layer.Experts:
         arr = (ctypes.c_void_p * e)(*[i if isinstance(i, int) else _ptr(i, keep) for i in items])
         keep.append(arr)
         return ctypes.cast(arr, ctypes.c_void_p).value
-    desc = cpu_layer.Experts(ptrs(ug), ptrs(dn), ptrs(ug_s), ptrs(dn_s), _ptr(gate.weight, keep, (h, e)),
+    ug_act, dn_act = (a.ctypes.data for a in acts) if acts else (None, None)
+    desc = cpu_layer.Experts(ptrs(ug), ptrs(dn), ptrs(ug_s), ptrs(dn_s), ug_act, dn_act, _ptr(gate.weight, keep, (h, e)),
                              _ptr(gate.e_score_correction_bias, keep, (e,)), e, gate.top_k, ug_cols, bits,
                              gate.norm_min)
     keep.append(desc)
