@@ -28,7 +28,6 @@ def test_unbuilt_flags_are_refused_naming_the_flag_and_what_is_supported(name, v
 @pytest.mark.parametrize("kw,what", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
     (dict(speculative_config={"method": "mtp"}), "speculative_config method 'mtp'"),
-    (dict(splitwise_role="prefill", engine_worker_queue_port=9100), "splitwise_role='prefill'"),
 ])
 def test_the_kernels_backend_refuses_what_it_does_not_run(kw, what):
     with pytest.raises(ValueError, match="execution_backend='kernels' does not support") as e:
