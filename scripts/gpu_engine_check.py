@@ -189,7 +189,7 @@ def main() -> None:
                 entry["weight_bytes"] = weight_bytes
                 if not graphs:
                     _, logits = shard.execute(prefill_step(seqs, 64))
-                    entry["forced"] = logit_error(logits, ref)
+                    entry["forced"] = logit_error(logits.numpy(), ref)
                 for b in batches:
                     r = decode_rate(llm, b, prompt_len, steps, vocab)
                     r["cuda_graphs"] = graphs

@@ -17,7 +17,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from ernie_serve.engine import sampler as sampler_module  # noqa: E402
 from ernie_serve.engine.sampler import (  # noqa: E402
-    NO_TOKEN_LEFT, RowArgmax, Sampler, SamplingBatch, apply_penalties, apply_token_masks)
+    Sampler, SamplingBatch, apply_penalties, apply_token_masks)
 from ernie_serve.sampling_params import SamplingParams  # noqa: E402
 
 METHODS = ["base", "rejection"]
@@ -376,38 +376,13 @@ def test_both_methods_only_draw_from_the_filtered_set(rows, seed: int) -> None:
             assert probs[toks[r]] >= p.min_p * probs.max() - 1e-9
 
 
-def _row_argmax(logits: np.ndarray) -> RowArgmax:
-    """What a device executor computes (kernels_backend/framework.TensorOps.argmax_rows), here in NumPy."""
-    return RowArgmax(np.argmax(logits, axis=1).astype(np.int64), logits.max(axis=1).astype(np.float32))
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_an_argmax_samples_a_greedy_batch_exactly_as_its_logits_do(method: str) -> None:
-    # ties (the first index wins), an all -inf row, a NaN row, ordinary rows
-    rng = np.random.default_rng(3)
-    logits = rng.standard_normal((6, 24)).astype(np.float32)
-    logits[0] = LOGITS
-    logits[1, [4, 9]] = 5.0
-    logits[2] = NEG_INF
-    logits[3, 7] = np.nan
-    params = [SamplingParams(temperature=0.0)] * 6
-    batch = make_batch(params, outputs=[[1, 2]] * 6)
-    want = Sampler(method)(logits, batch)
-    got = Sampler(method)(_row_argmax(logits), batch)
-    assert got.token_ids.tolist() == want.token_ids.tolist()
-    assert got.errors == want.errors == {2: NO_TOKEN_LEFT, 3: NO_TOKEN_LEFT}
-    assert got.logprobs == want.logprobs == [None] * 6
-    assert got.token_ids[1] == 4
-
 
 @pytest.mark.parametrize("needs_logits", [
-    dict(temperature=0.7), dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
-    dict(logprobs=2), dict(min_tokens=5), dict(bad_words=["x"])])
-def test_a_batch_that_needs_its_logits_is_not_sampled_from_an_argmax(needs_logits: dict) -> None:
+    dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(logprobs=2),
+    dict(min_tokens=5), dict(bad_words=["x"])])
+def test_a_batch_that_needs_its_logits_on_the_host_is_not_device_samplable(needs_logits: dict) -> None:
     bad = [[[3]]] if "bad_words" in needs_logits else [[]]
-    params = SamplingParams(**dict(dict(temperature=0.0), **needs_logits))
-    batch = make_batch([params], outputs=[[1, 2]], bad_words=bad)
-    plain = make_batch([SamplingParams(temperature=0.0, min_tokens=2)], outputs=[[1, 2]])
-    assert plain.argmax_suffices and not batch.argmax_suffices
-    with pytest.raises(ValueError, match="needs the logits"):
-        Sampler()(_row_argmax(LOGITS[None, :]), batch)
+    batch = make_batch([SamplingParams(**dict(dict(temperature=0.7), **needs_logits))], outputs=[[1, 2]], bad_words=bad)
+    plain = make_batch([SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=2),
+                        SamplingParams(temperature=0.0)], outputs=[[1, 2], []])
+    assert plain.device_samplable and not plain.all_greedy and not batch.device_samplable

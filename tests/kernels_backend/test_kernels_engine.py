@@ -76,19 +76,22 @@ def test_swap_tier_and_ngram_verification_match_the_reference(tiny_model_dir):
     assert stats["spec_accepted_tokens"] > 0 and stats["prefix_cache_host_hit_tokens"] > 0
 
 
-def test_greedy_steps_copy_only_each_rows_argmax_to_the_host(framework, tiny_model_dir, monkeypatch):
+def test_steps_sample_on_the_device_unless_they_need_the_logits_on_the_host(framework, tiny_model_dir, monkeypatch):
+    from ernie_serve.kernels_backend.device_sampling import KernelLogits
+
+    copies = []
+    numpy = KernelLogits.numpy
+    monkeypatch.setattr(KernelLogits, "numpy", lambda self: (copies.append(1), numpy(self))[1])
     ids = prompts(4096, (5, 23))
-    ref = engine(tiny_model_dir, "reference")
-    ker = engine(tiny_model_dir, "kernels")
-    ops = ker.engine.runner.executor.ops
-    argmax_rows, calls = ops.argmax_rows, []
-    monkeypatch.setattr(ops, "argmax_rows", lambda t: (calls.append(t.shape[0]), argmax_rows(t))[1])
-    assert greedy(ker, ids) == greedy(ref, ids)
-    assert len(calls) == GREEDY.max_tokens  # every step (the prefill included) sampled from the argmax alone
+    ref, ker = engine(tiny_model_dir, "reference"), engine(tiny_model_dir, "kernels")
+    assert greedy(ker, ids) == greedy(ref, ids) and not copies  # greedy: each row's argmax crossed, no logits
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=6, ignore_eos=True, seed=7)
+    first, again = (greedy(ker, ids, seeded) for _ in range(2))
+    assert first == again and not copies  # sampled on the device, reproducibly
     # logprobs need the logits themselves: they are copied, and both backends give the same ones
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
     want, got = (llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False) for llm in (ref, ker))
-    assert len(calls) == GREEDY.max_tokens
+    assert len(copies) == params.max_tokens
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):

@@ -107,14 +107,12 @@ class ModelRunner:
             offset += s.num_tokens
         step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta, np.asarray(rows, dtype=np.int64),
                                     so.kv_ops, np.asarray(keys, dtype=np.int64))
-        sampling = batch.build() if rows else None
-        step.argmax_only = sampling is not None and sampling.argmax_suffices
         hidden, logits = self.executor.execute(step)
         self._last_step = (hidden, step_rows) if self.drafter is not None else None
         out = ModelRunnerOutput()
         if not rows:
             return out
-        result = self.sampler(logits, sampling)
+        result = self.sampler(logits, batch.build())
         for rid, tok, lp in zip(owners, result.token_ids.tolist(), result.logprobs):
             out.sampled.setdefault(rid, []).append(int(tok))
             out.logprobs.setdefault(rid, []).append(lp)

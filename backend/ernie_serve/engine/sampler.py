@@ -51,24 +51,18 @@ class SamplingBatch:
     draft_probs: list[np.ndarray | None] | None = None
 
     @property
-    def argmax_suffices(self) -> bool:
-        """Whether each row's token is just its logits' argmax: every row greedy, with no penalty, mask,
-        grammar or logprobs that would need the logits themselves (see RowArgmax)."""
+    def device_samplable(self) -> bool:
+        """Whether each row's token depends on its logits only through the temperature, top-k / top-p / min-p draw
+        (or the argmax of a greedy row): no penalty, bad words, min_tokens mask, grammar, logprobs or draft to
+        verify, which need the logits on the host. Such a batch may be sampled where the logits are (DeviceLogits)."""
         return not self.grammars and self.draft_probs is None and all(
-            p.temperature < GREEDY_EPSILON and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.logprobs is None and not bad
-            and len(out) >= p.min_tokens
+            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.logprobs is None and not bad and len(out) >= p.min_tokens
             for p, bad, out in zip(self.params, self.bad_words_ids, self.output_token_ids))
 
-
-@dataclass
-class RowArgmax:
-    """Each sampled row's argmax (the first index of its largest logit) and its largest logit, computed where the
-    logits are: what an executor that holds them on a device returns for a step whose batch argmax_suffices, so
-    only 2 x R numbers cross to the host instead of R x vocab. The sampler then gives exactly what it gives from the
-    logits: a row whose largest logit is not finite (all -inf, or a NaN) has no token left."""
-    token_ids: np.ndarray  # [R] int64
-    row_max: np.ndarray  # [R] float32
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.temperature < GREEDY_EPSILON for p in self.params)
 
 
 @dataclass
@@ -82,6 +76,31 @@ class SamplerOutput:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+class DeviceLogits:
+    """The sampled rows' logits left on the device that computed them (the kernels backend returns these), with
+    the two things the sampler may ask of them there, so that only token ids cross to the host for a batch that is
+    device_samplable; any other batch copies them (numpy()). Row max values come back too: a row whose largest
+    logit is not finite (all -inf, or a NaN) has no token left, as on the host."""
+
+    def numpy(self) -> np.ndarray:
+        """The logits [R, vocab] as float32 on the host."""
+        raise NotImplementedError
+
+    def argmax(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's argmax (first index of its largest logit) and largest logit."""
+        raise NotImplementedError
+
+    def sample(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens of Sampler's "base" method (see the module doc) from the uniforms u, one a row (ignored on greedy
+        rows, which take the argmax; top_k 0 and top_p 1 are off), and each row's largest logit."""
+        raise NotImplementedError
+
+    def __array__(self, dtype=None):
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+
 class Sampler:
     def __init__(self, method: str = "base"):
         if method not in SAMPLING_METHODS:
@@ -89,9 +108,11 @@ class Sampler:
                              f"known: {', '.join(SAMPLING_METHODS)}")
         self.method = SAMPLING_METHODS[method]
 
-    def __call__(self, logits: "np.ndarray | paddle.Tensor | RowArgmax", batch: SamplingBatch) -> SamplerOutput:
-        if isinstance(logits, RowArgmax):
-            return _from_argmax(logits, batch)
+    def __call__(self, logits: "np.ndarray | paddle.Tensor | DeviceLogits", batch: SamplingBatch) -> SamplerOutput:
+        if isinstance(logits, DeviceLogits):
+            if batch.device_samplable:
+                return _sample_on_device(logits, batch)
+            logits = logits.numpy()
         raw = _as_float32_matrix(logits)
         _check_batch(raw, batch)
         work = raw.copy()
@@ -128,13 +149,27 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
 
 
-def _from_argmax(best: RowArgmax, batch: SamplingBatch) -> SamplerOutput:
-    if not batch.argmax_suffices or best.token_ids.shape != (len(batch.params),):
-        raise ValueError(f"an argmax of {best.token_ids.shape[0]} rows cannot sample this batch of "
-                         f"{len(batch.params)} (it needs the logits: see SamplingBatch.argmax_suffices)")
-    dead = ~np.isfinite(best.row_max)
-    token_ids = np.where(dead, 0, best.token_ids).astype(np.int64)  # as the logits path: a dead row samples 0
-    return SamplerOutput(token_ids=token_ids, logprobs=[None] * len(batch.params),
+def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch) -> SamplerOutput:
+    """A device_samplable batch where its logits are: greedy rows' argmax, the others' draws from one uniform each,
+    taken from the row's generator in row order as the host's "base" path takes them (so a seed reproduces)."""
+    params = batch.params
+    greedy = np.array([p.temperature < GREEDY_EPSILON for p in params], dtype=bool)
+    if greedy.all():
+        token_ids, row_max = logits.argmax()
+    else:
+        rows = np.flatnonzero(~greedy)
+        missing = [int(r) for r in rows if batch.generators[r] is None]
+        if missing:
+            raise ValueError(f"rows {missing} sample (temperature > 0) but have no generator")
+        u = np.zeros(len(params))
+        u[rows] = [batch.generators[r].random() for r in rows]
+        temperature = np.array([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=np.float32)
+        top_k = np.array([max(p.top_k, 0) for p in params], dtype=np.int64)
+        top_p = np.minimum(np.array([p.top_p for p in params], dtype=np.float64), 1.0)
+        min_p = np.array([p.min_p for p in params], dtype=np.float64)
+        token_ids, row_max = logits.sample(greedy, temperature, top_k, top_p, min_p, u)
+    dead = ~np.isfinite(row_max)
+    return SamplerOutput(token_ids=np.where(dead, 0, token_ids).astype(np.int64), logprobs=[None] * len(params),
                          errors={int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)})
 
 

@@ -41,9 +41,6 @@ class StepInput:
     max_position: int = 0
     kv_ops: list[KVOp] = field(default_factory=list)  # applied before the forward, in this order
     row_keys: np.ndarray = field(default_factory=lambda: _EMPTY)  # [B] int64 each row's Request.row_key
-    # the sampler needs only each sampled row's argmax and max (SamplingBatch.argmax_suffices): an executor that
-    # holds the logits on a device may return those (sampler.RowArgmax) instead of copying the rows to the host
-    argmax_only: bool = False
 
     @classmethod
     def for_tokens(cls, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
@@ -61,15 +58,14 @@ class StepInput:
 
     def to_frames(self) -> list[bytes | np.ndarray]:
         return pack_frames({"num_decodes": self.num_decodes, "max_position": self.max_position,
-                            "kv_ops": kv_ops_to_json(self.kv_ops), "argmax_only": self.argmax_only},
+                            "kv_ops": kv_ops_to_json(self.kv_ops)},
                            [getattr(self, name) for name in _ARRAYS])
 
     @classmethod
     def from_frames(cls, frames: list) -> "StepInput":
         header, arrays = unpack_frames(frames)
         return cls(**dict(zip(_ARRAYS, arrays)), num_decodes=header["num_decodes"],
-                   max_position=header["max_position"], kv_ops=kv_ops_from_json(header["kv_ops"]),
-                   argmax_only=header["argmax_only"])
+                   max_position=header["max_position"], kv_ops=kv_ops_from_json(header["kv_ops"]))
 
 
 def pack_frames(header: dict, arrays: list[np.ndarray]) -> list[bytes | np.ndarray]:

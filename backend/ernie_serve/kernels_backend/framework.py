@@ -3,7 +3,7 @@ torch (the GPU box this project borrows has torch and triton but no Paddle).
 
 Everything else in the backend holds framework tensors opaquely and hands them to ernie_kernels, whose
 launchers take both. What differs is only here: allocation, host <-> device copies, the dense matmul,
-row gathers, synchronization, memory figures and CUDA graphs. On a machine without a GPU the same code
+row gathers, the row-wise ops device sampling is written over, synchronization, memory figures and CUDA graphs. On a machine without a GPU the same code
 runs on CPU tensors with the kernels in triton's interpreter (TRITON_INTERPRET=1), in float32 (the 3.2
 interpreter gets bf16 arithmetic wrong); on a GPU activations and float weights are bfloat16.
 
@@ -62,9 +62,41 @@ class TensorOps:
         """A NumPy copy; floating tensors come back as float32."""
         raise NotImplementedError
 
-    def argmax_rows(self, t: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's argmax (the first index of its largest value) and its largest value (NaN where it holds
-        one), computed on the device; only these two [R] vectors are copied to the host."""
+    # ---- row-wise ops of [R, V] tensors for sampling on the device (kernels_backend/device_sampling.py); each
+    # keeps the reduced dimension ([R, 1]) so the results broadcast against the rows
+    def softmax_rows(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    def sort_rows_desc(self, t: Any) -> tuple[Any, Any]:
+        """(values, int64 indices), each row in descending order."""
+        raise NotImplementedError
+
+    def cumsum_rows(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    def cummax_rows(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    def take_rows(self, t: Any, index: Any) -> Any:
+        """t[r, index[r, j]] (take_along_axis on the last dimension)."""
+        raise NotImplementedError
+
+    def sum_rows(self, t: Any) -> Any:
+        raise NotImplementedError
+
+    def max_rows(self, t: Any) -> Any:
+        """Each row's largest value (NaN where the row holds one)."""
+        raise NotImplementedError
+
+    def argmax_rows(self, t: Any) -> Any:
+        """Each row's argmax, the first index of its largest value (int64)."""
+        raise NotImplementedError
+
+    def arange(self, n: int) -> Any:
+        """[1, n] int64."""
+        raise NotImplementedError
+
+    def where(self, cond: Any, a: Any, b: Any) -> Any:
         raise NotImplementedError
 
     def write(self, dst: Any, a: np.ndarray) -> Any:
@@ -181,10 +213,35 @@ class TorchOps(TensorOps):
             t = t.float()
         return t.detach().cpu().numpy()
 
+    def softmax_rows(self, t):
+        return self.torch.softmax(t, dim=1)
+
+    def sort_rows_desc(self, t):
+        return self.torch.sort(t, dim=1, descending=True)
+
+    def cumsum_rows(self, t):
+        return self.torch.cumsum(t, dim=1)
+
+    def cummax_rows(self, t):
+        return self.torch.cummax(t, dim=1).values
+
+    def take_rows(self, t, index):
+        return self.torch.gather(t, 1, index)
+
+    def sum_rows(self, t):
+        return t.sum(dim=1, keepdim=True)
+
+    def max_rows(self, t):
+        return self.torch.amax(t, dim=1, keepdim=True)  # a NaN is the largest value, as NumPy's max has it
+
     def argmax_rows(self, t):
-        t = t.float()
-        # torch.max and argmax take a NaN as the largest value: a row holding one reports it, as the host path does
-        return self.to_host(self.torch.argmax(t, dim=1)).astype(np.int64), self.to_host(self.torch.amax(t, dim=1))
+        return self.torch.argmax(t, dim=1, keepdim=True)
+
+    def arange(self, n):
+        return self.torch.arange(n, device=self.device).reshape(1, n)
+
+    def where(self, cond, a, b):
+        return self.torch.where(cond, a, b)
 
     def _write_rows(self, dst, view, a):
         view.copy_(self.torch.from_numpy(a))
@@ -289,10 +346,36 @@ class PaddleOps(TensorOps):
             t = t.astype("float32")
         return t.numpy()
 
+    def softmax_rows(self, t):
+        return self.paddle.nn.functional.softmax(t, axis=1)
+
+    def sort_rows_desc(self, t):
+        index = self.paddle.argsort(t, axis=1, descending=True)
+        return self.paddle.take_along_axis(t, index, axis=1), index
+
+    def cumsum_rows(self, t):
+        return self.paddle.cumsum(t, axis=1)
+
+    def cummax_rows(self, t):
+        return self.paddle.cummax(t, axis=1)[0]
+
+    def take_rows(self, t, index):
+        return self.paddle.take_along_axis(t, index, axis=1)
+
+    def sum_rows(self, t):
+        return t.sum(axis=1, keepdim=True)
+
+    def max_rows(self, t):
+        return self.paddle.max(t, axis=1, keepdim=True)
+
     def argmax_rows(self, t):
-        t = t.astype("float32")
-        return (self.to_host(self.paddle.argmax(t, axis=1)).astype(np.int64),
-                self.to_host(self.paddle.max(t, axis=1)))
+        return self.paddle.argmax(t, axis=1, keepdim=True)
+
+    def arange(self, n):
+        return self.paddle.arange(n, dtype="int64").reshape([1, n]).to(self.place)
+
+    def where(self, cond, a, b):
+        return self.paddle.where(cond, a, b)
 
     def _write_rows(self, dst, view, a):
         if self.on_gpu:

@@ -1,10 +1,9 @@
 """The kernels backend's StepExecutor: runs the engine's StepInputs on KernelModel over a DeviceKVCache.
 
 It is what engine/model_shard.ModelShard is for the reference backend, with the same contract to the model
-runner: apply the step's KV block moves, run the forward, return the sampled rows' logits (float32, on the
-host, where the sampler runs), or only their argmax and max when the step's sampling needs no more
-(StepInput.argmax_only: greedy rows without penalties, masks or logprobs). A decode-only step replays a CUDA graph
-when graphs are on.
+runner: apply the step's KV block moves, run the forward, return the sampled rows' logits, here left on the
+device (device_sampling.KernelLogits: the sampler draws there when the batch allows, else copies them). A
+decode-only step replays a CUDA graph when graphs are on.
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.kv_cache_manager import KVOp, apply_kv_ops
-from ..engine.sampler import RowArgmax
+from .device_sampling import KernelLogits
 from ..engine.step_input import StepInput
 from .cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from .framework import TensorOps
@@ -41,10 +40,10 @@ class KernelShard:
         """Swaps to / from the CPU tier and block copies, in the order the block pool recorded them."""
         apply_kv_ops(kv_ops, self.cache, self.host_cache)
 
-    def execute(self, step: StepInput) -> tuple[Any, np.ndarray | RowArgmax | None]:
-        """(final hidden states [T, H] on the device, host float32 logits [R, vocab] of step.sample_rows or their
-        RowArgmax); None for what the step has not got. A graph replay returns no hidden states (nothing drafts
-        from them)."""
+    def execute(self, step: StepInput) -> tuple[Any, KernelLogits | None]:
+        """(final hidden states [T, H] on the device, the logits [R, vocab] of step.sample_rows on the device);
+        None for what the step has not got. A graph replay returns no hidden states (nothing drafts from them), and
+        its logits are the graph's output buffer: read before the next replay (the sampler reads them this step)."""
         self.apply_kv_ops(step.kv_ops)
         if not step.num_tokens:
             return None, None
@@ -52,19 +51,13 @@ class KernelShard:
         if bucket is not None:
             self.buffers.fill(step, self.block_size, pad_seqs_to=bucket)
             logits = self.graphs.replay(bucket)
-            return None, self._sampled(logits[: len(step.sample_rows)], step)
+            return None, KernelLogits(logits[: len(step.sample_rows)], self.ops)
         st = self.buffers.fill(step, self.block_size)
         hidden = self.model.forward(st, self.cache)
         if not step.sample_rows.size:
             return hidden, None
         logits = self.model.compute_logits(self.ops.rows(hidden, st.logit_rows))
-        return hidden, self._sampled(logits, step)
-
-    def _sampled(self, logits: Any, step: StepInput) -> np.ndarray | RowArgmax:
-        """What the sampler needs of the sampled rows' logits, copied to the host."""
-        if step.argmax_only:
-            return RowArgmax(*self.ops.argmax_rows(logits))
-        return self.ops.to_host(logits)
+        return hidden, KernelLogits(logits, self.ops)
 
     # ---------------------------------------------------------------- graph capture
     def _fill_padding(self, size: int) -> StepTensors:

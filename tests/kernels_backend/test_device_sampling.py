@@ -1,0 +1,80 @@
+"""Sampling on the kernels backend's device (kernels_backend/device_sampling.py) against the host sampler, on CPU
+tensors of both frameworks: greedy batches give the host's tokens and dead rows exactly; sampled rows given the
+same seeds draw the host's tokens (the same uniforms, the same base-method rule); batches that need the logits on
+the host are copied and sampled there."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ernie_serve.engine.sampler import NO_TOKEN_LEFT, Sampler, SamplingBatch
+from ernie_serve.kernels_backend.device_sampling import KernelLogits
+from ernie_serve.kernels_backend.framework import make_tensor_ops
+from ernie_serve.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+def _batch(params: list[SamplingParams], seed: int = 0) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch(params=params, generators=[np.random.default_rng(seed + i) for i in range(n)],
+                         prompt_token_ids=[[1]] * n, output_token_ids=[[2]] * n, eos_token_ids=[0] * n,
+                         bad_words_ids=[[] for _ in range(n)])
+
+
+class _Copies(KernelLogits):
+    """KernelLogits that counts its copies to the host."""
+    copies = 0
+
+    def numpy(self):
+        type(self).copies += 1
+        return super().numpy()
+
+
+def _both(framework: str, logits: np.ndarray, params: list[SamplingParams], seed: int = 0):
+    ops = make_tensor_ops(framework)
+    _Copies.copies = 0
+    dev = Sampler("base")(_Copies(ops.tensor(logits), ops), _batch(params, seed))
+    host = Sampler("base")(logits, _batch(params, seed))
+    return dev, host
+
+
+def test_a_greedy_batch_takes_the_hosts_tokens_ties_and_dead_rows_included(framework):
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((5, 40)).astype(np.float32)
+    logits[1, [4, 9]] = 5.0  # a tie: the first index
+    logits[2] = NEG_INF
+    logits[3, 7] = np.nan
+    dev, host = _both(framework, logits, [SamplingParams(temperature=0.0)] * 5)
+    assert dev.token_ids.tolist() == host.token_ids.tolist() and dev.token_ids[1] == 4
+    assert dev.errors == host.errors == {2: NO_TOKEN_LEFT, 3: NO_TOKEN_LEFT}
+    assert _Copies.copies == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sampled_rows_draw_the_hosts_tokens_from_the_same_seeds(framework, seed):
+    rng = np.random.default_rng(100 + seed)
+    v = 300
+    logits = (rng.standard_normal((12, v)) * 2.0).astype(np.float32)
+    logits[0, :5] = 4.0  # a tie group at the top
+    logits[1, 10:20] = 1.5  # a tie group across the top-k / top-p boundaries
+    logits[2, 50:] = NEG_INF  # masked tokens
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=1)
+              for t, k, p, m in [(1.0, 3, 1.0, 0.0), (0.8, 12, 0.9, 0.0), (1.3, 0, 0.5, 0.0), (0.7, 0, 1.0, 0.2),
+                                 (1.0, 0, 1.0, 0.0), (2.0, 50, 0.95, 0.05), (0.5, 1, 1.0, 0.0), (1.0, 400, 0.8, 0.0),
+                                 (1.1, 7, 0.3, 0.1), (0.9, 0, 0.99, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 2, 0.6, 0.5)]]
+    draws_dev, draws_host = [], []
+    for step in range(25):  # the generators advance together: 25 draws a row
+        dev, host = _both(framework, logits, params, seed=seed * 1000 + step)
+        draws_dev.append(dev.token_ids)
+        draws_host.append(host.token_ids)
+    assert np.array_equal(np.array(draws_dev), np.array(draws_host))
+    assert _Copies.copies == 0 and not dev.errors
+
+
+def test_a_batch_with_logprobs_or_penalties_is_copied_and_sampled_on_the_host(framework):
+    logits = np.random.default_rng(5).standard_normal((2, 30)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, repetition_penalty=1.3)]
+    dev, host = _both(framework, logits, params)
+    assert _Copies.copies == 1
+    assert dev.token_ids.tolist() == host.token_ids.tolist() and dev.logprobs == host.logprobs
