@@ -481,3 +481,26 @@ def test_cli_rejects_bad_engine_flags_before_starting_anything(capsys):
 
     assert main(["--max-num-seqs", "0"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
+
+
+def test_the_health_watch_names_a_dead_stub_even_when_tritonserver_exited_first():
+    # a stub's SIGKILL can take tritonserver down before the launcher's watch looks: the message must still name it
+    import subprocess
+
+    from ernie_serve.serving.health import HealthWatch, Stub
+
+    server, stub, other = (subprocess.Popen(["sleep", "60"]) for _ in range(3))
+    try:
+        watch = HealthWatch(server.pid, "http://127.0.0.1:9/metrics")
+        watch.stubs = [Stub("ernie_moe_0_0", "ernie_moe", stub.pid), Stub("ernie_tokenizer_0_0", "ernie_tokenizer",
+                                                                             other.pid)]
+        for p in (stub, server):
+            p.kill()
+            p.wait()
+        why = watch.problem()
+        assert why.startswith(f"tritonserver (pid {server.pid}) exited")
+        assert f"ernie_moe_0_0 (pid {stub.pid}) died" in why and "ernie_tokenizer" not in why
+    finally:
+        for p in (server, stub, other):
+            p.kill()
+            p.wait()

@@ -78,6 +78,10 @@ def process_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _died(stubs: list[Stub]) -> str:
+    return "python stub " + ", ".join(f"{s.instance} (pid {s.pid})" for s in stubs) + " died"
+
+
 class HealthWatch:
     """Remembers the stubs a ready server runs; `problem()` says what broke since, or None."""
 
@@ -92,11 +96,14 @@ class HealthWatch:
 
     def problem(self) -> str | None:
         if not process_alive(self.server_pid):
-            return f"tritonserver (pid {self.server_pid}) exited"
+            # a stub's death can take tritonserver down before this watch looks again (measured: SIGKILL of the
+            # ernie_moe stub, then a backtrace from tritonserver): name the stubs already gone as well
+            dead = [s for s in self.stubs if not process_alive(s.pid)]
+            return f"tritonserver (pid {self.server_pid}) exited" + (f"; {_died(dead)}" if dead else "")
         alive = {s.pid for s in python_stubs(self.server_pid)}
         dead = [s for s in self.stubs if s.pid not in alive]
         if dead:
-            return "python stub " + ", ".join(f"{s.instance} (pid {s.pid})" for s in dead) + " died"
+            return _died(dead)
         try:
             bad = unhealthy_engines(ernie_samples(self.metrics_url))
         except OSError as e:
