@@ -385,4 +385,4 @@ def test_a_batch_that_needs_its_logits_on_the_host_is_not_device_samplable(needs
     batch = make_batch([SamplingParams(**dict(dict(temperature=0.7), **needs_logits))], outputs=[[1, 2]], bad_words=bad)
     plain = make_batch([SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=2),
                         SamplingParams(temperature=0.0)], outputs=[[1, 2], []])
-    assert plain.device_samplable and not plain.all_greedy and not batch.device_samplable
+    assert plain.device_samplable and not plain.greedy_rows.all() and not batch.device_samplable

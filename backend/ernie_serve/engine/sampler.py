@@ -61,8 +61,9 @@ class SamplingBatch:
             for p, bad, out in zip(self.params, self.bad_words_ids, self.output_token_ids))
 
     @property
-    def all_greedy(self) -> bool:
-        return all(p.temperature < GREEDY_EPSILON for p in self.params)
+    def greedy_rows(self) -> np.ndarray:
+        """[R] bool: the rows that take their argmax (temperature ~ 0)."""
+        return np.array([p.temperature < GREEDY_EPSILON for p in self.params], dtype=bool)
 
 
 @dataclass
@@ -82,6 +83,10 @@ class DeviceLogits:
     device_samplable; any other batch copies them (numpy()). Row max values come back too: a row whose largest
     logit is not finite (all -inf, or a NaN) has no token left, as on the host."""
 
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
     def numpy(self) -> np.ndarray:
         """The logits [R, vocab] as float32 on the host."""
         raise NotImplementedError
@@ -93,12 +98,8 @@ class DeviceLogits:
     def sample(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tokens of Sampler's "base" method (see the module doc) from the uniforms u, one a row (ignored on greedy
-        rows, which take the argmax; top_k 0 and top_p 1 are off), and each row's largest logit."""
+        rows, which take the argmax), with the filters as _filters gives them, and each row's largest logit."""
         raise NotImplementedError
-
-    def __array__(self, dtype=None):
-        a = self.numpy()
-        return a if dtype is None else a.astype(dtype)
 
 
 class Sampler:
@@ -124,21 +125,14 @@ class Sampler:
         work[dead] = 0.0  # sampled only to keep the batch's shape
 
         params = batch.params
-        greedy = np.array([p.temperature < GREEDY_EPSILON for p in params], dtype=bool)
+        greedy = batch.greedy_rows
         token_ids = np.empty(len(params), dtype=np.int64)
         token_ids[greedy] = np.argmax(work[greedy], axis=1)
         rows = np.flatnonzero(~greedy)
         if rows.size:
             probs = _softmax(work[rows], np.array([params[r].temperature for r in rows], dtype=np.float32))
-            gens = [batch.generators[r] for r in rows]
-            missing = [int(r) for r, g in zip(rows, gens) if g is None]
-            if missing:
-                raise ValueError(f"rows {missing} sample (temperature > 0) but have no generator")
-            top_k = np.array([params[r].top_k for r in rows], dtype=np.int64)
-            top_p = np.array([params[r].top_p for r in rows], dtype=np.float64)
-            min_p = np.array([params[r].min_p for r in rows], dtype=np.float64)
-            top_k[(top_k <= 0) | (top_k >= probs.shape[1])] = 0  # 0 = off
-            top_p[top_p >= 1.0] = 1.0
+            gens = _generators(batch, rows)
+            top_k, top_p, min_p = _filters(params, rows, probs.shape[1])
             draw = _sample_sorted if self.method == "base" else _sample_rejection
             token_ids[rows] = draw(probs, top_k, top_p, min_p, gens)
             if batch.draft_probs is not None:
@@ -153,24 +147,40 @@ def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch) -> SamplerOutp
     """A device_samplable batch where its logits are: greedy rows' argmax, the others' draws from one uniform each,
     taken from the row's generator in row order as the host's "base" path takes them (so a seed reproduces)."""
     params = batch.params
-    greedy = np.array([p.temperature < GREEDY_EPSILON for p in params], dtype=bool)
+    greedy = batch.greedy_rows
     if greedy.all():
         token_ids, row_max = logits.argmax()
     else:
         rows = np.flatnonzero(~greedy)
-        missing = [int(r) for r in rows if batch.generators[r] is None]
-        if missing:
-            raise ValueError(f"rows {missing} sample (temperature > 0) but have no generator")
         u = np.zeros(len(params))
-        u[rows] = [batch.generators[r].random() for r in rows]
+        u[rows] = [g.random() for g in _generators(batch, rows)]
         temperature = np.array([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=np.float32)
-        top_k = np.array([max(p.top_k, 0) for p in params], dtype=np.int64)
-        top_p = np.minimum(np.array([p.top_p for p in params], dtype=np.float64), 1.0)
-        min_p = np.array([p.min_p for p in params], dtype=np.float64)
+        top_k, top_p, min_p = _filters(params, np.arange(len(params)), logits.vocab_size)
         token_ids, row_max = logits.sample(greedy, temperature, top_k, top_p, min_p, u)
     dead = ~np.isfinite(row_max)
     return SamplerOutput(token_ids=np.where(dead, 0, token_ids).astype(np.int64), logprobs=[None] * len(params),
                          errors={int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)})
+
+
+def _generators(batch: SamplingBatch, rows: np.ndarray) -> list[np.random.Generator]:
+    """The sampled rows' generators (a row without one cannot draw)."""
+    gens = [batch.generators[r] for r in rows]
+    missing = [int(r) for r, g in zip(rows, gens) if g is None]
+    if missing:
+        raise ValueError(f"rows {missing} sample (temperature > 0) but have no generator")
+    return gens
+
+
+def _filters(params: list[SamplingParams], rows: np.ndarray,
+             vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' top_k, top_p, min_p as the draws take them: top_k 0 (off) when <= 0 or covering the vocabulary,
+    top_p at most 1 (1 = off)."""
+    top_k = np.array([params[r].top_k for r in rows], dtype=np.int64)
+    top_p = np.array([params[r].top_p for r in rows], dtype=np.float64)
+    min_p = np.array([params[r].min_p for r in rows], dtype=np.float64)
+    top_k[(top_k <= 0) | (top_k >= vocab)] = 0
+    top_p[top_p >= 1.0] = 1.0
+    return top_k, top_p, min_p
 
 
 def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> None:

@@ -22,6 +22,10 @@ class KernelLogits(DeviceLogits):
     def __init__(self, logits: Any, ops: TensorOps):
         self.logits, self.ops = logits, ops
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.logits.shape[1])
+
     def numpy(self) -> np.ndarray:
         return self.ops.to_host(self.logits)
 
@@ -33,18 +37,17 @@ class KernelLogits(DeviceLogits):
                min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ops = self.ops
         x = ops.cast(self.logits, "float32")
-        v = x.shape[1]
-        top_k = np.where(top_k >= v, 0, top_k)  # as the host: a top_k covering the vocabulary is off
+        columns = ops.arange(x.shape[1])
         col = lambda a, dtype: ops.tensor(np.asarray(a).reshape(-1, 1), dtype)  # noqa: E731 (a [R, 1] column)
         probs = ops.softmax_rows(x / col(temperature, "float32"))
         u_, min_p_ = col(u, "float64"), col(min_p, "float64")
         # rows with neither top-k nor top-p draw in token order, unsorted, as the host's do
         p = ops.cast(probs, "float64")
-        plain = self._draw(ops.where(p >= min_p_ * ops.max_rows(p), p, p * 0.0), u_, ops.arange(v))
+        plain = self._draw(ops.where(p >= min_p_ * ops.max_rows(p), p, p * 0.0), u_, columns)
         # the others on a descending sort
         q32, order = ops.sort_rows_desc(probs)
         q = ops.cast(q32, "float64")
-        idx = order * 0 + ops.arange(v)  # [R, V] column numbers
+        idx = order * 0 + columns  # [R, V] column numbers
         # tokens strictly more probable than each (the first index of its tie group), and their mass
         prev = ops.take_rows(q, ops.where(idx > 0, idx - 1, idx))
         n_greater = ops.cummax_rows(ops.where((q != prev) | (idx == 0), idx, idx * 0))

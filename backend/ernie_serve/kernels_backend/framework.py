@@ -3,9 +3,10 @@ torch (the GPU box this project borrows has torch and triton but no Paddle).
 
 Everything else in the backend holds framework tensors opaquely and hands them to ernie_kernels, whose
 launchers take both. What differs is only here: allocation, host <-> device copies, the dense matmul,
-row gathers, the row-wise ops device sampling is written over, synchronization, memory figures and CUDA graphs. On a machine without a GPU the same code
-runs on CPU tensors with the kernels in triton's interpreter (TRITON_INTERPRET=1), in float32 (the 3.2
-interpreter gets bf16 arithmetic wrong); on a GPU activations and float weights are bfloat16.
+row gathers, the row-wise ops device sampling is written over, synchronization, memory figures and CUDA
+graphs. On a machine without a GPU the same code runs on CPU tensors with the kernels in triton's interpreter
+(TRITON_INTERPRET=1), in float32 (the 3.2 interpreter gets bf16 arithmetic wrong); on a GPU activations and float
+weights are bfloat16.
 
 ERNIE_TENSOR_FRAMEWORK=paddle|torch picks one; by default Paddle when it is installed, else torch.
 """
