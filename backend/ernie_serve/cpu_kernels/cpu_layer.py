@@ -44,11 +44,13 @@ def work_floats(dims: Dims, layers: ctypes.Array, num_tokens: int) -> int:
     return int(build.library().ernie_decoder_layers_work(ctypes.byref(dims), layers, len(layers), num_tokens))
 
 
-def decoder_layers(dims: Dims, layers: ctypes.Array, step: Step, x: np.ndarray, work: np.ndarray) -> None:
-    """Runs every layer of `layers` over x [num_tokens, hidden] float32 (C-contiguous) in place; `work`: at least
-    work_floats(num_tokens) float32."""
-    if work.dtype != np.float32 or work.size < work_floats(dims, layers, step.num_tokens):
-        raise ValueError(f"cpu_layer: a work buffer of {work.size} {work.dtype} is too small for {step.num_tokens} tokens")
+def decoder_layers(dims: Dims, layers: ctypes.Array, step: Step, x: np.ndarray, work: np.ndarray) -> np.ndarray:
+    """Runs every layer of `layers` over x [num_tokens, hidden] float32 (C-contiguous) in place. `work`: the float32
+    buffer the caller keeps between steps; returned as it is, or a larger one when this step needs more."""
+    need = work_floats(dims, layers, step.num_tokens)
+    if work.dtype != np.float32 or work.size < need:
+        work = np.empty(need, np.float32)
     if build.library().ernie_decoder_layers(ctypes.byref(dims), layers, len(layers), ctypes.byref(step),
                                             x.ctypes.data, work.ctypes.data) != 0:
         raise MemoryError("cpu_layer.c: a kernel could not allocate its work memory")
+    return work

@@ -89,10 +89,7 @@ class CpuDecoderStack:
             desc.k_cache, desc.v_cache = k.ctypes.data, v.ctypes.data
         step = cpu_layer.Step(t, lens.shape[0], cache.block_size, tables.shape[1], pos.ctypes.data, slots.ctypes.data,
                               tables.ctypes.data, qsl.ctypes.data, lens.ctypes.data, cos.data_ptr(), sin.data_ptr())
-        need = cpu_layer.work_floats(d, self._layers, t)
-        if self._work.size < need:
-            self._work = np.empty(need, np.float32)
-        cpu_layer.decoder_layers(d, self._layers, step, out, self._work)
+        self._work = cpu_layer.decoder_layers(d, self._layers, step, out, self._work)
         return y
 
 
