@@ -84,7 +84,6 @@ class LLMEngine:
         self.model_config = ErnieModelConfig.from_pretrained(model_dir)
         self.eos_token_ids = read_eos_token_ids(model_dir, self.tokenizer, self.model_config)
         spec = config.speculative_config or {}
-        self.mtp = None
         if config.execution_backend == "kernels":
             executor = self._load_kernels()
         elif config.tensor_parallel_size > 1:
@@ -95,7 +94,7 @@ class LLMEngine:
         num_blocks, num_host_blocks = executor.cache.num_blocks, self._num_host_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(executor, config.block_size, config.sampling_class, mtp=self.mtp,
+        self.runner = ModelRunner(executor, config.block_size, config.sampling_class,
                                   num_speculative_tokens=spec.get("num_speculative_tokens", 1),
                                   max_model_len=config.max_model_len)
         self.proposer = make_proposer(config.speculative_config)
@@ -143,10 +142,10 @@ class LLMEngine:
                            show_progress=not c.disable_progress_bar, quantization=c.quantization)
         self.model = model
         _log_weight_memory(model, "")
-        self.mtp = self._load_mtp(spec) if spec.get("method") == "mtp" else None
-        layers = self.model_config.num_hidden_layers + (self.mtp is not None)  # the MTP head has its own cache layer
+        mtp = self._load_mtp(spec) if spec.get("method") == "mtp" else None
+        layers = self.model_config.num_hidden_layers + (mtp is not None)  # the MTP head has its own cache layer
         num_blocks, self._num_host_blocks = self._size_kv_pool(layers, model.kv_cache_quant is not None)
-        return ModelShard(model, num_blocks, c.block_size, self._num_host_blocks, layers)
+        return ModelShard(model, num_blocks, c.block_size, self._num_host_blocks, mtp)
 
     def _check_layout(self):
         from ..model.parallel import ParallelLayout
@@ -351,7 +350,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(so, result)
         if self.proposer is not None:
             self.scheduler.set_drafts(self._propose_drafts())
-        elif self.mtp is not None:
+        elif self.runner.drafter is not None:
             drafts = self.runner.propose_drafts()
             self.scheduler.set_drafts(drafts.token_ids, drafts.probs)
         return self._outputs(updates, time.monotonic())

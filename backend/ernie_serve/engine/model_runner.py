@@ -6,7 +6,7 @@ sampled rows' logits, so sampling, penalties and guided decoding never depend on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,9 +18,6 @@ from .sampler import Sampler, SamplingBatch
 from .scheduler import ScheduledRequest, SchedulerOutput
 from .spec_decode import Drafts, StepRow
 from .step_input import MAX_BATCHED_QUERY, StepInput
-
-if TYPE_CHECKING:
-    from ..model.mtp import ErnieMTP
 
 
 @dataclass
@@ -35,27 +32,28 @@ class StepExecutor(Protocol):
     """Runs a StepInput on the whole model: engine/model_shard.ModelShard (the reference backend, one rank),
     engine/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
     backend). `cache` is this process's KV cache (num_blocks, read_blocks / write_blocks for whole blocks).
-    execute returns (the step's final hidden states, the sampled rows' logits as a Paddle tensor or NumPy)."""
+    execute returns (the step's final hidden states, the sampled rows' logits as a Paddle tensor or NumPy).
+    `draft_head` (engine/mtp_drafter.DraftHead) is its MTP head, or None."""
 
     cache: Any
+    draft_head: Any
 
     def execute(self, step: StepInput) -> tuple[Any, Any]: ...
 
 
 class ModelRunner:
     def __init__(self, executor: StepExecutor, block_size: int, sampling_method: str = "base",
-                 mtp: ErnieMTP | None = None, num_speculative_tokens: int = 0, max_model_len: int = 0):
-        """`mtp`: the MTP head drafting num_speculative_tokens per step (one-rank executors only: it runs
-        on the executor's model and cache, where its KV is one more cache layer)."""
+                 num_speculative_tokens: int = 0, max_model_len: int = 0):
+        """An executor with an MTP head (its `draft_head`) drafts num_speculative_tokens per step."""
         self.executor = executor
         self.block_size = block_size
         self.sampler = Sampler(sampling_method)
         self.drafter = None
-        if mtp is not None:
+        head = getattr(executor, "draft_head", None)
+        if head is not None:
             from .mtp_drafter import MTPDrafter
 
-            self.drafter = MTPDrafter(executor.model, mtp, executor.cache, num_speculative_tokens, max_model_len,
-                                      MAX_BATCHED_QUERY)
+            self.drafter = MTPDrafter(head, num_speculative_tokens, max_model_len, MAX_BATCHED_QUERY)
         self._last_step: tuple[Any, list[StepRow]] | None = None  # for the drafter
 
     @property

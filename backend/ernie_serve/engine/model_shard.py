@@ -12,24 +12,26 @@ import paddle
 from ..model.ernie import ErnieForCausalLM
 from ..model.host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
+from ..model.mtp import ErnieMTP
 from .kv_cache_manager import KVOp, apply_kv_ops
 from .step_input import StepInput
 
 
 class ModelShard:
     def __init__(self, model: ErnieForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 num_cache_layers: int | None = None):
-        """`num_cache_layers`: KV cache layers (the model's, plus one for an MTP head)."""
+                 mtp: ErnieMTP | None = None):
+        """`mtp`: an MTP head drafting over this shard's cache, in one more cache layer (one-rank engines)."""
         cfg = model.config
         model.process_weights_after_loading()
         self.model = model
         self.block_size = block_size
-        layers = num_cache_layers or cfg.num_hidden_layers
+        layers = cfg.num_hidden_layers + (mtp is not None)
         kv_heads = len(model.layout.kv_heads(cfg))
         self.cache = PagedKVCache(layers, num_blocks, block_size, kv_heads, cfg.head_dim,
                                   quant=getattr(model, "kv_cache_quant", None))
         shape = (num_host_blocks, layers, 2, block_size, kv_heads, cfg.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
+        self.draft_head = None if mtp is None else ReferenceDraftHead(model, mtp, self.cache, block_size)
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
         """Swaps and copies, in the order the block pool recorded them."""
@@ -48,3 +50,22 @@ class ModelShard:
             return hidden, None
         picked = paddle.index_select(hidden, to_paddle(step.sample_rows))
         return hidden, self.model.compute_logits(picked)
+
+
+class ReferenceDraftHead:
+    """The MTP head on the reference backend (engine/mtp_drafter.DraftHead)."""
+
+    def __init__(self, model: ErnieForCausalLM, head: ErnieMTP, cache: PagedKVCache, block_size: int):
+        self.model, self.head, self.cache, self.block_size = model, head, cache, block_size
+
+    def take(self, hidden: paddle.Tensor, rows: np.ndarray) -> paddle.Tensor:
+        return paddle.index_select(hidden, to_paddle(rows))
+
+    @paddle.no_grad()
+    def run(self, step: StepInput, hidden: paddle.Tensor) -> paddle.Tensor:
+        return self.head(self.model, to_paddle(step.token_ids), hidden, to_paddle(step.positions),
+                         step.attention_metadata(self.block_size), self.cache)
+
+    @paddle.no_grad()
+    def logits(self, hidden: paddle.Tensor) -> np.ndarray:
+        return self.model.compute_logits(hidden).numpy()

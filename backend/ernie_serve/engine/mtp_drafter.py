@@ -13,31 +13,46 @@ Two phases, both batched over the step's requests:
 Greedy requests draft the argmax. Sampling requests draw from q, the head's distribution under the
 request's own temperature / top-k / top-p / min-p, and keep q: the sampler's verification then applies
 the speculative-sampling rule, so the output is distributed exactly as without drafts.
+
+Both execution backends draft the same way: the executor provides the head as a DraftHead (its tensors stay
+on its device; only the drafts' logits come to the host).
 """
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
-import paddle
 
 from ..model.attention import AttentionMetadata
-from ..model.ernie import ErnieForCausalLM
-from ..model.host_tensor import to_paddle
-from ..model.kv_cache import PagedKVCache
-from ..model.mtp import ErnieMTP
 from ..sampling_params import GREEDY_EPSILON
 from .request import Request
 from .sampler import draw, sampling_distribution
 from .spec_decode import Drafts, StepRow, draft_limit
+from .step_input import StepInput
+
+
+class DraftHead(Protocol):
+    """An executor's MTP head over its own KV cache (engine/model_shard.py, kernels_backend/shard.py)."""
+
+    block_size: int
+
+    def take(self, hidden: Any, rows: np.ndarray) -> Any:
+        """hidden[rows], on the executor's device."""
+
+    def run(self, step: StepInput, hidden: Any) -> Any:
+        """The head's output hidden states for step.token_ids (x_{t+1}) and hidden (h_t) at step.positions (t),
+        writing the head's K/V at step.slot_mapping."""
+
+    def logits(self, hidden: Any) -> np.ndarray:
+        """float32 logits [R, vocab] of hidden states the head produced, on the host."""
 
 
 class MTPDrafter:
-    def __init__(self, target: ErnieForCausalLM, head: ErnieMTP, cache: PagedKVCache, num_speculative_tokens: int,
-                 max_model_len: int, max_decode_query_len: int):
-        self.target, self.head, self.cache = target, head, cache
+    def __init__(self, head: DraftHead, num_speculative_tokens: int, max_model_len: int, max_decode_query_len: int):
+        self.head = head
         self.k, self.max_model_len, self.max_decode_query_len = num_speculative_tokens, max_model_len, max_decode_query_len
 
-    @paddle.no_grad()
-    def propose(self, hidden: paddle.Tensor, rows: list[StepRow]) -> Drafts:
+    def propose(self, hidden: Any, rows: list[StepRow]) -> Drafts:
         drafts = Drafts({}, {})
         spans = []  # (request, first valid position, end, offset)
         for row in rows:
@@ -59,21 +74,21 @@ class MTPDrafter:
                 limits.append(limit)
         if not reqs:
             return drafts
-        h = paddle.index_select(out, to_paddle(np.asarray(last_rows, dtype=np.int64)))
+        h = self.head.take(out, np.asarray(last_rows, dtype=np.int64))
         positions = np.asarray([req.num_tokens - 2 for req in reqs], dtype=np.int64)
         for j in range(max(limits)):
-            tokens = self._pick(self.target.compute_logits(h), reqs, drafts)
+            tokens = self._pick(self.head.logits(h), reqs, drafts)
             live = [i for i, lim in enumerate(limits) if lim > j + 1]
             if not live:
                 break
             reqs = [reqs[i] for i in live]
             limits = [limits[i] for i in live]
             positions = positions[live] + 1
-            h = self._one_position(paddle.index_select(h, to_paddle(np.asarray(live, dtype=np.int64))),
-                                   [tokens[i] for i in live], reqs, positions)
+            h = self._one_position(self.head.take(h, np.asarray(live, dtype=np.int64)), [tokens[i] for i in live],
+                                   reqs, positions)
         return drafts
 
-    def _catch_up(self, hidden: paddle.Tensor, spans) -> paddle.Tensor:
+    def _catch_up(self, hidden: Any, spans) -> Any:
         ids, rows, positions, q_lens, seq_lens, tables = [], [], [], [], [], []
         for req, start, end, offset in spans:
             ids.extend(req.all_token_ids[start + 1 : end + 1])
@@ -82,26 +97,24 @@ class MTPDrafter:
             q_lens.append(end - start)
             seq_lens.append(end)
             tables.append(req.block_ids)
-        h = paddle.index_select(hidden, to_paddle(np.asarray(rows, dtype=np.int64)))
+        h = self.head.take(hidden, np.asarray(rows, dtype=np.int64))
         return self._run(ids, h, np.concatenate(positions), q_lens, seq_lens, tables)
 
-    def _one_position(self, h: paddle.Tensor, tokens: list[int], reqs: list[Request],
-                      positions: np.ndarray) -> paddle.Tensor:
+    def _one_position(self, h: Any, tokens: list[int], reqs: list[Request], positions: np.ndarray) -> Any:
         return self._run(tokens, h, positions, [1] * len(reqs), (positions + 1).tolist(), [r.block_ids for r in reqs])
 
-    def _run(self, ids, h, positions: np.ndarray, q_lens, seq_lens, tables) -> paddle.Tensor:
-        bs = self.cache.block_size
+    def _run(self, ids, h, positions: np.ndarray, q_lens, seq_lens, tables) -> Any:
+        bs = self.head.block_size
         slots = np.concatenate([np.asarray(t, dtype=np.int64)[p // bs] * bs + p % bs for t, p in
                                 zip(tables, np.split(positions, np.cumsum(q_lens)[:-1]))])
         meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, slots, int(positions.max()),
                                        self.max_decode_query_len)
-        return self.head(self.target, to_paddle(np.asarray(ids, dtype=np.int64)), h,
-                         to_paddle(positions), meta, self.cache)
+        step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), positions, meta, np.zeros(0, np.int64), [])
+        return self.head.run(step, h)
 
     @staticmethod
-    def _pick(logits: paddle.Tensor, reqs: list[Request], drafts: Drafts) -> list[int]:
+    def _pick(lg: np.ndarray, reqs: list[Request], drafts: Drafts) -> list[int]:
         """One draft per request: the argmax for greedy ones, a draw from q (kept) for sampling ones."""
-        lg = logits.numpy()
         tokens = lg.argmax(axis=1).tolist()
         sampling = [i for i, r in enumerate(reqs) if r.sampling_params.temperature >= GREEDY_EPSILON]
         if sampling:

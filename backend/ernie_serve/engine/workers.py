@@ -118,6 +118,8 @@ def load_shard(rank: int, spec: ShardSpec, group) -> ModelShard:
 class TensorParallelExecutor:
     """The driver's view of all ranks: sends each StepInput to the workers as a delta and runs rank 0 itself."""
 
+    draft_head = None  # MTP runs on one rank (EngineConfig refuses it with tensor_parallel_size > 1)
+
     def __init__(self, spec_fields: dict, startup_timeout: float = STARTUP_TIMEOUT_SECONDS):
         """`spec_fields`: ShardSpec's fields but the store port and group id, which are chosen here."""
         self.spec = ShardSpec(**spec_fields, store_port=_free_port(), group_id=next(_group_ids))

@@ -426,6 +426,23 @@ def map_mtp_tensor_name(name: str, cfg: ErnieModelConfig) -> Piece | None:
     return Piece("block." + piece.param[len(layer):], piece.index, piece.transpose)
 
 
+def fill_mtp(asm: "Assembler", tensors: dict[str, np.ndarray], cfg: ErnieModelConfig, source: str) -> None:
+    """Fill an MTP head's targets (ErnieMTP's parameter names) from its checkpoint tensors; refuses none, unknown
+    or missing ones, naming `source` (the checkpoint they came from)."""
+    if not tensors:
+        raise ValueError(f"{source} has no MTP-head tensors (model.mtp_* / ernie.mtp_*): speculative_config "
+                         f"method 'mtp' needs them; give the MTP checkpoint as speculative_config.model")
+    for name, arr in tensors.items():
+        piece = map_mtp_tensor_name(name, cfg)
+        if piece is None:
+            raise ValueError(f"unexpected MTP tensor {name!r} in {source}: expected mtp_emb_norm / mtp_hidden_norm / "
+                             f"mtp_linear_proj / mtp_block (one dense decoder layer), index 0")
+        asm.put(name, piece, arr)
+    missing = asm.missing()
+    if missing:
+        raise ValueError(f"{source} is missing MTP tensors for: {', '.join(missing[:8])}")
+
+
 _SHARED_WITH_TARGET = {"model.embed_tokens.weight", "ernie.embed_tokens.weight", "model.norm.weight", "ernie.norm.weight",
                        "lm_head.weight"}
 

@@ -28,7 +28,7 @@ import paddle
 
 from ..quantization.layers import QuantLinear, QuantMoEExperts
 from ..quantization.plan import QuantPlan
-from .checkpoint_map import (Assembler, Target, fill_from_checkpoint, map_mtp_tensor_name, note_checkpoint_layout,
+from .checkpoint_map import (Assembler, Target, fill_from_checkpoint, fill_mtp, note_checkpoint_layout,
                              static_kv_scales)
 from .config import ErnieModelConfig
 from .ernie import ErnieForCausalLM
@@ -113,9 +113,6 @@ def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str)
     """The MTP head from its checkpoint tensors (`model.mtp_weights`, or a separate MTP checkpoint's)."""
     from .mtp import ErnieMTP
 
-    if not tensors:
-        raise ValueError(f"{source} has no MTP-head tensors (model.mtp_* / ernie.mtp_*): speculative_config "
-                         f"method 'mtp' needs them; give the MTP checkpoint as speculative_config.model")
     paddle.nn.initializer.set_global_initializer(paddle.nn.initializer.Constant(0.0),
                                                  paddle.nn.initializer.Constant(0.0))
     try:
@@ -125,16 +122,7 @@ def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str)
     mtp.eval()
     for p in mtp.parameters():
         p.stop_gradient = True
-    asm = Assembler(_targets(mtp))
-    for name, arr in tensors.items():
-        piece = map_mtp_tensor_name(name, cfg)
-        if piece is None:
-            raise ValueError(f"unexpected MTP tensor {name!r} in {source}: expected mtp_emb_norm / mtp_hidden_norm / "
-                             f"mtp_linear_proj / mtp_block (one dense decoder layer), index 0")
-        asm.put(name, piece, arr)
-    missing = asm.missing()
-    if missing:
-        raise ValueError(f"{source} is missing MTP tensors for: {', '.join(missing[:8])}")
+    fill_mtp(Assembler(_targets(mtp)), tensors, cfg, source)
     return mtp
 
 
