@@ -192,8 +192,6 @@ class EngineConfig:
 
         if self.tensor_parallel_size > 1:
             refuse(f"tensor_parallel_size={self.tensor_parallel_size} (one device per engine)")
-        if self.speculative_config and self.speculative_config.get("method") == "mtp":
-            refuse("speculative_config method 'mtp' (ngram works)")
 
     def check_kv_pool(self, num_blocks: int, remedy: str) -> None:
         """A KV pool must hold at least one max_model_len sequence; `remedy` says how to get more blocks."""

@@ -54,8 +54,8 @@ class CudaGraphRunner:
 
     def capture(self, size: int, fill: Callable[[int], Any], forward: Callable[[Any], Any]) -> None:
         """fill(size) writes a padding-only decode step of `size` sequences into the buffers and returns its
-        StepTensors; forward(step) runs the model over them and returns the logits tensor the graph keeps
-        writing. The graph is bound to that step's buffer views: a replay reads whatever they hold then."""
+        StepTensors; forward(step) runs the model over them and returns the tensors the graph keeps writing
+        (the hidden states and the logits). The graph is bound to that step's buffer views: a replay reads whatever they hold then."""
         step = fill(size)
         graph = self.new_graph()
         out = graph.capture(lambda: forward(step))

@@ -46,8 +46,10 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
     """The executor the engine's ModelRunner drives. num_host_kv_bytes: the CPU tier (swap_space) in bytes."""
     ops = make_tensor_ops()
     check_runtime(ops, config)
+    spec = config.speculative_config or {}
+    mtp = spec if spec.get("method") == "mtp" else None
     weights, plan = load_device_weights(model_dir, model_cfg, ops, config.quantization,
-                                        show_progress=not config.disable_progress_bar)
+                                        show_progress=not config.disable_progress_bar, mtp=mtp)
     max_positions = config.max_model_len + config.num_lookahead_tokens
     model = KernelModel(model_cfg, weights, ops, num_output_ids, max_positions)
     int8 = plan is not None and plan.kv_cache == "int8"
@@ -55,13 +57,18 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
         raise ValueError("use_cudagraph=True with a C8 KV cache needs the checkpoint's static KV scales "
                          "(cachek/cachev_matmul.activation_scale): dynamic per-block scales change the KV write's "
                          "launch shape every step; serve without use_cudagraph, or with a calibrated checkpoint")
+    if int8 and weights.kv_scales is not None and mtp is not None:
+        raise ValueError("speculative_config method 'mtp' with a C8 KV cache of static scales: the checkpoint has no "
+                         "scales for the MTP head's cache layer; serve it with dynamic C8 scales (a checkpoint without "
+                         "cachek/cachev_matmul.activation_scale) or without the C8 cache")
     itemsize = 1 if int8 else (2 if ops.on_gpu else 4)
-    shape = (model_cfg.num_hidden_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim)
+    num_layers = model_cfg.num_hidden_layers + (mtp is not None)  # the MTP head has its own cache layer
+    shape = (num_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim)
     per_block = DeviceKVCache.bytes_per_block(*shape, itemsize)
     num_blocks = _num_blocks(config, ops, model, per_block)
     config.check_kv_pool(num_blocks, "give the KV pool more memory (num_gpu_blocks_override, gpu_memory_utilization "
                                      "or kv_cache_memory)")
-    cache = DeviceKVCache(ops, model_cfg.num_hidden_layers, num_blocks, config.block_size,
+    cache = DeviceKVCache(ops, num_layers, num_blocks, config.block_size,
                           model_cfg.num_key_value_heads, model_cfg.head_dim, int8, weights.kv_scales)
     host_blocks = int(num_host_kv_bytes // DeviceKVCache.bytes_per_block(*shape, 4))
     log.info("kernels backend (%s on %s): weights %.1f MiB%s, KV pool %d blocks of %d tokens (%s, %.1f MiB)%s",
@@ -69,6 +76,9 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
              f" ({plan.method_name})" if plan is not None and plan.quantizes_weights else "", num_blocks,
              config.block_size, "int8" if int8 else ops.act_dtype, num_blocks * per_block / 2**20,
              ", CUDA graphs on" if config.use_cudagraph else "")
+    if mtp is not None:
+        log.info("MTP speculative decoding on the kernels backend: %d draft token(s) per step from %s",
+                 mtp.get("num_speculative_tokens", 1), mtp.get("model") or "the checkpoint's MTP head")
     return KernelShard(model, cache, ops, config.max_num_batched_tokens + config.max_num_seqs * config.num_lookahead_tokens,
                        config.max_num_seqs, config.max_model_len, host_blocks, config.use_cudagraph)
 

@@ -54,20 +54,38 @@ class KernelModel:
         """Final-normed hidden states [T, H] of the step's tokens; their K/V land in the cache."""
         from ernie_kernels import rms_norm
 
-        eps = self.config.rms_norm_eps
-        x = self.ops.rows(self.weights.embed, step.token_ids)
-        residual = None
+        x, residual = self.ops.rows(self.weights.embed, step.token_ids), None
         for i, layer in enumerate(self.weights.layers):
-            # the residual stream is added inside the norm: rms_norm returns (norm(x + residual), x + residual)
-            if residual is None:
-                h, residual = rms_norm(x, layer.input_norm, eps), x
-            else:
-                h, residual = rms_norm(x, layer.input_norm, eps, residual=residual)
-            x = self._attention(i, layer, h, step, cache)
-            h, residual = rms_norm(x, layer.post_norm, eps, residual=residual)
-            x = self._mlp(layer, h)
+            x, residual = self._layer(i, layer, x, residual, step, cache)
+        out, _ = rms_norm(x, self.weights.norm, self.config.rms_norm_eps, residual=residual)
+        return out
+
+    def mtp_forward(self, step: StepTensors, hidden: Any, cache: DeviceKVCache) -> Any:
+        """The MTP head (model/mtp.py): step.token_ids are x_{t+1}, hidden [T, H] the target's h_t at step.positions
+        t; returns the head's final-normed hidden states [T, H]. Its K/V go to the cache layer after the target's."""
+        from ernie_kernels import rms_norm
+
+        m, eps = self.weights.mtp, self.config.rms_norm_eps
+        e = rms_norm(self.ops.rows(self.weights.embed, step.token_ids), m.emb_norm, eps)
+        z = self.ops.add_(self.linear(e, m.embed_proj), self.linear(rms_norm(hidden, m.hidden_norm, eps), m.hidden_proj))
+        x, residual = self._layer(self.config.num_hidden_layers, m.block, z, None, step, cache)
         out, _ = rms_norm(x, self.weights.norm, eps, residual=residual)
         return out
+
+    def _layer(self, i: int, layer: DeviceLayer, x: Any, residual: Any, step: StepTensors,
+               cache: DeviceKVCache) -> tuple[Any, Any]:
+        """One decoder layer over cache layer i: (its output, the residual stream before that output is added:
+        rms_norm adds it inside the next norm, returning (norm(x + residual), x + residual))."""
+        from ernie_kernels import rms_norm
+
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            h, residual = rms_norm(x, layer.input_norm, eps), x
+        else:
+            h, residual = rms_norm(x, layer.input_norm, eps, residual=residual)
+        x = self._attention(i, layer, h, step, cache)
+        h, residual = rms_norm(x, layer.post_norm, eps, residual=residual)
+        return self._mlp(layer, h), residual
 
     def compute_logits(self, hidden_rows: Any) -> Any:
         """fp32 logits [R, vocab] of the given hidden rows; ids beyond the tokenizer are -inf."""

@@ -31,6 +31,7 @@ class KernelShard:
                                    cfg.num_attention_heads // cfg.num_key_value_heads, cache.dynamic is not None)
         shape = (num_host_blocks, cache.num_layers, 2, cache.block_size, cache.num_kv_heads, cache.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
+        self.draft_head = None if model.weights.mtp is None else KernelDraftHead(self)
         self.graphs = None
         if use_cudagraph:
             self.graphs = CudaGraphRunner(graph_batch_sizes(max_seqs), ops.cuda_graph)
@@ -42,16 +43,16 @@ class KernelShard:
 
     def execute(self, step: StepInput) -> tuple[Any, KernelLogits | None]:
         """(final hidden states [T, H] on the device, the logits [R, vocab] of step.sample_rows on the device);
-        None for what the step has not got. A graph replay returns no hidden states (nothing drafts from them), and
-        its logits are the graph's output buffer: read before the next replay (the sampler reads them this step)."""
+        None for what the step has not got. After a graph replay both are the graph's output buffers (the hidden
+        states padded to the bucket): read before the next replay, as the sampler and the MTP drafter do."""
         self.apply_kv_ops(step.kv_ops)
         if not step.num_tokens:
             return None, None
         bucket = self.graphs.bucket(step) if self.graphs is not None else None
         if bucket is not None:
             self.buffers.fill(step, self.block_size, pad_seqs_to=bucket)
-            logits = self.graphs.replay(bucket)
-            return None, KernelLogits(logits[: len(step.sample_rows)], self.ops)
+            hidden, logits = self.graphs.replay(bucket)
+            return hidden, KernelLogits(logits[: len(step.sample_rows)], self.ops)
         st = self.buffers.fill(step, self.block_size)
         hidden = self.model.forward(st, self.cache)
         if not step.sample_rows.size:
@@ -67,5 +68,26 @@ class KernelShard:
             seq_lens=np.zeros(0, np.int64), block_tables=np.zeros((0, 1), np.int64),
             slot_mapping=np.zeros(0, np.int64), sample_rows=np.zeros(0, np.int64)), self.block_size, pad_seqs_to=size)
 
-    def _graph_forward(self, st: StepTensors) -> Any:
-        return self.model.compute_logits(self.ops.rows(self.model.forward(st, self.cache), st.logit_rows))
+    def _graph_forward(self, st: StepTensors) -> tuple[Any, Any]:
+        hidden = self.model.forward(st, self.cache)
+        return hidden, self.model.compute_logits(self.ops.rows(hidden, st.logit_rows))
+
+
+class KernelDraftHead:
+    """The MTP head on the kernels backend (engine/mtp_drafter.DraftHead): runs eagerly over the shard's step
+    buffers and cache; only the drafts' logits come to the host."""
+
+    def __init__(self, shard: KernelShard):
+        self.shard = shard
+        self.block_size = shard.block_size
+
+    def take(self, hidden: Any, rows: np.ndarray) -> Any:
+        ops = self.shard.ops
+        return ops.rows(hidden, ops.tensor(rows))
+
+    def run(self, step: StepInput, hidden: Any) -> Any:
+        s = self.shard
+        return s.model.mtp_forward(s.buffers.fill(step, s.block_size), hidden, s.cache)
+
+    def logits(self, hidden: Any) -> np.ndarray:
+        return self.shard.ops.to_host(self.shard.model.compute_logits(hidden))

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..model.checkpoint_map import Assembler, Target, fill_from_checkpoint, note_checkpoint_layout, static_kv_scales
+from ..model.checkpoint_map import (Assembler, Target, fill_from_checkpoint, fill_mtp, note_checkpoint_layout,
+                                    read_mtp_checkpoint, static_kv_scales)
 from ..model.config import ErnieModelConfig
 from ..quantization import formats as fmt
 from ..quantization.plan import QuantPlan
@@ -65,32 +66,37 @@ def host_targets(cfg: ErnieModelConfig, plan: QuantPlan | None) -> dict[str, Tar
                             "norm.weight": Target((h,), HostFloat())}
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = Target((h, cfg.vocab_size), HostFloat())
+    for i in range(cfg.num_hidden_layers):
+        layer_targets(t, f"layers.{i}.", cfg, cfg.is_moe_layer(i), dense, plan.moe_method(i) if plan else None)
+    return t
+
+
+def layer_targets(t: dict[str, Target], p: str, cfg: ErnieModelConfig, moe: bool, dense: str | None,
+                  moe_method: str | None) -> None:
+    """A decoder layer's parameters under prefix p (a target layer's `layers.{i}.`, the MTP head's `block.`)."""
+    h = cfg.hidden_size
 
     def linear(name: str, k: int, n: int, method: str | None) -> None:
         t[name] = Target((k, n), _linear_sink(k, n, method))
 
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        t[p + "input_layernorm.weight"] = Target((h,), HostFloat())
-        t[p + "post_attention_layernorm.weight"] = Target((h,), HostFloat())
-        linear(p + "self_attn.qkv_proj.weight", h, cfg.q_size + 2 * cfg.kv_size, dense)
-        linear(p + "self_attn.o_proj.weight", cfg.q_size, h, dense)
-        if cfg.is_moe_layer(i):
-            e, inter = cfg.moe_num_experts, cfg.moe_intermediate_size
-            t[p + "mlp.gate.weight"] = Target((h, e), HostFloat())
-            t[p + "mlp.gate.e_score_correction_bias"] = Target((1, e), HostFloat())
-            method = plan.moe_method(i) if plan else None
-            for kind, k, n in (("up_gate_proj", h, 2 * inter), ("down_proj", inter, h)):
-                sink = HostFloat() if method is None else [HostQuant(method, k, n) for _ in range(e)]
-                t[p + f"mlp.experts.{kind}"] = Target((e, k, n), sink)
-            if cfg.moe_num_shared_experts:
-                shared = inter * cfg.moe_num_shared_experts
-                linear(p + "mlp.shared_experts.up_gate_proj.weight", h, 2 * shared, dense)
-                linear(p + "mlp.shared_experts.down_proj.weight", shared, h, dense)
-        else:
-            linear(p + "mlp.up_gate_proj.weight", h, 2 * cfg.intermediate_size, dense)
-            linear(p + "mlp.down_proj.weight", cfg.intermediate_size, h, dense)
-    return t
+    t[p + "input_layernorm.weight"] = Target((h,), HostFloat())
+    t[p + "post_attention_layernorm.weight"] = Target((h,), HostFloat())
+    linear(p + "self_attn.qkv_proj.weight", h, cfg.q_size + 2 * cfg.kv_size, dense)
+    linear(p + "self_attn.o_proj.weight", cfg.q_size, h, dense)
+    if moe:
+        e, inter = cfg.moe_num_experts, cfg.moe_intermediate_size
+        t[p + "mlp.gate.weight"] = Target((h, e), HostFloat())
+        t[p + "mlp.gate.e_score_correction_bias"] = Target((1, e), HostFloat())
+        for kind, k, n in (("up_gate_proj", h, 2 * inter), ("down_proj", inter, h)):
+            sink = HostFloat() if moe_method is None else [HostQuant(moe_method, k, n) for _ in range(e)]
+            t[p + f"mlp.experts.{kind}"] = Target((e, k, n), sink)
+        if cfg.moe_num_shared_experts:
+            shared = inter * cfg.moe_num_shared_experts
+            linear(p + "mlp.shared_experts.up_gate_proj.weight", h, 2 * shared, dense)
+            linear(p + "mlp.shared_experts.down_proj.weight", shared, h, dense)
+    else:
+        linear(p + "mlp.up_gate_proj.weight", h, 2 * cfg.intermediate_size, dense)
+        linear(p + "mlp.down_proj.weight", cfg.intermediate_size, h, dense)
 
 
 # ---------------------------------------------------------------- on the device
@@ -197,6 +203,54 @@ class DeviceLayer:
         return self.experts is not None
 
 
+def place_layer(ops: TensorOps, sink: dict[str, Any], p: str, moe: bool) -> DeviceLayer:
+    """The decoder layer under prefix p (layer_targets' names) on the device; its sinks are taken from `sink`."""
+    layer = DeviceLayer(
+        input_norm=ops.tensor(sink.pop(p + "input_layernorm.weight").value),
+        post_norm=ops.tensor(sink.pop(p + "post_attention_layernorm.weight").value),
+        qkv=DeviceLinear.place(ops, sink.pop(p + "self_attn.qkv_proj.weight")),
+        o=DeviceLinear.place(ops, sink.pop(p + "self_attn.o_proj.weight")))
+    mlp = p + ("mlp.shared_experts." if moe else "mlp.")
+    if mlp + "up_gate_proj.weight" in sink:
+        layer.mlp_up_gate = DeviceLinear.place(ops, sink.pop(mlp + "up_gate_proj.weight"))
+        layer.mlp_down = DeviceLinear.place(ops, sink.pop(mlp + "down_proj.weight"))
+    if moe:
+        layer.gate = ops.tensor(sink.pop(p + "mlp.gate.weight").value)
+        layer.gate_bias = ops.tensor(sink.pop(p + "mlp.gate.e_score_correction_bias").value.reshape(-1))
+        layer.experts = place_experts(ops, sink.pop(p + "mlp.experts.up_gate_proj"), sink.pop(p + "mlp.experts.down_proj"))
+    return layer
+
+
+@dataclass
+class DeviceMTP:
+    """The MTP head (model/mtp.py has its math): its norms, linear_proj split into the halves that multiply the
+    normed embedding and the normed hidden state (so no [T, 2H] concatenation is built), one dense decoder layer.
+    Float weights, as the reference backend keeps them."""
+
+    emb_norm: Any
+    hidden_norm: Any
+    embed_proj: DeviceLinear  # linear_proj[:H]
+    hidden_proj: DeviceLinear  # linear_proj[H:]
+    block: DeviceLayer
+
+
+def place_mtp(ops: TensorOps, cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str) -> DeviceMTP:
+    """The MTP head from its checkpoint tensors (the target checkpoint's mtp_* ones, or a separate MTP checkpoint's)."""
+    h = cfg.hidden_size
+    t = {"emb_norm.weight": Target((h,), HostFloat()), "hidden_norm.weight": Target((h,), HostFloat()),
+         "linear_proj.weight": Target((2 * h, h), HostFloat())}
+    layer_targets(t, "block.", cfg, moe=False, dense=None, moe_method=None)
+    fill_mtp(Assembler(t), tensors, cfg, source)
+    sink = {name: target.sink for name, target in t.items()}
+    proj = sink.pop("linear_proj.weight").value
+    halves = [HostFloat() for _ in range(2)]
+    halves[0].set_value(proj[:h])
+    halves[1].set_value(proj[h:])
+    return DeviceMTP(ops.tensor(sink.pop("emb_norm.weight").value), ops.tensor(sink.pop("hidden_norm.weight").value),
+                     DeviceLinear.place(ops, halves[0]), DeviceLinear.place(ops, halves[1]),
+                     place_layer(ops, sink, "block.", moe=False))
+
+
 @dataclass
 class DeviceWeights:
     embed: Any  # [V, H]
@@ -204,11 +258,12 @@ class DeviceWeights:
     lm_head: Any  # [H, V], or None when tied to embed
     layers: list[DeviceLayer]
     kv_scales: tuple[list[Any], list[Any]] | None = None  # static C8 scales per layer (K, V)
+    mtp: DeviceMTP | None = None  # speculative_config method "mtp"
 
     @property
     def nbytes(self) -> int:
         """Resident bytes of the model's weights (the C8 scales belong to the KV cache)."""
-        return device_bytes(self.embed, self.norm, self.lm_head, self.layers)
+        return device_bytes(self.embed, self.norm, self.lm_head, self.layers, self.mtp)
 
 
 # K (and for fp8 experts N) of every matrix a method's kernels read must be a multiple of its block
@@ -237,38 +292,26 @@ def check_kernel_shapes(cfg: ErnieModelConfig, plan: QuantPlan | None) -> None:
 
 
 def load_device_weights(model_dir: str | Path, cfg: ErnieModelConfig, ops: TensorOps, quantization: str | None,
-                        show_progress: bool = True) -> tuple[DeviceWeights, QuantPlan | None]:
+                        show_progress: bool = True, mtp: dict | None = None) -> tuple[DeviceWeights, QuantPlan | None]:
     """Read the checkpoint (quantizing as FastDeploy's --quantization / the checkpoint's quantization_config
-    say) and place every weight on the device. Returns the weights and the resolved quantization plan."""
+    say) and place every weight on the device. Returns the weights and the resolved quantization plan.
+    `mtp`: an "mtp" speculative_config: the MTP head is placed too, from its "model" checkpoint if it names one."""
     model_dir = Path(model_dir)
     note_checkpoint_layout(model_dir, cfg)
     plan = QuantPlan.resolve(quantization, cfg.quantization_config)
     check_kernel_shapes(cfg, plan)
     targets = host_targets(cfg, plan if plan and plan.quantizes_weights else None)
-    _mtp, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, None, cfg), show_progress)
+    mtp_tensors, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, None, cfg), show_progress)
     sink = {name: t.sink for name, t in targets.items()}
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        layer = DeviceLayer(
-            input_norm=ops.tensor(sink.pop(p + "input_layernorm.weight").value),
-            post_norm=ops.tensor(sink.pop(p + "post_attention_layernorm.weight").value),
-            qkv=DeviceLinear.place(ops, sink.pop(p + "self_attn.qkv_proj.weight")),
-            o=DeviceLinear.place(ops, sink.pop(p + "self_attn.o_proj.weight")))
-        mlp = p + ("mlp.shared_experts." if cfg.is_moe_layer(i) else "mlp.")
-        if mlp + "up_gate_proj.weight" in sink:
-            layer.mlp_up_gate = DeviceLinear.place(ops, sink.pop(mlp + "up_gate_proj.weight"))
-            layer.mlp_down = DeviceLinear.place(ops, sink.pop(mlp + "down_proj.weight"))
-        if cfg.is_moe_layer(i):
-            layer.gate = ops.tensor(sink.pop(p + "mlp.gate.weight").value)
-            layer.gate_bias = ops.tensor(sink.pop(p + "mlp.gate.e_score_correction_bias").value.reshape(-1))
-            layer.experts = place_experts(ops, sink.pop(p + "mlp.experts.up_gate_proj"),
-                                          sink.pop(p + "mlp.experts.down_proj"))
-        layers.append(layer)
+    layers = [place_layer(ops, sink, f"layers.{i}.", cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)]
     lm_head = sink.pop("lm_head.weight", None)
     weights = DeviceWeights(ops.tensor(sink.pop("embed_tokens.weight").value, ops.act_dtype),
                             ops.tensor(sink.pop("norm.weight").value),
                             None if lm_head is None else ops.tensor(lm_head.value, ops.act_dtype), layers)
+    if mtp is not None:
+        source = mtp.get("model")
+        weights.mtp = place_mtp(ops, cfg, read_mtp_checkpoint(source, cfg) if source else mtp_tensors,
+                                source or str(model_dir))
     if plan is not None and plan.kv_cache == "int8":
         static = static_kv_scales(kv_scales, cfg.num_hidden_layers)
         if static is not None:
