@@ -17,7 +17,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from ernie_serve.engine import sampler as sampler_module  # noqa: E402
 from ernie_serve.engine.sampler import (  # noqa: E402
-    Sampler, SamplingBatch, apply_penalties, apply_token_masks)
+    Sampler, SamplingBatch, logit_edits)
 from ernie_serve.sampling_params import SamplingParams  # noqa: E402
 
 METHODS = ["base", "rejection"]
@@ -174,7 +174,7 @@ def test_penalties_match_a_hand_computed_reference() -> None:
               SamplingParams(repetition_penalty=1.5),  # prompt tokens count as seen
               SamplingParams()]
     batch = make_batch(params, prompts=[[0, 1], [6, 7, 6], [0, 1]], outputs=[[1, 2, 2, 4], [3], [1, 2]])
-    apply_penalties(logits, batch)
+    logit_edits(batch, logits.shape[1]).apply(logits)
     # row 0: repetition over {0, 1, 2, 4}: 2/2, -1*2, .5/2, 1.5/2; then -.25*count - .5 over output {1:1, 2:2, 4:1}
     expected = np.array([[1.0, -2.75, -0.75, -0.5, 0.0, 0.0, 3.0, -2.0],
                          [2.0, -1.0, 0.5, -0.75, 1.5, 0.0, 2.0, -3.0],
@@ -209,7 +209,7 @@ def test_min_tokens_with_several_eos_ids_and_with_ignore_eos() -> None:
     logits = np.zeros((2, 6), dtype=np.float32)
     params = [SamplingParams(min_tokens=2, stop_token_ids=[1]),
               SamplingParams(min_tokens=2, stop_token_ids=[1], ignore_eos=True)]
-    apply_token_masks(logits, make_batch(params, outputs=[[3], [3]], eos=[[4, 5], 5]))
+    logit_edits(make_batch(params, outputs=[[3], [3]], eos=[[4, 5], 5]), 6).apply(logits)
     assert np.isneginf(logits[0, [1, 4, 5]]).all() and np.isfinite(logits[0, [0, 2, 3]]).all()
     assert np.isneginf(logits[1, 1]) and np.isfinite(logits[1, [0, 2, 3, 4, 5]]).all()
 
@@ -220,7 +220,7 @@ def test_bad_words_single_token_always_and_multi_token_after_its_prefix() -> Non
     outputs = [[], [0, 3], [3, 0], [0, 1, 2], [2], [0, 1, 2, 3]]
     logits = np.zeros((len(outputs), V), dtype=np.float32)
     params = [SamplingParams()] * len(outputs)
-    apply_token_masks(logits, make_batch(params, outputs=outputs, bad_words=[words] * len(outputs)))
+    logit_edits(make_batch(params, outputs=outputs, bad_words=[words] * len(outputs)), V).apply(logits)
     masked = [set(np.flatnonzero(np.isneginf(row)).tolist()) for row in logits]
     assert masked == [{5}, {5, 6}, {5}, {5, 7}, {5}, {5, 6}]
 
@@ -377,12 +377,18 @@ def test_both_methods_only_draw_from_the_filtered_set(rows, seed: int) -> None:
 
 
 
-@pytest.mark.parametrize("needs_logits", [
-    dict(repetition_penalty=1.2), dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(logprobs=2),
-    dict(min_tokens=5), dict(bad_words=["x"])])
+@pytest.mark.parametrize("needs_logits", [dict(logprobs=2), dict(grammar=True), dict(draft=True)])
 def test_a_batch_that_needs_its_logits_on_the_host_is_not_device_samplable(needs_logits: dict) -> None:
-    bad = [[[3]]] if "bad_words" in needs_logits else [[]]
-    batch = make_batch([SamplingParams(**dict(dict(temperature=0.7), **needs_logits))], outputs=[[1, 2]], bad_words=bad)
-    plain = make_batch([SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=2),
-                        SamplingParams(temperature=0.0)], outputs=[[1, 2], []])
+    # penalties and masks travel as LogitEdits, applied where the logits are; these three need the logits themselves
+    from ernie_serve.engine.guided import GrammarRows
+
+    params = SamplingParams(temperature=0.7, logprobs=needs_logits.get("logprobs"))
+    batch = make_batch([params], outputs=[[1, 2]])
+    if "grammar" in needs_logits:
+        batch.grammars = [GrammarRows(None, 0, [])]
+    if "draft" in needs_logits:
+        batch.draft_tokens, batch.draft_probs = [3], [np.full(8, 1 / 8)]
+    plain = make_batch([SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=5,
+                                       repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),
+                        SamplingParams(temperature=0.0)], outputs=[[1, 2], []], bad_words=[[[3]], []])
     assert plain.device_samplable and not plain.greedy_rows.all() and not batch.device_samplable

@@ -72,9 +72,48 @@ def test_sampled_rows_draw_the_hosts_tokens_from_the_same_seeds(framework, seed)
     assert _Copies.copies == 0 and not dev.errors
 
 
-def test_a_batch_with_logprobs_or_penalties_is_copied_and_sampled_on_the_host(framework):
+def test_a_batch_with_logprobs_is_copied_and_sampled_on_the_host(framework):
     logits = np.random.default_rng(5).standard_normal((2, 30)).astype(np.float32)
     params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, repetition_penalty=1.3)]
     dev, host = _both(framework, logits, params)
     assert _Copies.copies == 1
     assert dev.token_ids.tolist() == host.token_ids.tolist() and dev.logprobs == host.logprobs
+
+
+def _penalized_batch(seed: int) -> SamplingBatch:
+    """Every penalty and mask: repetition over prompt + output, frequency / presence over output, a single-token
+    bad word, a two-token bad word whose prefix ends the output, min_tokens masking eos and a stop id; greedy and
+    sampled rows; one row left with no token."""
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.9, frequency_penalty=0.7, presence_penalty=0.3, seed=1),
+              SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[7]),
+              SamplingParams(temperature=1.2, top_k=5, repetition_penalty=0.8, presence_penalty=-0.5, seed=2),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, min_tokens=3)]
+    batch = _batch(params, seed)
+    batch.prompt_token_ids = [[3, 4, 4, 9], [1], [2, 3], [10, 11, 12], [1], [1]]
+    batch.output_token_ids = [[9, 5, 5], [6, 6, 6, 8, 13], [1], [12, 14], [20, 21], [1]]
+    batch.bad_words_ids = [[], [[6]], [], [[14, 15]], [[21, 22], [30]], []]
+    batch.eos_token_ids = [0, 0, 0, [0, 1], 0, 2]
+    return batch
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_penalties_and_masks_are_applied_on_the_device_as_on_the_host(framework, seed):
+    from ernie_serve.engine.sampler import logit_edits
+
+    ops = make_tensor_ops(framework)
+    logits = (np.random.default_rng(seed).standard_normal((6, 40)) * 3).astype(np.float32)
+    logits[5, :] = NEG_INF
+    logits[5, 2] = 1.0  # row 5's only token is its eos, masked by min_tokens: no token left
+    edits = logit_edits(_penalized_batch(seed), 40)
+    dev = KernelLogits(ops.tensor(logits), ops)
+    dev.edit(edits)
+    host = logits.copy()
+    edits.apply(host)
+    np.testing.assert_array_equal(dev.numpy(), host)  # the same float32 operations, bit for bit
+    _Copies.copies = 0
+    got = Sampler("base")(_Copies(ops.tensor(logits), ops), _penalized_batch(seed))
+    want = Sampler("base")(logits, _penalized_batch(seed))
+    assert _Copies.copies == 0
+    assert got.token_ids[:5].tolist() == want.token_ids[:5].tolist() and got.errors == want.errors == {5: NO_TOKEN_LEFT}

@@ -88,6 +88,10 @@ def test_steps_sample_on_the_device_unless_they_need_the_logits_on_the_host(fram
     seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=6, ignore_eos=True, seed=7)
     first, again = (greedy(ker, ids, seeded) for _ in range(2))
     assert first == again and not copies  # sampled on the device, reproducibly
+    # penalties and the min_tokens mask are applied on the device too: the reference's tokens, no logits copied
+    penalized = SamplingParams(temperature=0, max_tokens=6, min_tokens=4, repetition_penalty=1.3,
+                               presence_penalty=0.4, frequency_penalty=0.2)
+    assert greedy(ker, ids, penalized) == greedy(ref, ids, penalized) and not copies
     # logprobs need the logits themselves: they are copied, and both backends give the same ones
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
     want, got = (llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False) for llm in (ref, ker))

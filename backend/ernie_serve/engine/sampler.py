@@ -52,13 +52,10 @@ class SamplingBatch:
 
     @property
     def device_samplable(self) -> bool:
-        """Whether each row's token depends on its logits only through the temperature, top-k / top-p / min-p draw
-        (or the argmax of a greedy row): no penalty, bad words, min_tokens mask, grammar, logprobs or draft to
-        verify, which need the logits on the host. Such a batch may be sampled where the logits are (DeviceLogits)."""
-        return not self.grammars and self.draft_probs is None and all(
-            p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.logprobs is None and not bad and len(out) >= p.min_tokens
-            for p, bad, out in zip(self.params, self.bad_words_ids, self.output_token_ids))
+        """Whether the batch may be sampled where its logits are (DeviceLogits): its rows need only the penalties and
+        token masks (LogitEdits, applied there) and the temperature, top-k / top-p / min-p draw or a greedy argmax;
+        no grammar, logprobs or draft to verify, which need the logits on the host."""
+        return not self.grammars and self.draft_probs is None and all(p.logprobs is None for p in self.params)
 
     @property
     def greedy_rows(self) -> np.ndarray:
@@ -91,6 +88,10 @@ class DeviceLogits:
         """The logits [R, vocab] as float32 on the host."""
         raise NotImplementedError
 
+    def edit(self, edits: "LogitEdits") -> None:
+        """Apply the batch's penalties and masks in place, as LogitEdits.apply does on the host."""
+        raise NotImplementedError
+
     def argmax(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's argmax (first index of its largest logit) and largest logit."""
         raise NotImplementedError
@@ -117,8 +118,9 @@ class Sampler:
         raw = _as_float32_matrix(logits)
         _check_batch(raw, batch)
         work = raw.copy()
-        apply_penalties(work, batch)
-        apply_token_masks(work, batch)
+        edits = logit_edits(batch, work.shape[1])
+        if edits is not None:
+            edits.apply(work)
         apply_grammar_masks(work, batch)
         dead = ~np.isfinite(work.max(axis=1)) if work.size else np.zeros(0, bool)
         errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
@@ -144,10 +146,14 @@ class Sampler:
 
 
 def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch) -> SamplerOutput:
-    """A device_samplable batch where its logits are: greedy rows' argmax, the others' draws from one uniform each,
-    taken from the row's generator in row order as the host's "base" path takes them (so a seed reproduces)."""
+    """A device_samplable batch where its logits are: its penalties and masks, then greedy rows' argmax and the
+    others' draws from one uniform each, taken from the row's generator in row order as the host's "base" path takes
+    them (so a seed reproduces)."""
     params = batch.params
     greedy = batch.greedy_rows
+    edits = logit_edits(batch, logits.vocab_size)
+    if edits is not None:
+        logits.edit(edits)
     if greedy.all():
         token_ids, row_max = logits.argmax()
     else:
@@ -183,60 +189,76 @@ def _filters(params: list[SamplingParams], rows: np.ndarray,
     return top_k, top_p, min_p
 
 
-def apply_penalties(logits: np.ndarray, batch: SamplingBatch) -> None:
-    """In place, vLLM semantics: repetition over prompt + output (positive logits divided, negative
-    multiplied), then frequency (-f * count) and presence (-p if count > 0) over output tokens."""
-    R, V = logits.shape
-    rep_rows, rep_toks, out_rows, out_toks = [], [], [], []
+@dataclass
+class LogitEdits:
+    """The penalties and token masks of a batch as per-(row, token) edits, so the host and a device apply the same
+    ones to whichever copy of the logits they hold: v' = -inf where masked, else (v / rep if v > 0 else v * rep) - sub.
+
+    vLLM's semantics: the repetition penalty rep over prompt + output tokens (1 where it does not apply), then
+    sub = frequency * count + presence over output tokens, then the bad-words and min_tokens masks."""
+    rows: np.ndarray  # [N] int64, each (row, token) once
+    tokens: np.ndarray  # [N] int64
+    repetition: np.ndarray  # [N] float32
+    subtract: np.ndarray  # [N] float32
+    masked: np.ndarray  # [N] bool
+
+    def apply(self, logits: np.ndarray) -> None:
+        """In place on host logits [R, V]."""
+        v = logits[self.rows, self.tokens]
+        v = np.where(v > 0, v / self.repetition, v * self.repetition) - self.subtract
+        logits[self.rows, self.tokens] = np.where(self.masked, -np.inf, v)
+
+
+def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
+    """The batch's penalties and masks (None when it has none); raises ValueError for a prompt or output id outside
+    the vocabulary of a penalized row."""
+    rep_keys, rep_vals, out_keys, mask_keys = [], [], [], []
     for r, p in enumerate(batch.params):
         if p.repetition_penalty != 1.0:
             seen = np.unique(np.concatenate([np.asarray(batch.prompt_token_ids[r], dtype=np.int64).ravel(),
                                              np.asarray(batch.output_token_ids[r], dtype=np.int64).ravel()]))
-            rep_rows.append(np.full(seen.size, r, dtype=np.int64))
-            rep_toks.append(seen)
+            rep_keys.append(r * vocab + _checked_ids(seen, vocab, "prompt/output"))
+            rep_vals.append(np.full(seen.size, p.repetition_penalty, dtype=np.float32))
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             out = np.asarray(batch.output_token_ids[r], dtype=np.int64).ravel()
-            out_rows.append(np.full(out.size, r, dtype=np.int64))
-            out_toks.append(out)
-    if rep_rows:
-        rows, toks = np.concatenate(rep_rows), _checked_ids(np.concatenate(rep_toks), V, "prompt/output")
-        penalty = np.array([p.repetition_penalty for p in batch.params], dtype=np.float32)[rows]
-        vals = logits[rows, toks]
-        logits[rows, toks] = np.where(vals > 0, vals / penalty, vals * penalty)
-    if out_rows:
-        keys = np.concatenate(out_rows) * V + _checked_ids(np.concatenate(out_toks), V, "output")
-        keys, counts = np.unique(keys, return_counts=True)
-        rows, toks = keys // V, keys % V
-        freq = np.array([p.frequency_penalty for p in batch.params], dtype=np.float32)
-        pres = np.array([p.presence_penalty for p in batch.params], dtype=np.float32)
-        logits[rows, toks] -= freq[rows] * counts.astype(np.float32) + pres[rows]
+            out_keys.append(r * vocab + _checked_ids(out, vocab, "output"))
+        mask_keys.append(r * vocab + _masked_tokens(batch, r, p, vocab))
+    cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
+    rep_k, out_k, mask_k = cat(rep_keys, np.int64), cat(out_keys, np.int64), cat(mask_keys, np.int64)
+    if not (rep_k.size or out_k.size or mask_k.size):
+        return None
+    keys, inverse = np.unique(np.concatenate([rep_k, out_k, mask_k]), return_inverse=True)
+    n_rep, n_out = rep_k.size, out_k.size
+    repetition = np.ones(keys.size, dtype=np.float32)
+    repetition[inverse[:n_rep]] = cat(rep_vals, np.float32)
+    counts = np.bincount(inverse[n_rep:n_rep + n_out], minlength=keys.size).astype(np.float32)
+    rows = keys // vocab
+    freq = np.array([p.frequency_penalty for p in batch.params], dtype=np.float32)[rows]
+    pres = np.array([p.presence_penalty for p in batch.params], dtype=np.float32)[rows]
+    subtract = np.where(counts > 0, freq * counts + pres, np.float32(0)).astype(np.float32)
+    masked = np.zeros(keys.size, dtype=bool)
+    masked[inverse[n_rep + n_out:]] = True
+    return LogitEdits(rows, keys % vocab, repetition, subtract, masked)
 
 
-def apply_token_masks(logits: np.ndarray, batch: SamplingBatch) -> None:
-    """In place: -inf for bad words (a multi-token word's last token only once the output ends with the
-    rest of it) and, while the output is shorter than min_tokens, for the eos and stop token ids."""
-    R, V = logits.shape
-    rows, toks = [], []
-    for r, p in enumerate(batch.params):
-        out = batch.output_token_ids[r]
-        for word in batch.bad_words_ids[r]:
-            m = len(word) - 1
-            if m < 0 or len(out) < m:
-                continue
-            if m == 0 or [int(t) for t in out[len(out) - m:]] == [int(t) for t in word[:-1]]:
-                rows.append(r)
-                toks.append(int(word[-1]))
-        if len(out) < p.min_tokens:
-            ids = list(p.stop_token_ids)
-            eos = batch.eos_token_ids[r]
-            if not p.ignore_eos and eos is not None:  # with ignore_eos, eos is an ordinary token (vLLM)
-                ids.extend(np.atleast_1d(np.asarray(eos, dtype=np.int64)).tolist())
-            rows.extend([r] * len(ids))
-            toks.extend(ids)
-    if rows:
-        toks_arr = np.asarray(toks, dtype=np.int64)
-        inside = (toks_arr >= 0) & (toks_arr < V)  # ids beyond this vocab can never be produced anyway
-        logits[np.asarray(rows, dtype=np.int64)[inside], toks_arr[inside]] = -np.inf
+def _masked_tokens(batch: SamplingBatch, r: int, p: SamplingParams, vocab: int) -> np.ndarray:
+    """Row r's -inf tokens: bad words (a multi-token word's last token only once the output ends with the rest of
+    it) and, while the output is shorter than min_tokens, the eos and stop token ids."""
+    out = batch.output_token_ids[r]
+    toks = []
+    for word in batch.bad_words_ids[r]:
+        m = len(word) - 1
+        if m < 0 or len(out) < m:
+            continue
+        if m == 0 or [int(t) for t in out[len(out) - m:]] == [int(t) for t in word[:-1]]:
+            toks.append(int(word[-1]))
+    if len(out) < p.min_tokens:
+        toks.extend(p.stop_token_ids)
+        eos = batch.eos_token_ids[r]
+        if not p.ignore_eos and eos is not None:  # with ignore_eos, eos is an ordinary token (vLLM)
+            toks.extend(np.atleast_1d(np.asarray(eos, dtype=np.int64)).tolist())
+    ids = np.asarray(toks, dtype=np.int64)
+    return ids[(ids >= 0) & (ids < vocab)]  # ids beyond this vocab can never be produced anyway
 
 
 def apply_grammar_masks(logits: np.ndarray, batch: SamplingBatch) -> None:

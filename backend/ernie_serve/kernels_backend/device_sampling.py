@@ -2,7 +2,8 @@
 the host, instead of R x vocab floats a step.
 
 KernelLogits is the sampler's DeviceLogits for this backend (engine/sampler.py decides per batch whether it may
-sample here: no penalty, mask, grammar, logprobs or draft to verify). The draw is the host's "base" method, written
+sample here: no grammar, logprobs or draft to verify). The penalties and the bad-words / min_tokens masks come as
+the host's LogitEdits, a few (row, token) entries applied here by one gather and one scatter. The draw is the host's "base" method, written
 once over TensorOps' row-wise ops so that torch and Paddle run the same code: softmax at the row's temperature, a
 descending sort, the top-k / top-p / min-p rule of the sampler's module doc (membership by probability values, ties
 alike), and the inverse CDF over the kept tokens in that order at a uniform the host drew from the row's generator.
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.sampler import DeviceLogits
+from ..engine.sampler import DeviceLogits, LogitEdits
 from .framework import TensorOps
 
 
@@ -28,6 +29,18 @@ class KernelLogits(DeviceLogits):
 
     def numpy(self) -> np.ndarray:
         return self.ops.to_host(self.logits)
+
+    def edit(self, edits: LogitEdits) -> None:
+        ops = self.ops
+        x = ops.cast(self.logits, "float32")
+        rows, vocab = int(x.shape[0]), int(x.shape[1])
+        flat = x.reshape([-1])
+        keys = ops.tensor(edits.rows * vocab + edits.tokens)
+        v = ops.rows(flat, keys)
+        rep, sub = ops.tensor(edits.repetition), ops.tensor(edits.subtract)
+        v = ops.where(v > 0, v / rep, v * rep) - sub
+        v = ops.where(ops.tensor(edits.masked), ops.tensor(np.full(edits.masked.shape, -np.inf, np.float32)), v)
+        self.logits = ops.put_rows(flat, keys, v).reshape([rows, vocab])
 
     def argmax(self) -> tuple[np.ndarray, np.ndarray]:
         x = self.ops.cast(self.logits, "float32")

@@ -125,6 +125,10 @@ class TensorOps:
         """t[index] for an integer index tensor (embedding lookups, picking sampled rows)."""
         raise NotImplementedError
 
+    def put_rows(self, t: Any, index: Any, values: Any) -> Any:
+        """A copy of t with t[index] = values (distinct int64 indices; the sampler's penalties and masks)."""
+        raise NotImplementedError
+
     def heads(self, fused: Any, col: int, num_heads: int, head_dim: int) -> Any:
         """Columns [col, col + num_heads * head_dim) of fused [T, W] as [T, num_heads, head_dim] (a view where
         the framework allows; the kernels take any token and head strides)."""
@@ -255,6 +259,9 @@ class TorchOps(TensorOps):
 
     def rows(self, t, index):
         return self.torch.index_select(t, 0, index)
+
+    def put_rows(self, t, index, values):
+        return t.index_copy(0, index, values)
 
     def heads(self, fused, col, num_heads, head_dim):
         return fused[:, col:col + num_heads * head_dim].view(fused.shape[0], num_heads, head_dim)
@@ -394,6 +401,9 @@ class PaddleOps(TensorOps):
 
     def rows(self, t, index):
         return self.paddle.index_select(t, index)
+
+    def put_rows(self, t, index, values):
+        return self.paddle.scatter(t, index, values, overwrite=True)
 
     def heads(self, fused, col, num_heads, head_dim):
         return fused[:, col:col + num_heads * head_dim].reshape([fused.shape[0], num_heads, head_dim])
