@@ -377,18 +377,17 @@ def test_both_methods_only_draw_from_the_filtered_set(rows, seed: int) -> None:
 
 
 
-@pytest.mark.parametrize("needs_logits", [dict(logprobs=2), dict(grammar=True), dict(draft=True)])
+@pytest.mark.parametrize("needs_logits", [dict(grammar=True), dict(draft=True)])
 def test_a_batch_that_needs_its_logits_on_the_host_is_not_device_samplable(needs_logits: dict) -> None:
-    # penalties and masks travel as LogitEdits, applied where the logits are; these three need the logits themselves
+    # penalties and masks travel as LogitEdits, logprobs as TopLogprobs; these two need the logits themselves
     from ernie_serve.engine.guided import GrammarRows
 
-    params = SamplingParams(temperature=0.7, logprobs=needs_logits.get("logprobs"))
-    batch = make_batch([params], outputs=[[1, 2]])
+    batch = make_batch([SamplingParams(temperature=0.7)], outputs=[[1, 2]])
     if "grammar" in needs_logits:
         batch.grammars = [GrammarRows(None, 0, [])]
     if "draft" in needs_logits:
         batch.draft_tokens, batch.draft_probs = [3], [np.full(8, 1 / 8)]
     plain = make_batch([SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=5,
                                        repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),
-                        SamplingParams(temperature=0.0)], outputs=[[1, 2], []], bad_words=[[[3]], []])
+                        SamplingParams(temperature=0.0, logprobs=2)], outputs=[[1, 2], []], bad_words=[[[3]], []])
     assert plain.device_samplable and not plain.greedy_rows.all() and not batch.device_samplable

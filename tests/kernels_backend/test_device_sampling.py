@@ -72,12 +72,28 @@ def test_sampled_rows_draw_the_hosts_tokens_from_the_same_seeds(framework, seed)
     assert _Copies.copies == 0 and not dev.errors
 
 
-def test_a_batch_with_logprobs_is_copied_and_sampled_on_the_host(framework):
-    logits = np.random.default_rng(5).standard_normal((2, 30)).astype(np.float32)
-    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.9, repetition_penalty=1.3)]
+def _same_logprobs(got: list, want: list) -> None:
+    """The same tokens and ranks, logprobs within float32 summation-order error."""
+    assert [d is None for d in got] == [d is None for d in want]
+    for g, w in zip(got, want):
+        if w is not None:
+            assert g.keys() == w.keys() and [g[t][1] for t in w] == [w[t][1] for t in w]
+            np.testing.assert_allclose([g[t][0] for t in w], [w[t][0] for t in w], rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_are_computed_on_the_device_from_the_unpenalized_logits(framework):
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((4, 60)) * 2).astype(np.float32)
+    logits[2, 40:] = NEG_INF  # a masked vocabulary tail is never a top candidate
+    logits[3, [7, 8]] = 6.0  # a tie at the top: both rank 1
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.9, logprobs=0, seed=1),
+              SamplingParams(temperature=1.0, logprobs=5, repetition_penalty=1.3, seed=2),
+              SamplingParams(temperature=0.0, logprobs=2)]
     dev, host = _both(framework, logits, params)
-    assert _Copies.copies == 1
-    assert dev.token_ids.tolist() == host.token_ids.tolist() and dev.logprobs == host.logprobs
+    assert _Copies.copies == 0
+    assert dev.token_ids.tolist() == host.token_ids.tolist()
+    _same_logprobs(dev.logprobs, host.logprobs)
+    assert dev.logprobs[3][7][1] == dev.logprobs[3][8][1] == 1 and len(dev.logprobs[1]) == 1
 
 
 def _penalized_batch(seed: int) -> SamplingBatch:

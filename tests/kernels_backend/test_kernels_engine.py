@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ernie_serve import SamplingParams
+from ernie_serve.sampling_params import GuidedDecodingParams
 from ernie_serve.chat import render_chat_prompt
 from kb_helpers import GREEDY, SHAPES, engine, greedy, prefill_step, prompts, step_logits, write
 
@@ -92,14 +93,18 @@ def test_steps_sample_on_the_device_unless_they_need_the_logits_on_the_host(fram
     penalized = SamplingParams(temperature=0, max_tokens=6, min_tokens=4, repetition_penalty=1.3,
                                presence_penalty=0.4, frequency_penalty=0.2)
     assert greedy(ker, ids, penalized) == greedy(ref, ids, penalized) and not copies
-    # logprobs need the logits themselves: they are copied, and both backends give the same ones
+    # logprobs leave the device as each row's top few, not as the logits: both backends give the same ones
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
     want, got = (llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False) for llm in (ref, ker))
-    assert len(copies) == params.max_tokens
+    assert not copies
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
             assert lw.keys() == lg.keys()
+    # a grammar needs the logits on the host: copied
+    guided = SamplingParams(temperature=0, max_tokens=3, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    ref_tok, ker_tok = (engine(tiny_model_dir, b, skip=False) for b in ("reference", "kernels"))
+    assert greedy(ker_tok, ids, guided) == greedy(ref_tok, ids, guided) and copies
 
 
 @pytest.mark.parametrize("prefill_backend", ["kernels", "reference"])

@@ -53,9 +53,9 @@ class SamplingBatch:
     @property
     def device_samplable(self) -> bool:
         """Whether the batch may be sampled where its logits are (DeviceLogits): its rows need only the penalties and
-        token masks (LogitEdits, applied there) and the temperature, top-k / top-p / min-p draw or a greedy argmax;
-        no grammar, logprobs or draft to verify, which need the logits on the host."""
-        return not self.grammars and self.draft_probs is None and all(p.logprobs is None for p in self.params)
+        token masks (LogitEdits, applied there), the temperature, top-k / top-p / min-p draw or a greedy argmax, and
+        logprobs (TopLogprobs, computed there); no grammar or draft to verify, which need the logits on the host."""
+        return not self.grammars and self.draft_probs is None
 
     @property
     def greedy_rows(self) -> np.ndarray:
@@ -94,6 +94,10 @@ class DeviceLogits:
 
     def argmax(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's argmax (first index of its largest logit) and largest logit."""
+        raise NotImplementedError
+
+    def top_logprobs(self, rows: np.ndarray, token_ids: np.ndarray, n: int) -> "TopLogprobs":
+        """TopLogprobs of the given rows from the logits as they were before any edit."""
         raise NotImplementedError
 
     def sample(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -139,7 +143,8 @@ class Sampler:
             token_ids[rows] = draw(probs, top_k, top_p, min_p, gens)
             if batch.draft_probs is not None:
                 verify_sampled_drafts(token_ids, rows, probs, top_k, top_p, min_p, gens, batch)
-        logprobs = _logprobs(raw, token_ids, params)
+        rows, n = _logprob_rows(params, raw.shape[1])
+        logprobs = _logprob_dicts(rows, params, token_ids, _top_logprobs(raw[rows], token_ids[rows], n))
         for r in errors:
             logprobs[r] = None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
@@ -164,8 +169,14 @@ def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch) -> SamplerOutp
         top_k, top_p, min_p = _filters(params, np.arange(len(params)), logits.vocab_size)
         token_ids, row_max = logits.sample(greedy, temperature, top_k, top_p, min_p, u)
     dead = ~np.isfinite(row_max)
-    return SamplerOutput(token_ids=np.where(dead, 0, token_ids).astype(np.int64), logprobs=[None] * len(params),
-                         errors={int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)})
+    token_ids = np.where(dead, 0, token_ids).astype(np.int64)
+    rows, n = _logprob_rows(params, logits.vocab_size)
+    logprobs = [None] * len(params)
+    if rows.size:
+        logprobs = _logprob_dicts(rows, params, token_ids, logits.top_logprobs(rows, token_ids[rows], n))
+    for r in np.flatnonzero(dead):
+        logprobs[r] = None
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors={int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)})
 
 
 def _generators(batch: SamplingBatch, rows: np.ndarray) -> list[np.random.Generator]:
@@ -462,38 +473,51 @@ def _softmax(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     return x
 
 
-def _logprobs(raw: np.ndarray, token_ids: np.ndarray,
-              params: list[SamplingParams]) -> list[dict[int, tuple[float, int]] | None]:
-    out: list[dict[int, tuple[float, int]] | None] = [None] * len(params)
+@dataclass
+class TopLogprobs:
+    """The logprob figures of the rows that asked for them, from the raw (unpenalized) log-softmax; small enough to
+    cross from a device."""
+    sampled: np.ndarray  # [R'] logprob of each row's sampled token
+    sampled_rank: np.ndarray  # [R'] 1 + the number of tokens strictly more likely
+    top_ids: np.ndarray  # [R', n] the n most likely tokens, most likely first
+    top: np.ndarray  # [R', n] their logprobs
+
+
+def _logprob_rows(params: list[SamplingParams], vocab: int) -> tuple[np.ndarray, int]:
+    """The rows that asked for logprobs, and how many top tokens the batch needs (the most any row asked for)."""
     rows = np.array([r for r, p in enumerate(params) if p.logprobs is not None], dtype=np.int64)
-    if not rows.size:
-        return out
-    x = raw[rows]
-    m = x.max(axis=1, keepdims=True)
+    return rows, (min(max(params[r].logprobs for r in rows), vocab) if rows.size else 0)
+
+
+def _top_logprobs(raw: np.ndarray, token_ids: np.ndarray, n: int) -> TopLogprobs:
+    """Host TopLogprobs of raw logits [R', V] whose sampled tokens are token_ids."""
+    m = raw.max(axis=1, keepdims=True)
     m[~np.isfinite(m)] = 0.0
-    lp = x - m
+    lp = raw - m
     lp -= np.log(np.exp(lp).sum(axis=1, keepdims=True))
-    sampled = token_ids[rows]
-    sampled_lp = lp[np.arange(rows.size), sampled]
-    sampled_rank = (lp > sampled_lp[:, None]).sum(axis=1) + 1
-    n = min(max(params[r].logprobs for r in rows), lp.shape[1])
-    top = np.zeros((rows.size, 0), dtype=np.int64)
-    if n > 0:
-        top = np.argpartition(-lp, n - 1, axis=1)[:, :n]
-        top_lp = np.take_along_axis(lp, top, axis=1)
-        order = np.argsort(-top_lp, axis=1, kind="stable")
-        top = np.take_along_axis(top, order, axis=1)
-        top_lp = np.take_along_axis(top_lp, order, axis=1)
-        # every token more likely than a top-n token is in the top n, so its rank is the position
-        # of the first token with the same logprob
-        starts = np.ones(top_lp.shape, dtype=bool)
-        starts[:, 1:] = top_lp[:, 1:] != top_lp[:, :-1]
-        top_rank = np.maximum.accumulate(np.where(starts, np.arange(n), 0), axis=1) + 1
+    sampled = lp[np.arange(lp.shape[0]), token_ids]
+    rank = (lp > sampled[:, None]).sum(axis=1) + 1
+    top = np.argpartition(-lp, n - 1, axis=1)[:, :n] if n > 0 else np.zeros((lp.shape[0], 0), dtype=np.int64)
+    top_lp = np.take_along_axis(lp, top, axis=1)
+    order = np.argsort(-top_lp, axis=1, kind="stable")
+    return TopLogprobs(sampled, rank, np.take_along_axis(top, order, axis=1), np.take_along_axis(top_lp, order, axis=1))
+
+
+def _logprob_dicts(rows: np.ndarray, params: list[SamplingParams], token_ids: np.ndarray,
+                   t: TopLogprobs) -> list[dict[int, tuple[float, int]] | None]:
+    """SamplerOutput.logprobs: per asking row {token: (logprob, rank)} for its sampled token and its top tokens."""
+    out: list[dict[int, tuple[float, int]] | None] = [None] * len(params)
+    n = t.top.shape[1]
+    # every token more likely than a top-n token is in the top n, so its rank is the position of the first
+    # token with the same logprob
+    starts = np.ones(t.top.shape, dtype=bool)
+    starts[:, 1:] = t.top[:, 1:] != t.top[:, :-1]
+    top_rank = np.maximum.accumulate(np.where(starts, np.arange(n), 0), axis=1) + 1
     for i, r in enumerate(rows):
-        d = {int(sampled[i]): (float(sampled_lp[i]), int(sampled_rank[i]))}
-        for j in range(params[r].logprobs):
-            if j < top.shape[1] and np.isfinite(top_lp[i, j]):  # masked vocabulary tail is not a candidate
-                d.setdefault(int(top[i, j]), (float(top_lp[i, j]), int(top_rank[i, j])))
+        d = {int(token_ids[r]): (float(t.sampled[i]), int(t.sampled_rank[i]))}
+        for j in range(min(params[r].logprobs, n)):
+            if np.isfinite(t.top[i, j]):  # masked vocabulary tail is not a candidate
+                d.setdefault(int(t.top_ids[i, j]), (float(t.top[i, j]), int(top_rank[i, j])))
         out[r] = d
     return out
 

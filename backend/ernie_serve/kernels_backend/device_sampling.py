@@ -2,8 +2,9 @@
 the host, instead of R x vocab floats a step.
 
 KernelLogits is the sampler's DeviceLogits for this backend (engine/sampler.py decides per batch whether it may
-sample here: no grammar, logprobs or draft to verify). The penalties and the bad-words / min_tokens masks come as
-the host's LogitEdits, a few (row, token) entries applied here by one gather and one scatter. The draw is the host's "base" method, written
+sample here: no grammar or draft to verify). The penalties and the bad-words / min_tokens masks come as the host's
+LogitEdits, a few (row, token) entries applied here by one gather and one scatter; logprobs leave as TopLogprobs
+(each asking row's sampled logprob and rank, and its top n), not as the log-softmax. The draw is the host's "base" method, written
 once over TensorOps' row-wise ops so that torch and Paddle run the same code: softmax at the row's temperature, a
 descending sort, the top-k / top-p / min-p rule of the sampler's module doc (membership by probability values, ties
 alike), and the inverse CDF over the kept tokens in that order at a uniform the host drew from the row's generator.
@@ -15,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.sampler import DeviceLogits, LogitEdits
+from ..engine.sampler import DeviceLogits, LogitEdits, TopLogprobs
 from .framework import TensorOps
 
 
 class KernelLogits(DeviceLogits):
     def __init__(self, logits: Any, ops: TensorOps):
         self.logits, self.ops = logits, ops
+        self.raw = logits  # logprobs are of the logits before the penalties and masks (edit replaces self.logits)
 
     @property
     def vocab_size(self) -> int:
@@ -41,6 +43,15 @@ class KernelLogits(DeviceLogits):
         v = ops.where(v > 0, v / rep, v * rep) - sub
         v = ops.where(ops.tensor(edits.masked), ops.tensor(np.full(edits.masked.shape, -np.inf, np.float32)), v)
         self.logits = ops.put_rows(flat, keys, v).reshape([rows, vocab])
+
+    def top_logprobs(self, rows: np.ndarray, token_ids: np.ndarray, n: int) -> TopLogprobs:
+        ops = self.ops
+        lp = ops.log_softmax_rows(ops.cast(ops.rows(self.raw, ops.tensor(rows)), "float32"))
+        sampled = ops.take_rows(lp, ops.tensor(token_ids.reshape(-1, 1)))
+        rank = ops.sum_rows(ops.cast(lp > sampled, "int64")) + 1
+        top, top_ids = ops.sort_rows_desc(lp)
+        return TopLogprobs(self._host(sampled), self._host(rank).astype(np.int64),
+                           ops.to_host(top_ids[:, :n]).astype(np.int64), ops.to_host(top[:, :n]))
 
     def argmax(self) -> tuple[np.ndarray, np.ndarray]:
         x = self.ops.cast(self.logits, "float32")

@@ -68,6 +68,9 @@ class TensorOps:
     def softmax_rows(self, t: Any) -> Any:
         raise NotImplementedError
 
+    def log_softmax_rows(self, t: Any) -> Any:
+        raise NotImplementedError
+
     def sort_rows_desc(self, t: Any) -> tuple[Any, Any]:
         """(values, int64 indices), each row in descending order."""
         raise NotImplementedError
@@ -221,6 +224,9 @@ class TorchOps(TensorOps):
     def softmax_rows(self, t):
         return self.torch.softmax(t, dim=1)
 
+    def log_softmax_rows(self, t):
+        return self.torch.log_softmax(t, dim=1)
+
     def sort_rows_desc(self, t):
         return self.torch.sort(t, dim=1, descending=True)
 
@@ -356,6 +362,9 @@ class PaddleOps(TensorOps):
 
     def softmax_rows(self, t):
         return self.paddle.nn.functional.softmax(t, axis=1)
+
+    def log_softmax_rows(self, t):
+        return self.paddle.nn.functional.log_softmax(t, axis=1)
 
     def sort_rows_desc(self, t):
         index = self.paddle.argsort(t, axis=1, descending=True)
