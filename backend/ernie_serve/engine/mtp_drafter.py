@@ -26,7 +26,7 @@ import numpy as np
 from ..model.attention import AttentionMetadata
 from ..sampling_params import GREEDY_EPSILON
 from .request import Request
-from .sampler import draw, sampling_distribution
+from .sampler import DeviceLogits, draw, sampling_distribution
 from .spec_decode import Drafts, StepRow, draft_limit
 from .step_input import StepInput
 
@@ -43,8 +43,9 @@ class DraftHead(Protocol):
         """The head's output hidden states for step.token_ids (x_{t+1}) and hidden (h_t) at step.positions (t),
         writing the head's K/V at step.slot_mapping."""
 
-    def logits(self, hidden: Any) -> np.ndarray:
-        """float32 logits [R, vocab] of hidden states the head produced, on the host."""
+    def logits(self, hidden: Any) -> "np.ndarray | DeviceLogits":
+        """float32 logits [R, vocab] of hidden states the head produced: on the host, or left on the device (a
+        greedy request's draft is then its argmax there; only sampling requests' rows come to the host)."""
 
 
 class MTPDrafter:
@@ -113,15 +114,19 @@ class MTPDrafter:
         return self.head.run(step, h)
 
     @staticmethod
-    def _pick(lg: np.ndarray, reqs: list[Request], drafts: Drafts) -> list[int]:
+    def _pick(lg: "np.ndarray | DeviceLogits", reqs: list[Request], drafts: Drafts) -> list[int]:
         """One draft per request: the argmax for greedy ones, a draw from q (kept) for sampling ones."""
-        tokens = lg.argmax(axis=1).tolist()
         sampling = [i for i, r in enumerate(reqs) if r.sampling_params.temperature >= GREEDY_EPSILON]
-        if sampling:
-            q = sampling_distribution(lg[sampling], [reqs[i].sampling_params for i in sampling])
-            for i, qi in zip(sampling, q):
-                tokens[i] = draw(qi, reqs[i].generator)
-                drafts.probs.setdefault(reqs[i], []).append(qi)
+        if isinstance(lg, DeviceLogits) and not sampling:
+            tokens = lg.argmax()[0].tolist()
+        else:
+            lg = lg.numpy() if isinstance(lg, DeviceLogits) else lg
+            tokens = lg.argmax(axis=1).tolist()
+            if sampling:
+                q = sampling_distribution(lg[sampling], [reqs[i].sampling_params for i in sampling])
+                for i, qi in zip(sampling, q):
+                    tokens[i] = draw(qi, reqs[i].generator)
+                    drafts.probs.setdefault(reqs[i], []).append(qi)
         for req, tok in zip(reqs, tokens):
             drafts.token_ids.setdefault(req, []).append(tok)
         return tokens

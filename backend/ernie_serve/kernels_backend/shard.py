@@ -75,7 +75,7 @@ class KernelShard:
 
 class KernelDraftHead:
     """The MTP head on the kernels backend (engine/mtp_drafter.DraftHead): runs eagerly over the shard's step
-    buffers and cache; only the drafts' logits come to the host."""
+    buffers and cache; its logits stay on the device (greedy drafts are their argmax there)."""
 
     def __init__(self, shard: KernelShard):
         self.shard = shard
@@ -89,5 +89,5 @@ class KernelDraftHead:
         s = self.shard
         return s.model.mtp_forward(s.buffers.fill(step, s.block_size), hidden, s.cache)
 
-    def logits(self, hidden: Any) -> np.ndarray:
-        return self.shard.ops.to_host(self.shard.model.compute_logits(hidden))
+    def logits(self, hidden: Any) -> KernelLogits:
+        return KernelLogits(self.shard.model.compute_logits(hidden), self.shard.ops)
