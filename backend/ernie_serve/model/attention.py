@@ -85,6 +85,13 @@ def native_seqs(meta: AttentionMetadata) -> int:
     return meta.num_decodes
 
 
+def native_seq_count(x: paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache | None) -> int:
+    """native_seqs where cpu_attention.c can read the cache at all (a float32 cache, x on the host); else 0."""
+    if cache is None or cache.quant is not None or not cpu_ops.serves(x):
+        return 0
+    return meta.derive("native_seqs", native_seqs)
+
+
 def _decode_batch(meta: AttentionMetadata) -> _DecodeBatch:
     n = meta.num_decodes
     q_lens, ctx_lens = meta.query_lens[:n], meta.seq_lens[:n]
@@ -119,8 +126,7 @@ def paged_attention(
     """q [T, nh, hd], k/v [T, nkv, hd] for the step's new tokens -> [T, nh*hd]."""
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
-    native = cache is not None and cache.quant is None and cpu_ops.serves(q)
-    n = meta.derive("native_seqs", native_seqs) if native else 0
+    n = native_seq_count(q, meta, cache)
     plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None, n))
     nh, hd = q.shape[1], q.shape[2]
     outs = []

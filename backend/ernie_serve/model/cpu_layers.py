@@ -20,8 +20,8 @@ import logging
 import numpy as np
 import paddle
 
-from ..cpu_kernels import build, cpu_gemm, cpu_layer, cpu_ops
-from .attention import native_seqs
+from ..cpu_kernels import build, cpu_gemm, cpu_layer
+from .attention import native_seq_count
 from .attention_metadata import AttentionMetadata
 from .host_tensor import empty_host
 from .kv_cache import PagedKVCache
@@ -58,9 +58,8 @@ class CpuDecoderStack:
 
     def serves(self, x: paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache | None) -> bool:
         """Whether this step's layers can run here (else the Python layers run it)."""
-        return (cache is not None and cache.quant is None and meta.slot_mapping is not None
-                and meta.block_tables is not None and cpu_ops.serves(x) and len(cache.k) >= len(self._layers)
-                and meta.derive("native_seqs", native_seqs) == len(meta.seq_lens))
+        return (meta.slot_mapping is not None and meta.block_tables is not None
+                and native_seq_count(x, meta, cache) == len(meta.seq_lens) and len(cache.k) >= len(self._layers))
 
     def __call__(self, x: paddle.Tensor, positions: paddle.Tensor, meta: AttentionMetadata,
                  cache: PagedKVCache) -> paddle.Tensor:
