@@ -133,3 +133,17 @@ def test_penalties_and_masks_are_applied_on_the_device_as_on_the_host(framework,
     want = Sampler("base")(logits, _penalized_batch(seed))
     assert _Copies.copies == 0
     assert got.token_ids[:5].tolist() == want.token_ids[:5].tolist() and got.errors == want.errors == {5: NO_TOKEN_LEFT}
+
+
+def test_grammar_mask_rows_are_added_on_the_device(framework):
+    ops = make_tensor_ops(framework)
+    logits = np.random.default_rng(4).standard_normal((4, 20)).astype(np.float32)
+    bias = np.zeros((2, 20), np.float32)
+    bias[0, 5:] = NEG_INF
+    bias[1, :19] = NEG_INF
+    dev = KernelLogits(ops.tensor(logits), ops)
+    dev.add_rows(np.array([3, 1]), bias)
+    want = logits.copy()
+    want[[3, 1]] += bias
+    np.testing.assert_array_equal(dev.numpy(), want)
+    assert dev.argmax()[0].tolist()[1] == 19 and dev.argmax()[0].tolist()[3] < 5

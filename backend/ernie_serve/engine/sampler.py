@@ -52,10 +52,11 @@ class SamplingBatch:
 
     @property
     def device_samplable(self) -> bool:
-        """Whether the batch may be sampled where its logits are (DeviceLogits): its rows need only the penalties and
-        token masks (LogitEdits, applied there), the temperature, top-k / top-p / min-p draw or a greedy argmax, and
-        logprobs (TopLogprobs, computed there); no grammar or draft to verify, which need the logits on the host."""
-        return not self.grammars and self.draft_probs is None
+        """Whether the batch may be sampled where its logits are (DeviceLogits): penalties and token masks
+        (LogitEdits), grammar masks (their rows' bias added there), the draw or a greedy argmax, and logprobs
+        (TopLogprobs) all run there; only a draft sampled from q, to verify by the rejection rule, needs the logits on
+        the host."""
+        return self.draft_probs is None
 
     @property
     def greedy_rows(self) -> np.ndarray:
@@ -94,6 +95,10 @@ class DeviceLogits:
 
     def argmax(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's argmax (first index of its largest logit) and largest logit."""
+        raise NotImplementedError
+
+    def add_rows(self, rows: np.ndarray, bias: np.ndarray) -> None:
+        """logits[rows] += bias (host [len(rows), vocab] float32: the grammar masks), in place."""
         raise NotImplementedError
 
     def top_logprobs(self, rows: np.ndarray, token_ids: np.ndarray, n: int) -> "TopLogprobs":
@@ -151,14 +156,18 @@ class Sampler:
 
 
 def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch) -> SamplerOutput:
-    """A device_samplable batch where its logits are: its penalties and masks, then greedy rows' argmax and the
-    others' draws from one uniform each, taken from the row's generator in row order as the host's "base" path takes
+    """A device_samplable batch where its logits are: its penalties and masks, its grammar masks, then greedy rows'
+    argmax and the others' draws from one uniform each, taken from the row's generator in row order as the host's "base" path takes
     them (so a seed reproduces)."""
     params = batch.params
     greedy = batch.greedy_rows
     edits = logit_edits(batch, logits.vocab_size)
     if edits is not None:
         logits.edit(edits)
+    if batch.grammars:
+        rows, bias = grammar_masks(batch.grammars, len(params), logits.vocab_size)
+        if rows.size:
+            logits.add_rows(rows, bias)
     if greedy.all():
         token_ids, row_max = logits.argmax()
     else:

@@ -2,9 +2,10 @@
 the host, instead of R x vocab floats a step.
 
 KernelLogits is the sampler's DeviceLogits for this backend (engine/sampler.py decides per batch whether it may
-sample here: no grammar or draft to verify). The penalties and the bad-words / min_tokens masks come as the host's
-LogitEdits, a few (row, token) entries applied here by one gather and one scatter; logprobs leave as TopLogprobs
-(each asking row's sampled logprob and rank, and its top n), not as the log-softmax. The draw is the host's "base" method, written
+sample here: no sampled draft to verify). The penalties and the bad-words / min_tokens masks come as the host's
+LogitEdits, a few (row, token) entries applied here by one gather and one scatter; a guided row's grammar mask
+comes as its bias row; logprobs leave as TopLogprobs (each asking row's sampled logprob and rank, and its top n),
+not as the log-softmax. The draw is the host's "base" method, written
 once over TensorOps' row-wise ops so that torch and Paddle run the same code: softmax at the row's temperature, a
 descending sort, the top-k / top-p / min-p rule of the sampler's module doc (membership by probability values, ties
 alike), and the inverse CDF over the kept tokens in that order at a uniform the host drew from the row's generator.
@@ -43,6 +44,12 @@ class KernelLogits(DeviceLogits):
         v = ops.where(v > 0, v / rep, v * rep) - sub
         v = ops.where(ops.tensor(edits.masked), ops.tensor(np.full(edits.masked.shape, -np.inf, np.float32)), v)
         self.logits = ops.put_rows(flat, keys, v).reshape([rows, vocab])
+
+    def add_rows(self, rows: np.ndarray, bias: np.ndarray) -> None:
+        ops = self.ops
+        x = ops.cast(self.logits, "float32")
+        index = ops.tensor(rows)
+        self.logits = ops.put_rows(x, index, ops.rows(x, index) + ops.tensor(bias))
 
     def top_logprobs(self, rows: np.ndarray, token_ids: np.ndarray, n: int) -> TopLogprobs:
         ops = self.ops

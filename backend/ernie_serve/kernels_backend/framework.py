@@ -129,7 +129,8 @@ class TensorOps:
         raise NotImplementedError
 
     def put_rows(self, t: Any, index: Any, values: Any) -> Any:
-        """A copy of t with t[index] = values (distinct int64 indices; the sampler's penalties and masks)."""
+        """A copy of t with t[index] = values along the first dimension (distinct int64 indices; the sampler's
+        penalties and masks on flat logits, grammar masks on whole rows)."""
         raise NotImplementedError
 
     def heads(self, fused: Any, col: int, num_heads: int, head_dim: int) -> Any:
