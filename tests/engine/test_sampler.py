@@ -18,7 +18,6 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from ernie_serve.engine import sampler as sampler_module  # noqa: E402
 from ernie_serve.engine.sampler import (  # noqa: E402
     Sampler, SamplingBatch, logit_edits)
-from ernie_serve.engine.guided import GrammarRows  # noqa: E402
 from ernie_serve.sampling_params import SamplingParams  # noqa: E402
 
 METHODS = ["base", "rejection"]
@@ -375,16 +374,3 @@ def test_both_methods_only_draw_from_the_filtered_set(rows, seed: int) -> None:
             z_k = probs[probs >= kth].sum()
             assert p.top_p >= 1 or probs[above].sum() < p.top_p * z_k + 1e-9
             assert probs[toks[r]] >= p.min_p * probs.max() - 1e-9
-
-
-
-def test_only_a_sampled_draft_to_verify_keeps_a_batch_off_the_device() -> None:
-    # penalties and masks travel as LogitEdits, grammar masks as bias rows, logprobs as TopLogprobs; the
-    # rejection rule needs the target's whole distribution next to q
-    batch = make_batch([SamplingParams(temperature=0.7)], outputs=[[1, 2]])
-    batch.draft_tokens, batch.draft_probs = [3], [np.full(8, 1 / 8)]
-    plain = make_batch([SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, min_tokens=5,
-                                       repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),
-                        SamplingParams(temperature=0.0, logprobs=2)], outputs=[[1, 2], []], bad_words=[[[3]], []])
-    plain.grammars = [GrammarRows(None, 1, [])]
-    assert plain.device_samplable and not plain.greedy_rows.all() and not batch.device_samplable

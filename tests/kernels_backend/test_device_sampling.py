@@ -31,11 +31,11 @@ class _Copies(KernelLogits):
         return super().numpy()
 
 
-def _both(framework: str, logits: np.ndarray, params: list[SamplingParams], seed: int = 0):
+def _both(framework: str, logits: np.ndarray, params: list[SamplingParams], seed: int = 0, method: str = "base"):
     ops = make_tensor_ops(framework)
     _Copies.copies = 0
-    dev = Sampler("base")(_Copies(ops.tensor(logits), ops), _batch(params, seed))
-    host = Sampler("base")(logits, _batch(params, seed))
+    dev = Sampler(method)(_Copies(ops.tensor(logits), ops), _batch(params, seed))
+    host = Sampler(method)(logits, _batch(params, seed))
     return dev, host
 
 
@@ -51,8 +51,11 @@ def test_a_greedy_batch_takes_the_hosts_tokens_ties_and_dead_rows_included(frame
     assert _Copies.copies == 0
 
 
+@pytest.mark.parametrize("method", ["base", "rejection"])
 @pytest.mark.parametrize("seed", range(4))
-def test_sampled_rows_draw_the_hosts_tokens_from_the_same_seeds(framework, seed):
+def test_sampled_rows_draw_the_hosts_tokens_from_the_same_seeds(framework, seed, method):
+    """Either method (FD_SAMPLING_CLASS): rejection's rounds take their uniforms from the rows still rejecting,
+    as the host's do, so the generators advance alike."""
     rng = np.random.default_rng(100 + seed)
     v = 300
     logits = (rng.standard_normal((12, v)) * 2.0).astype(np.float32)
@@ -65,7 +68,7 @@ def test_sampled_rows_draw_the_hosts_tokens_from_the_same_seeds(framework, seed)
                                  (1.1, 7, 0.3, 0.1), (0.9, 0, 0.99, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 2, 0.6, 0.5)]]
     draws_dev, draws_host = [], []
     for step in range(25):  # the generators advance together: 25 draws a row
-        dev, host = _both(framework, logits, params, seed=seed * 1000 + step)
+        dev, host = _both(framework, logits, params, seed=seed * 1000 + step, method=method)
         draws_dev.append(dev.token_ids)
         draws_host.append(host.token_ids)
     assert np.array_equal(np.array(draws_dev), np.array(draws_host))
@@ -147,3 +150,106 @@ def test_grammar_mask_rows_are_added_on_the_device(framework):
     want[[3, 1]] += bias
     np.testing.assert_array_equal(dev.numpy(), want)
     assert dev.argmax()[0].tolist()[1] == 19 and dev.argmax()[0].tolist()[3] < 5
+
+
+def _draft_batch(seed: int, q: np.ndarray, drafts: list[int]) -> SamplingBatch:
+    """Eight sampled rows, five verifying a draft from q: two of one request (its generator shared, as a request's
+    rows are in a verification step), a draft outside the row's filtered set, and a row whose q is its target p."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=1)
+              for t, k, p, m in [(0.8, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0), (1.2, 6, 0.9, 0.0), (0.7, 0, 0.8, 0.1),
+                                 (1.0, 3, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.9, 10, 0.95, 0.05)]]
+    batch = _batch(params, seed)
+    batch.generators[1] = batch.generators[0]
+    batch.draft_tokens = [drafts[0], drafts[1], None, drafts[2], drafts[3], None, drafts[4], None]
+    batch.draft_probs = [q[0], q[1], None, q[2], q[3], None, q[4], None]
+    return batch
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sampled_drafts_are_verified_on_the_device_as_on_the_host(framework, seed):
+    from ernie_serve.engine.sampler import sampling_distribution
+
+    ops = make_tensor_ops(framework)
+    rng = np.random.default_rng(seed)
+    v = 40
+    logits = (rng.standard_normal((8, v)) * 2).astype(np.float32)
+    q = rng.dirichlet(np.full(v, 0.5), size=5).astype(np.float32)
+    q[4] = sampling_distribution(logits[6:7], [SamplingParams(temperature=1.0)])[0]  # q == p: residual ~0
+    host_batch = _draft_batch(seed, q, [0, 0, 0, 0, 0])
+    kept = [sampling_distribution(logits[[0, 1, 3, 4, 6]], [host_batch.params[r] for r in (0, 1, 3, 4, 6)])]
+    rejected = int(np.flatnonzero(kept[0][3] == 0)[0])  # outside row 4's top-3: never kept
+    draws_dev, draws_host = [], []
+    for step in range(25):
+        drafts = [int(rng.integers(v)), int(rng.integers(v)), int(rng.integers(v)), rejected, int(rng.integers(v))]
+        _Copies.copies = 0
+        # q crosses as device rows, as DeviceLogits.draft leaves it
+        on_device = [ops.tensor(row.reshape(1, -1)) for row in q]
+        dev = Sampler("base")(_Copies(ops.tensor(logits), ops), _draft_batch(seed * 100 + step, on_device, drafts))
+        host = Sampler("base")(logits, _draft_batch(seed * 100 + step, q, drafts))
+        assert _Copies.copies == 0
+        draws_dev.append(dev.token_ids)
+        draws_host.append(host.token_ids)
+    draws_dev, draws_host = np.array(draws_dev), np.array(draws_host)
+    assert np.array_equal(draws_dev, draws_host)
+    assert (draws_dev[:, 4] != rejected).all()  # a draft outside the set is always replaced
+
+
+def test_drafts_drawn_on_the_device_are_the_hosts_and_their_q_stays_there(framework):
+    from ernie_serve.engine.sampler import draw, row_filters, sampling_distribution
+
+    ops = make_tensor_ops(framework)
+    rng = np.random.default_rng(9)
+    logits = (rng.standard_normal((4, 50)) * 2).astype(np.float32)
+    logits[1, 30:] = NEG_INF
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.6, 5, 1.0, 0.0), (1.5, 0, 0.7, 0.0), (0.9, 8, 0.9, 0.1)]]
+    want_q = sampling_distribution(logits, params)
+    for trial in range(20):
+        u = rng.random(4)
+        rows = np.arange(4)
+        tokens, qs = KernelLogits(ops.tensor(logits), ops).draft(
+            rows, np.array([p.temperature for p in params], np.float32), *row_filters(params, rows, 50), u)
+        assert tokens.tolist() == [draw(q, ui) for q, ui in zip(want_q, u)]
+    assert all(not isinstance(q, np.ndarray) and tuple(q.shape) == (1, 50) for q in qs)
+    np.testing.assert_allclose(np.concatenate([ops.to_host(q) for q in qs]), want_q, rtol=1e-5, atol=1e-7)
+
+
+def test_verification_on_the_device_emits_the_target_distribution(framework):
+    """Drafts from a deliberately different q, verified against p with top-k / top-p filters; 20k trials."""
+    from scipy.stats import chisquare
+
+    from ernie_serve.engine.sampler import filtered_distribution
+
+    ops = make_tensor_ops(framework)
+    rng = np.random.default_rng(0)
+    v, rows = 12, 1000
+    logits = rng.normal(0, 1.5, v).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=1)
+    probs = np.exp(logits / 0.8 - (logits / 0.8).max())
+    target = filtered_distribution((probs / probs.sum())[None], np.array([8]), np.array([0.9]), np.array([0.0]))[0]
+    q = rng.dirichlet(np.ones(v) * 0.7).astype(np.float32)
+    q_row = ops.tensor(q.reshape(1, -1))
+    gen = np.random.default_rng(5)
+    counts = np.zeros(v)
+    for _ in range(20):
+        d = gen.choice(v, size=rows, p=q / q.sum())
+        batch = SamplingBatch(params=[params] * rows, generators=[gen] * rows, prompt_token_ids=[[]] * rows,
+                              output_token_ids=[[]] * rows, eos_token_ids=[None] * rows, bad_words_ids=[[]] * rows,
+                              draft_tokens=d.tolist(), draft_probs=[q_row] * rows)
+        counts += np.bincount(Sampler()(KernelLogits(ops.tensor(np.tile(logits, (rows, 1))), ops), batch).token_ids,
+                              minlength=v)
+    keep = target > 0
+    assert counts[~keep].sum() == 0
+    expected = target[keep].astype(np.float64)
+    _, p_value = chisquare(counts[keep], expected / expected.sum() * counts.sum())
+    assert p_value > 1e-3, (counts, target * counts.sum())
+
+
+@pytest.mark.parametrize("method", ["base", "rejection"])
+def test_a_sampled_row_with_no_token_left_fails_alone(framework, method):
+    logits = np.random.default_rng(2).standard_normal((3, 30)).astype(np.float32)
+    logits[1] = NEG_INF
+    params = [SamplingParams(temperature=0.9, top_p=0.5, seed=1)] * 3
+    dev, host = _both(framework, logits, params, method=method)
+    assert dev.errors == host.errors == {1: NO_TOKEN_LEFT}
+    assert dev.token_ids[[0, 2]].tolist() == host.token_ids[[0, 2]].tolist()

@@ -3,11 +3,14 @@ the head's logits agree, the drafts are the same ones (so the same number accept
 plain decoding, with batching, chunked prefill, preemption, CUDA-graph replays and sampling."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from ernie_serve import SamplingParams
 from ernie_serve.demo.tiny_model import random_mtp_weights, random_weights
+from ernie_serve.paths import demo_data_dir
 from ernie_serve.engine.step_input import StepInput
 from ernie_serve.kernels_backend.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from ernie_serve.model.checkpoint_writer import write_checkpoint
@@ -116,13 +119,26 @@ def test_decode_graph_replays_hand_the_drafter_their_hidden_states(tiny_model_di
     assert shard.graphs.replays > 0
 
 
-def test_sampling_with_mtp_finishes_every_request_and_frees_its_blocks(tiny_model_dir):
-    llm = engine(tiny_model_dir, "kernels", **_mtp(2))
+def test_sampled_drafts_are_drawn_and_verified_on_the_device_as_the_reference_does(tiny_model_dir, monkeypatch):
+    from ernie_serve.kernels_backend.device_sampling import KernelLogits
+
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1)
-    outs = llm.generate(prompt_token_ids=prompts(4096, (7, 18)), sampling_params=params, use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    ref = engine(tiny_model_dir, "reference", skip=False, **_mtp(2))
+    # the demo chats, which the demo head was fitted on: some drafts are kept
+    chats = [json.loads(line) for line in (demo_data_dir() / "chat_demo.jsonl").read_text().splitlines() if line]
+    ids = [ref.engine.tokenizer.apply_chat_template(c["messages"], tokenize=True) for c in chats[:3]]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)]
+    llm = engine(tiny_model_dir, "kernels", **_mtp(2))
+    copies = []
+    numpy = KernelLogits.numpy
+    monkeypatch.setattr(KernelLogits, "numpy", lambda self: (copies.append(1), numpy(self))[1])
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    # the same seeds draw the same drafts, keep the same ones and resample the same residuals
+    assert [o.outputs[0].token_ids for o in outs] == want and not copies
     stats = llm.engine.stats()
-    assert stats["spec_draft_tokens"] > 0 and stats["num_free_blocks"] == llm.engine.kv.pool.num_blocks
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # and some resampled
+    assert stats["num_free_blocks"] == llm.engine.kv.pool.num_blocks
 
 
 def test_a_checkpoint_without_a_head_is_refused_at_start(tmp_path):

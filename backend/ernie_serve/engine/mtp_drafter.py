@@ -15,7 +15,7 @@ request's own temperature / top-k / top-p / min-p, and keep q: the sampler's ver
 the speculative-sampling rule, so the output is distributed exactly as without drafts.
 
 Both execution backends draft the same way: the executor provides the head as a DraftHead (its tensors stay
-on its device; only the drafts' logits come to the host).
+on its device; a device's logits stay there too, and only the draft tokens come to the host).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import numpy as np
 from ..model.attention import AttentionMetadata
 from ..sampling_params import GREEDY_EPSILON
 from .request import Request
-from .sampler import DeviceLogits, draw, sampling_distribution
+from .sampler import DeviceLogits, draw, row_filters, sampling_distribution
 from .spec_decode import Drafts, StepRow, draft_limit
 from .step_input import StepInput
 
@@ -44,8 +44,8 @@ class DraftHead(Protocol):
         writing the head's K/V at step.slot_mapping."""
 
     def logits(self, hidden: Any) -> "np.ndarray | DeviceLogits":
-        """float32 logits [R, vocab] of hidden states the head produced: on the host, or left on the device (a
-        greedy request's draft is then its argmax there; only sampling requests' rows come to the host)."""
+        """float32 logits [R, vocab] of hidden states the head produced: on the host, or left on the device
+        (DeviceLogits: drafts are then drawn there, and sampling requests' q stays there)."""
 
 
 class MTPDrafter:
@@ -115,18 +115,27 @@ class MTPDrafter:
 
     @staticmethod
     def _pick(lg: "np.ndarray | DeviceLogits", reqs: list[Request], drafts: Drafts) -> list[int]:
-        """One draft per request: the argmax for greedy ones, a draw from q (kept) for sampling ones."""
-        sampling = [i for i, r in enumerate(reqs) if r.sampling_params.temperature >= GREEDY_EPSILON]
-        if isinstance(lg, DeviceLogits) and not sampling:
-            tokens = lg.argmax()[0].tolist()
-        else:
-            lg = lg.numpy() if isinstance(lg, DeviceLogits) else lg
-            tokens = lg.argmax(axis=1).tolist()
-            if sampling:
-                q = sampling_distribution(lg[sampling], [reqs[i].sampling_params for i in sampling])
-                for i, qi in zip(sampling, q):
-                    tokens[i] = draw(qi, reqs[i].generator)
-                    drafts.probs.setdefault(reqs[i], []).append(qi)
+        """One draft per request: the argmax for greedy ones, a draw from q (kept) for sampling ones, where the
+        logits are (a device keeps q there too, for the verification a step later)."""
+        sampling = np.array([i for i, r in enumerate(reqs) if r.sampling_params.temperature >= GREEDY_EPSILON],
+                            dtype=np.int64)
+        on_device = isinstance(lg, DeviceLogits)
+        tokens = np.zeros(len(reqs), dtype=np.int64)
+        if sampling.size < len(reqs):
+            tokens = lg.argmax()[0] if on_device else lg.argmax(axis=1)
+        if sampling.size:
+            params = [reqs[i].sampling_params for i in sampling]
+            u = np.array([reqs[i].generator.random() for i in sampling])  # one each, as draw() takes it
+            if on_device:
+                temperature = np.array([p.temperature for p in params], dtype=np.float32)
+                tokens[sampling], qs = lg.draft(sampling, temperature, *row_filters(params, np.arange(len(params)),
+                                                                                    lg.vocab_size), u)
+            else:
+                qs = sampling_distribution(lg[sampling], params)
+                tokens[sampling] = [draw(q, ui) for q, ui in zip(qs, u)]
+            for i, q in zip(sampling, qs):
+                drafts.probs.setdefault(reqs[i], []).append(q)
+        tokens = tokens.tolist()
         for req, tok in zip(reqs, tokens):
             drafts.token_ids.setdefault(req, []).append(tok)
         return tokens

@@ -16,7 +16,7 @@ intersection; that is what lets the rejection method find it without sorting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -46,17 +46,10 @@ class SamplingBatch:
     bad_words_ids: list[list[list[int]]]  # per row: token sequences that must not be produced
     grammars: list[GrammarRows] = field(default_factory=list)  # per guided request (not per row)
     # Rows that verify a draft sampled from a draft distribution q (MTP at temperature > 0): the draft
-    # token and q, per row (None elsewhere). See verify_sampled_drafts.
+    # token and q, per row (None elsewhere): q is a host [V] array, or the [1, V] device row DeviceLogits.draft
+    # left where it was drawn. See verify_sampled_drafts.
     draft_tokens: list[int | None] | None = None
-    draft_probs: list[np.ndarray | None] | None = None
-
-    @property
-    def device_samplable(self) -> bool:
-        """Whether the batch may be sampled where its logits are (DeviceLogits): penalties and token masks
-        (LogitEdits), grammar masks (their rows' bias added there), the draw or a greedy argmax, and logprobs
-        (TopLogprobs) all run there; only a draft sampled from q, to verify by the rejection rule, needs the logits on
-        the host."""
-        return self.draft_probs is None
+    draft_probs: list[Any] | None = None
 
     @property
     def greedy_rows(self) -> np.ndarray:
@@ -77,9 +70,9 @@ class SamplerOutput:
 
 class DeviceLogits:
     """The sampled rows' logits left on the device that computed them (the kernels backend returns these), with
-    the two things the sampler may ask of them there, so that only token ids cross to the host for a batch that is
-    device_samplable; any other batch copies them (numpy()). Row max values come back too: a row whose largest
-    logit is not finite (all -inf, or a NaN) has no token left, as on the host."""
+    what the sampler asks of them there, so that only token ids (and asked-for logprobs) cross to the host. Row
+    max values come back too: a row whose largest logit is not finite (all -inf, or a NaN) has no token left, as on
+    the host."""
 
     @property
     def vocab_size(self) -> int:
@@ -108,7 +101,27 @@ class DeviceLogits:
     def sample(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Tokens of Sampler's "base" method (see the module doc) from the uniforms u, one a row (ignored on greedy
-        rows, which take the argmax), with the filters as _filters gives them, and each row's largest logit."""
+        rows, which take the argmax), with the filters as row_filters gives them, and each row's largest logit."""
+        raise NotImplementedError
+
+    def sample_rejection(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                         min_p: np.ndarray, uniforms: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens of Sampler's "rejection" method (_sample_rejection): each round draws, for the rows still
+        rejecting, one uniform each from uniforms(rows); greedy rows take the argmax. And each row's largest logit."""
+        raise NotImplementedError
+
+    def draft(self, rows: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+              min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+        """A draft model's tokens for `rows` (raw logits, no edits): each drawn in token order at uniform u from q,
+        the row's temperature / top-k / top-p / min-p distribution (sampling_distribution, then draw), and each
+        row's q as a [1, V] row left on the device, for verify to take back a step later."""
+        raise NotImplementedError
+
+    def verify(self, rows: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray, draft_tokens: np.ndarray, draft_probs: list[Any], u_accept: np.ndarray,
+               u_residual: np.ndarray) -> np.ndarray:
+        """verify_sampled_drafts' rule on `rows` of these (edited) logits: keep draft d where
+        u_accept * q(d) < p(d), else draw from max(0, p - q) at u_residual. q: draft's rows (or host arrays)."""
         raise NotImplementedError
 
 
@@ -121,9 +134,7 @@ class Sampler:
 
     def __call__(self, logits: "np.ndarray | paddle.Tensor | DeviceLogits", batch: SamplingBatch) -> SamplerOutput:
         if isinstance(logits, DeviceLogits):
-            if batch.device_samplable:
-                return _sample_on_device(logits, batch)
-            logits = logits.numpy()
+            return _sample_on_device(logits, batch, self.method)
         raw = _as_float32_matrix(logits)
         _check_batch(raw, batch)
         work = raw.copy()
@@ -143,9 +154,9 @@ class Sampler:
         if rows.size:
             probs = _softmax(work[rows], np.array([params[r].temperature for r in rows], dtype=np.float32))
             gens = _generators(batch, rows)
-            top_k, top_p, min_p = _filters(params, rows, probs.shape[1])
-            draw = _sample_sorted if self.method == "base" else _sample_rejection
-            token_ids[rows] = draw(probs, top_k, top_p, min_p, gens)
+            top_k, top_p, min_p = row_filters(params, rows, probs.shape[1])
+            method = _sample_sorted if self.method == "base" else _sample_rejection
+            token_ids[rows] = method(probs, top_k, top_p, min_p, gens)
             if batch.draft_probs is not None:
                 verify_sampled_drafts(token_ids, rows, probs, top_k, top_p, min_p, gens, batch)
         rows, n = _logprob_rows(params, raw.shape[1])
@@ -155,10 +166,11 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
 
 
-def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch) -> SamplerOutput:
-    """A device_samplable batch where its logits are: its penalties and masks, its grammar masks, then greedy rows'
-    argmax and the others' draws from one uniform each, taken from the row's generator in row order as the host's "base" path takes
-    them (so a seed reproduces)."""
+def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch, method: str) -> SamplerOutput:
+    """A batch where its logits are: its penalties and masks, its grammar masks, then greedy rows' argmax and the
+    others' draws by the method (one uniform each for "base", one a round for "rejection"), then the rows verifying
+    a sampled draft the rejection rule from two more, each taken from the row's generator in the order the host
+    takes them (so a seed reproduces)."""
     params = batch.params
     greedy = batch.greedy_rows
     edits = logit_edits(batch, logits.vocab_size)
@@ -172,11 +184,23 @@ def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch) -> SamplerOutp
         token_ids, row_max = logits.argmax()
     else:
         rows = np.flatnonzero(~greedy)
-        u = np.zeros(len(params))
-        u[rows] = [g.random() for g in _generators(batch, rows)]
+        gens = dict(zip(rows.tolist(), _generators(batch, rows)))
         temperature = np.array([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=np.float32)
-        top_k, top_p, min_p = _filters(params, np.arange(len(params)), logits.vocab_size)
-        token_ids, row_max = logits.sample(greedy, temperature, top_k, top_p, min_p, u)
+        top_k, top_p, min_p = row_filters(params, np.arange(len(params)), logits.vocab_size)
+        if method == "rejection":
+            token_ids, row_max = logits.sample_rejection(greedy, temperature, top_k, top_p, min_p,
+                                                         lambda live: np.array([gens[r].random() for r in live]))
+        else:
+            u = np.zeros(len(params))
+            u[rows] = [gens[r].random() for r in rows]
+            token_ids, row_max = logits.sample(greedy, temperature, top_k, top_p, min_p, u)
+        verifying = [r for r in rows if batch.draft_probs is not None and batch.draft_probs[r] is not None]
+        if verifying:
+            v = np.asarray(verifying, dtype=np.int64)
+            u_accept, u_residual = _verify_uniforms(_generators(batch, v))
+            token_ids[v] = logits.verify(v, temperature[v], top_k[v], top_p[v], min_p[v],
+                                         np.array([batch.draft_tokens[r] for r in v], dtype=np.int64),
+                                         [batch.draft_probs[r] for r in v], u_accept, u_residual)
     dead = ~np.isfinite(row_max)
     token_ids = np.where(dead, 0, token_ids).astype(np.int64)
     rows, n = _logprob_rows(params, logits.vocab_size)
@@ -197,7 +221,7 @@ def _generators(batch: SamplingBatch, rows: np.ndarray) -> list[np.random.Genera
     return gens
 
 
-def _filters(params: list[SamplingParams], rows: np.ndarray,
+def row_filters(params: list[SamplingParams], rows: np.ndarray,
              vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rows' top_k, top_p, min_p as the draws take them: top_k 0 (off) when <= 0 or covering the vocabulary,
     top_p at most 1 (1 = off)."""
@@ -369,14 +393,12 @@ def sampling_distribution(logits: np.ndarray, params: list[SamplingParams]) -> n
     """Each row's temperature / top-k / top-p / min-p distribution over raw logits (no penalties or
     masks): what a draft model samples its drafts from (temperature > 0 rows only)."""
     probs = _softmax(np.asarray(logits, dtype=np.float32), np.array([p.temperature for p in params], np.float32))
-    top_k = np.array([p.top_k if 0 < p.top_k < probs.shape[1] else 0 for p in params], dtype=np.int64)
-    return filtered_distribution(probs, top_k, np.array([min(p.top_p, 1.0) for p in params]),
-                                 np.array([p.min_p for p in params]))
+    return filtered_distribution(probs, *row_filters(params, np.arange(len(params)), probs.shape[1]))
 
 
-def draw(weights: np.ndarray, generator: np.random.Generator) -> int:
-    """One token from a row of non-negative weights, with the request's own generator."""
-    return int(_inverse_cdf(weights[None, :], np.array([generator.random()]))[0])
+def draw(weights: np.ndarray, u: float) -> int:
+    """One token from a row of non-negative weights at a uniform u (the request's generator's), in token order."""
+    return int(_inverse_cdf(weights[None, :], np.array([u]))[0])
 
 
 def verify_sampled_drafts(token_ids: np.ndarray, rows: np.ndarray, probs: np.ndarray, top_k: np.ndarray,
@@ -391,16 +413,24 @@ def verify_sampled_drafts(token_ids: np.ndarray, rows: np.ndarray, probs: np.nda
         return
     i = np.asarray(mine)
     target = filtered_distribution(probs[i], top_k[i], top_p[i], min_p[i])
-    for row_p, j in zip(target, i):
+    u_accept, u_residual = _verify_uniforms([gens[j] for j in i])
+    for row_p, j, ua, ur in zip(target, i, u_accept, u_residual):
         r = rows[j]
-        d, q = batch.draft_tokens[r], batch.draft_probs[r]
-        if gens[j].random() * q[d] < row_p[d]:  # u < p(d) / q(d), without dividing by a tiny q(d)
+        d, q = batch.draft_tokens[r], np.asarray(batch.draft_probs[r], dtype=np.float32).reshape(-1)
+        if ua * q[d] < row_p[d]:  # u < p(d) / q(d), without dividing by a tiny q(d)
             token_ids[r] = d
             continue
         residual = np.maximum(row_p - q, 0.0)
         if residual.sum() <= 0:  # p == q up to rounding: rejection has probability ~0; stay exact on p
             residual = row_p
-        token_ids[r] = draw(residual, gens[j])
+        token_ids[r] = draw(residual, ur)
+
+
+def _verify_uniforms(gens: list[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
+    """Each verifying row's two uniforms (accept, residual draw), row by row: both are always drawn, so the host
+    and a device, which decides acceptance where the logits are, advance the generators alike."""
+    u = np.array([(g.random(), g.random()) for g in gens]).reshape(-1, 2)
+    return u[:, 0], u[:, 1]
 
 
 def _kept_sorted(q: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,

@@ -1,19 +1,20 @@
-"""Sampling where the kernels backend computed the logits: only token ids (and each row's largest logit) cross to
-the host, instead of R x vocab floats a step.
+"""Sampling where the kernels backend computed the logits: only token ids (and each row's largest logit, and the
+asked-for logprobs) cross to the host, instead of R x vocab floats a step.
 
-KernelLogits is the sampler's DeviceLogits for this backend (engine/sampler.py decides per batch whether it may
-sample here: no sampled draft to verify). The penalties and the bad-words / min_tokens masks come as the host's
-LogitEdits, a few (row, token) entries applied here by one gather and one scatter; a guided row's grammar mask
-comes as its bias row; logprobs leave as TopLogprobs (each asking row's sampled logprob and rank, and its top n),
-not as the log-softmax. The draw is the host's "base" method, written
-once over TensorOps' row-wise ops so that torch and Paddle run the same code: softmax at the row's temperature, a
-descending sort, the top-k / top-p / min-p rule of the sampler's module doc (membership by probability values, ties
-alike), and the inverse CDF over the kept tokens in that order at a uniform the host drew from the row's generator.
-So a seed draws the same token here as on the host except where float rounding moves a boundary.
+KernelLogits is the sampler's DeviceLogits for this backend (engine/sampler.py samples every batch through it). The
+penalties and the bad-words / min_tokens masks come as the host's LogitEdits, a few (row, token) entries applied
+here by one gather and one scatter; a guided row's grammar mask comes as its bias row; logprobs leave as TopLogprobs
+(each asking row's sampled logprob and rank, and its top n), not as the log-softmax. The draws are the host's
+methods, written once over TensorOps' row-wise ops so that torch and Paddle run the same code: "base" is softmax at
+the row's temperature, a descending sort, the top-k / top-p / min-p rule of the sampler's module doc (membership by
+probability values, ties alike) and the inverse CDF over the kept tokens in that order at a uniform the host drew
+from the row's generator; "rejection" its sort-free rounds. MTP drafts are drawn here from q and q stays here, one
+[1, V] row per draft, until the next step verifies the draft against p by the speculative-sampling rule. So a seed
+draws the same tokens here as on the host except where float rounding moves a boundary.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -69,31 +70,112 @@ class KernelLogits(DeviceLogits):
         ops = self.ops
         x = ops.cast(self.logits, "float32")
         columns = ops.arange(x.shape[1])
-        col = lambda a, dtype: ops.tensor(np.asarray(a).reshape(-1, 1), dtype)  # noqa: E731 (a [R, 1] column)
-        probs = ops.softmax_rows(x / col(temperature, "float32"))
-        u_, min_p_ = col(u, "float64"), col(min_p, "float64")
+        probs = ops.softmax_rows(x / _column(ops, temperature, "float32"))
+        u_ = _column(ops, u, "float64")
         # rows with neither top-k nor top-p draw in token order, unsorted, as the host's do
         p = ops.cast(probs, "float64")
-        plain = self._draw(ops.where(p >= min_p_ * ops.max_rows(p), p, p * 0.0), u_, columns)
+        plain = self._draw(ops.where(p >= _column(ops, min_p, "float64") * ops.max_rows(p), p, p * 0.0), u_, columns)
         # the others on a descending sort
+        q, order, kept = self._kept_sorted(probs, top_k, top_p, min_p)
+        drawn = ops.take_rows(order, self._draw(ops.where(kept, q, q * 0.0), u_, order * 0 + columns))
+        tokens = ops.where(_column(ops, (top_k > 0) | (top_p < 1.0), "bool"), drawn, plain)
+        tokens = ops.where(_column(ops, greedy, "bool"), ops.argmax_rows(x), tokens)
+        return self._host(tokens).astype(np.int64), self._host(ops.max_rows(x))
+
+    def sample_rejection(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                         min_p: np.ndarray, uniforms: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        ops = self.ops
+        x = ops.cast(self.logits, "float32")
+        tokens = self._host(ops.argmax_rows(x)).astype(np.int64)
+        row_max = self._host(ops.max_rows(x))
+        rows = np.flatnonzero(~greedy & np.isfinite(row_max))  # a dead row is reported, not sampled
+        if not rows.size:
+            return tokens, row_max
+        # comparisons in float64 of the float32 probabilities, as the host compares them
+        p = ops.cast(ops.softmax_rows(ops.rows(x, ops.tensor(rows)) / _column(ops, temperature[rows], "float32")),
+                     "float64")
+        zero, columns = p * 0.0, ops.arange(p.shape[1])
+        k = _column(ops, top_k[rows], "int64")
+        z_k = ops.sum_rows(p)
+        if (top_k[rows] > 0).any():  # top-p is measured on the top-k mass: every token at least as probable as the k-th
+            kth = ops.take_rows(ops.sort_rows_desc(p)[0], ops.where(k > 0, k - 1, k))
+            z_k = ops.where(k > 0, ops.sum_rows(ops.where(p >= kth, p, zero)), z_k)
+        top_p_ = _column(ops, top_p[rows], "float64")
+        limit = top_p_ * z_k
+        weights = ops.where(p >= _column(ops, min_p[rows], "float64") * ops.max_rows(p), p, zero)  # the candidates
+        live = np.ones(rows.size, dtype=bool)
+        for _ in range(p.shape[1] + 1):
+            if not live.any():
+                return tokens, row_max
+            u = np.zeros(rows.size)
+            u[live] = uniforms(rows[live])
+            pick = self._draw(weights, _column(ops, u, "float64"), columns)
+            greater = p > ops.take_rows(p, pick)
+            ok = (k == 0) | (ops.sum_rows(ops.cast(greater, "int64")) < k)
+            ok = ok & ((top_p_ >= 1.0) | (ops.sum_rows(ops.where(greater, p, zero)) < limit))
+            accepted = live & self._host(ok).astype(bool)
+            tokens[rows[accepted]] = self._host(pick)[accepted]
+            live &= ~accepted
+            weights = ops.where(greater, weights, zero)  # a rejected row keeps only the tokens above its pick
+        raise RuntimeError(f"rejection sampling did not converge for rows {rows[live].tolist()}")
+
+    def draft(self, rows: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+              min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+        ops = self.ops
+        q = self._filtered(rows, temperature, top_k, top_p, min_p)
+        tokens = self._draw(q, _column(ops, u, "float64"), ops.arange(q.shape[1]))
+        q = ops.cast(q, "float32")  # as the host keeps it
+        return self._host(tokens).astype(np.int64), [q[i:i + 1] for i in range(len(rows))]
+
+    def verify(self, rows: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray, draft_tokens: np.ndarray, draft_probs: list[Any], u_accept: np.ndarray,
+               u_residual: np.ndarray) -> np.ndarray:
+        ops = self.ops
+        p = self._filtered(rows, temperature, top_k, top_p, min_p)
+        q = ops.cast(ops.concat_rows([ops.tensor(np.asarray(d, np.float32).reshape(1, -1))
+                                      if isinstance(d, np.ndarray) else d for d in draft_probs]), "float64")
+        d = _column(ops, draft_tokens, "int64")
+        accept = _column(ops, u_accept, "float64") * ops.take_rows(q, d) < ops.take_rows(p, d)
+        residual = p - q
+        residual = ops.where(residual > 0, residual, residual * 0.0)
+        # p == q up to rounding: a rejection has probability ~0; draw from p to stay exact
+        residual = ops.where(ops.sum_rows(residual) > 0, residual, p)
+        drawn = self._draw(residual, _column(ops, u_residual, "float64"), ops.arange(p.shape[1]))
+        return self._host(ops.where(accept, d, drawn)).astype(np.int64)
+
+    def _kept_sorted(self, probs: Any, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> tuple[Any, Any, Any]:
+        """(probs sorted descending as float64, their token ids, which survive top-k / top-p / min-p): the rule of
+        the sampler's module doc, membership by probability values (ties alike), so `kept` is a prefix."""
+        ops = self.ops
         q32, order = ops.sort_rows_desc(probs)
         q = ops.cast(q32, "float64")
-        idx = order * 0 + columns  # [R, V] column numbers
+        idx = order * 0 + ops.arange(probs.shape[1])  # [R, V] column numbers
         # tokens strictly more probable than each (the first index of its tie group), and their mass
         prev = ops.take_rows(q, ops.where(idx > 0, idx - 1, idx))
         n_greater = ops.cummax_rows(ops.where((q != prev) | (idx == 0), idx, idx * 0))
         mass_greater = ops.take_rows(ops.cumsum_rows(q) - q, n_greater)
-        k, zero = col(top_k, "int64"), q * 0.0
+        k, zero = _column(ops, top_k, "int64"), q * 0.0
         in_k = (k == 0) | (n_greater < k)
         z_k = ops.where(k > 0, ops.sum_rows(ops.where(in_k, q, zero)), ops.sum_rows(q))
-        top_p_ = col(top_p, "float64")
+        top_p_ = _column(ops, top_p, "float64")
         in_p = (top_p_ >= 1.0) | (mass_greater < top_p_ * z_k)
-        in_min = q >= min_p_ * q[:, :1]
-        kept = in_k & in_p & in_min
-        drawn = ops.take_rows(order, self._draw(ops.where(kept, q, zero), u_, idx))
-        tokens = ops.where(col((top_k > 0) | (top_p < 1.0), "bool"), drawn, plain)
-        tokens = ops.where(col(greedy, "bool"), ops.argmax_rows(x), tokens)
-        return self._host(tokens).astype(np.int64), self._host(ops.max_rows(x))
+        in_min = q >= _column(ops, min_p, "float64") * q[:, :1]
+        return q, order, in_k & in_p & in_min
+
+    def _filtered(self, rows: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                  min_p: np.ndarray) -> Any:
+        """float64 [len(rows), V]: the rows' distributions restricted to their kept sets and renormalized, in token
+        order (the host's filtered_distribution). The kept set is every token at least as probable as its least
+        probable member, so no scatter back from the sorted order is needed."""
+        ops = self.ops
+        x = ops.rows(ops.cast(self.logits, "float32"), ops.tensor(np.asarray(rows, dtype=np.int64)))
+        probs = ops.softmax_rows(x / _column(ops, temperature, "float32"))
+        q, _, kept = self._kept_sorted(probs, top_k, top_p, min_p)
+        n = ops.sum_rows(ops.cast(kept, "int64"))
+        least = ops.take_rows(q, ops.where(n > 0, n - 1, n * 0))
+        p = ops.cast(probs, "float64")
+        p = ops.where(p >= least, p, p * 0.0)
+        return p / ops.sum_rows(p)
 
     def _draw(self, weights: Any, u: Any, idx: Any) -> Any:
         """[R, 1] column of each row's index i with cdf[i-1] <= u * total < cdf[i] (the host's _inverse_cdf): never
@@ -107,3 +189,8 @@ class KernelLogits(DeviceLogits):
 
     def _host(self, t: Any) -> np.ndarray:
         return self.ops.to_host(t).reshape(-1)
+
+
+def _column(ops: TensorOps, a: Any, dtype: str) -> Any:
+    """A host vector as an [R, 1] device column, to broadcast against [R, V] rows."""
+    return ops.tensor(np.asarray(a).reshape(-1, 1), dtype)

@@ -100,6 +100,10 @@ class TensorOps:
         """[1, n] int64."""
         raise NotImplementedError
 
+    def concat_rows(self, ts: Sequence[Any]) -> Any:
+        """[sum R_i, V] from [R_i, V] tensors (the MTP drafts' q rows, gathered for verification)."""
+        raise NotImplementedError
+
     def where(self, cond: Any, a: Any, b: Any) -> Any:
         raise NotImplementedError
 
@@ -252,6 +256,9 @@ class TorchOps(TensorOps):
     def arange(self, n):
         return self.torch.arange(n, device=self.device).reshape(1, n)
 
+    def concat_rows(self, ts):
+        return self.torch.cat(list(ts), dim=0)
+
     def where(self, cond, a, b):
         return self.torch.where(cond, a, b)
 
@@ -391,6 +398,9 @@ class PaddleOps(TensorOps):
 
     def arange(self, n):
         return self.paddle.arange(n, dtype="int64").reshape([1, n]).to(self.place)
+
+    def concat_rows(self, ts):
+        return self.paddle.concat(list(ts), axis=0)
 
     def where(self, cond, a, b):
         return self.paddle.where(cond, a, b)
