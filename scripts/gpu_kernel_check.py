@@ -30,7 +30,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ernie_kernels import fused_moe, rms_norm, weight_only_linear  # noqa: E402
-from ernie_kernels.unified_attention import attention_programs, queries_per_program, unified_attention  # noqa: E402
+from ernie_kernels.unified_attention import (attention_programs, kv_splits, queries_per_program,  # noqa: E402
+                                             unified_attention)
 from ernie_kernels import reference as ref  # noqa: E402
 
 
@@ -130,20 +131,22 @@ def correctness() -> None:
     k8, v8 = F.quantize_kv_static(kc, ks), F.quantize_kv_static(vc, vs)
     for name, kk, vv, sk, sv in (("bf16", t(kc, act=True), t(vc, act=True), None, None),
                                  ("int8 C8", t(k8), t(v8), t(ks), t(vs))):
-        out = attention(t(q, act=True), kk, vv, tables, lens, qsl, sk, sv)
         expect = ref.unified_attention(q, k8 if sk is not None else kc, v8 if sv is not None else vc, tables, lens,
                                        qsl, d ** -0.5, ks if sk is not None else None, vs if sv is not None else None)
-        check(f"unified_attention mixed step {name}", out, expect, tol)
+        for splits in (1, 4):
+            out = attention(t(q, act=True), kk, vv, tables, lens, qsl, sk, sv, num_splits=splits)
+            check(f"unified_attention mixed step {name}" + (f" split-KV {splits}" if splits > 1 else ""), out,
+                  expect, tol)
 
 
 def attention(q, k_cache, v_cache, tables: np.ndarray, lens: np.ndarray, qsl: np.ndarray, k_scale=None,
-              v_scale=None):
+              v_scale=None, num_splits: int = 1):
     """unified_attention with its per-step index data built as the engine builds it."""
     block_q = queries_per_program(q.shape[1] // k_cache.shape[2], int(np.diff(qsl).max()))
     seq, q0 = attention_programs(qsl, block_q)
     out = torch.empty_like(q)
     return unified_attention(q, k_cache, v_cache, out, t(tables), t(lens), t(qsl), t(seq), t(q0), block_q,
-                             q.shape[2] ** -0.5, k_scale, v_scale)
+                             q.shape[2] ** -0.5, k_scale, v_scale, num_splits=num_splits)
 
 
 def _moe_weights(ug: np.ndarray, dn: np.ndarray, method, calib_x: np.ndarray):
@@ -248,6 +251,21 @@ def timing(bw: float) -> None:
     sc = torch.ones(kvh * d, device=DEV, dtype=torch.float32)
     bench(f"unified_attention decode int8 C8 B={b} S={seq}", lambda: ours(k8, v8, sc, sc), None,
           2 * b * seq * kvh * d, bw)
+
+    # split KV: a small batch over long contexts, unsplit and as the engine splits it (2 programs per SM)
+    b, seq = 4, 32768
+    nblk = b * seq // page
+    q = torch.randn(b, hq, d, device=DEV, dtype=ACT)
+    kc = torch.randn(nblk, page, kvh, d, device=DEV, dtype=ACT)
+    vc = torch.randn(nblk, page, kvh, d, device=DEV, dtype=ACT)
+    tables = t(rng.permutation(nblk).astype(np.int32).reshape(b, -1))
+    lens, qsl, out = t(np.full(b, seq, np.int32)), t(np.arange(b + 1, dtype=np.int32)), torch.empty_like(q)
+    seqs, q0 = (t(a) for a in attention_programs(np.arange(b + 1), block_q))
+    splits = kv_splits(int(seqs.shape[0]), kvh, seq, 2 * torch.cuda.get_device_properties(0).multi_processor_count)
+    for n in sorted({1, splits}):
+        bench(f"unified_attention decode bf16 B={b} S={seq} splits={n}",
+              lambda n=n: unified_attention(q, kc, vc, out, tables, lens, qsl, seqs, q0, block_q, d ** -0.5,
+                                            num_splits=n), None, 2 * b * seq * kvh * d * 2, bw)
 
 
 def main() -> int:

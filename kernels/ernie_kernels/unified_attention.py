@@ -14,8 +14,14 @@ so the grid is exact and a padded CUDA-graph batch only changes the arrays. A TI
 cache block size: each position finds its block through the block table, so any block_size works, and
 head_dim need not be a power of two (it is padded and masked). int8 (C8) caches are dequantized as tiles
 are loaded: static channel-wise scales [kv_heads*head_dim] (x = q*s/127) or dynamic per-(block, kv head)
-scales [num_blocks, kv_heads]. No split over the KV length: a long context at small batch runs one
-program per (sequence, KV head), which under-fills a large GPU (vLLM's 3D split-KV variant is the fix).
+scales [num_blocks, kv_heads].
+
+Split KV: a step with few programs and long contexts (a small decode batch) would run one program per
+(sequence, KV head) over the whole context and leave most of a large GPU idle. With num_splits > 1 a third
+grid dimension cuts each program's keys into that many equal runs of whole tiles; each writes its unnormalized
+output with its running max and sum to fp32 scratch, and a second kernel combines them per (token, head)
+(flash-decoding; vLLM's 3D unified attention). `kv_splits` is the policy: only when the step's programs fall
+short of the GPU's, and never below a few tiles a split.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from ernie_kernels._runtime import contiguous, dot_dtype, dtype_name, next_pow2, tl, triton
+from ernie_kernels._runtime import contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, tl, triton
 
 KV_FLOAT, KV_INT8_CHANNEL, KV_INT8_BLOCK = 0, 1, 2
 MIN_ROWS = 16  # tl.dot needs M >= 16 on the GPU
+MAX_SPLITS = 16
+MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in its launch share and combine than it saves
 
 
 @triton.jit
@@ -45,14 +53,15 @@ def _dequant_kv(x, scale_ptr, blk, kvh, offs_d, d_mask, KV_HEADS, HEAD_DIM: tl.c
 
 @triton.jit
 def _unified_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, prog_seq_ptr,
-                              prog_q_ptr, ks_ptr, vs_ptr, sm_scale, KV_HEADS, block_size,
+                              prog_q_ptr, ks_ptr, vs_ptr, part_ptr, ml_ptr, sm_scale, KV_HEADS, block_size,
                               stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch,
                               stride_tb,
                               GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
                               HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, TILE: tl.constexpr,
-                              KV_QUANT: tl.constexpr, DOT: tl.constexpr):
+                              KV_QUANT: tl.constexpr, DOT: tl.constexpr, NUM_SPLITS: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(prog_seq_ptr + pid)
     q0 = tl.load(prog_q_ptr + pid)
     q_start = tl.load(qsl_ptr + seq)
@@ -76,11 +85,16 @@ def _unified_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_PAD], dtype=tl.float32)
     kv_end = context + tl.minimum(q0 + BLOCK_Q, q_len)  # one past the last key any row here sees
+    lo = 0
+    hi = kv_end
+    if NUM_SPLITS > 1:  # this split's run of whole tiles; the last ones may be empty
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), TILE) * TILE
+        lo = tl.minimum(split * per_split, kv_end)
+        hi = tl.minimum(lo + per_split, kv_end)
     offs_t = tl.arange(0, TILE)
-    # Key 0 is in the first tile and every row sees it, so no row's running max stays -inf past it.
-    for start in range(0, kv_end, TILE):
+    for start in range(lo, hi, TILE):
         pos = start + offs_t
-        t_mask = pos < kv_end
+        t_mask = pos < hi
         blk = tl.load(tables_ptr + seq * stride_tb + pos // block_size, mask=t_mask, other=0).to(tl.int64)
         base = blk * stride_cb + (pos % block_size) * stride_ct + kvh * stride_ch
         kv_mask = t_mask[:, None] & d_mask[None, :]
@@ -89,16 +103,45 @@ def _unified_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens
         s = tl.dot(q, tl.trans(k.to(DOT)))
         s = tl.where((pos[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # a row that sees none of these keys yet (a split past its position) keeps max -inf: subtract 0 there
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         v = _dequant_kv(tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0), vs_ptr, blk, kvh,
                         offs_d, d_mask, KV_HEADS, HEAD_DIM, KV_QUANT)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT))
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + q_local)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + q_local)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    else:  # scratch [T, Hq, NUM_SPLITS, HEAD_DIM] and [T, Hq, NUM_SPLITS, 2] (max, sum), combined afterwards
+        slot = ((q_start + q_local) * (KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None] & d_mask[None, :])
+        tl.store(ml_ptr + slot * 2, m_i, mask=row_mask)
+        tl.store(ml_ptr + slot * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                           NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """One (token, head): the splits' partial softmax sums rescaled to their common max."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_mask = offs_d < HEAD_DIM
+    slot = (tok * num_heads + head) * NUM_SPLITS + offs_s
+    m = tl.load(ml_ptr + slot * 2)
+    l = tl.load(ml_ptr + slot * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # an empty split (max -inf) weighs 0
+    acc = tl.load(part_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    out = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def queries_per_program(group: int, max_query_len: int) -> int:
@@ -107,6 +150,17 @@ def queries_per_program(group: int, max_query_len: int) -> int:
     block_g = next_pow2(group)
     rows = MIN_ROWS if max_query_len * block_g <= MIN_ROWS else 64
     return max(1, rows // block_g)
+
+
+def kv_splits(num_programs: int, kv_heads: int, max_seq_len: int, target_programs: int, tile: int = 32) -> int:
+    """How many runs to cut each program's keys into: 1 when the step's num_programs x kv_heads programs reach
+    target_programs (about two per SM) or target_programs is 0 (off); else a power of two up to MAX_SPLITS that
+    brings them near it, keeping at least MIN_TILES_PER_SPLIT tiles of max_seq_len keys a split."""
+    base = max(1, num_programs * kv_heads)
+    if target_programs <= 0 or base >= target_programs:
+        return 1
+    want = min(-(-target_programs // base), max_seq_len // (MIN_TILES_PER_SPLIT * tile), MAX_SPLITS)
+    return 1 << (max(int(want), 1).bit_length() - 1)
 
 
 def attention_programs(query_start_loc: np.ndarray, block_q: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,13 +175,14 @@ def attention_programs(query_start_loc: np.ndarray, block_q: int) -> tuple[np.nd
 
 def unified_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, block_tables: Any, seq_lens: Any,
                       query_start_loc: Any, prog_seq: Any, prog_q: Any, block_q: int, sm_scale: float,
-                      k_scale: Any = None, v_scale: Any = None, tile: int = 32) -> Any:
+                      k_scale: Any = None, v_scale: Any = None, tile: int = 32, num_splits: int = 1) -> Any:
     """Attention of every new token over its sequence's cached keys; writes and returns `out`.
 
     q [T, Hq, D] (any row/head strides, e.g. the q columns of a fused qkv), out [T, Hq, D]; caches
     [num_blocks, block_size, kv_heads, D] float or int8 (then k_scale / v_scale as in the module doc);
     block_tables int32 [B, max_blocks]; seq_lens int32 [B] (tokens each sequence sees after this step);
-    query_start_loc int32 [B+1]; prog_seq / prog_q int32 [P] from attention_programs(..., block_q).
+    query_start_loc int32 [B+1]; prog_seq / prog_q int32 [P] from attention_programs(..., block_q);
+    num_splits: a power of two, from kv_splits (split KV, see the module doc).
     """
     t, hq, d = q.shape
     _, page, kvh, d2 = k_cache.shape
@@ -146,15 +201,26 @@ def unified_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, block_tables
     block_g = next_pow2(group)
     if block_q * block_g < MIN_ROWS:
         raise ValueError(f"block_q={block_q} gives {block_q * block_g} rows a program; use queries_per_program")
+    if num_splits < 1 or num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
     ks = k_scale if quantized else k_cache
     vs = v_scale if quantized else v_cache
     programs = int(prog_seq.shape[0])
-    if t and programs:
-        _unified_attention_kernel[(programs, kvh)](
-            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, prog_seq, prog_q, ks, vs,
-            float(sm_scale), kvh, page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d, HEAD_PAD=max(16, next_pow2(d)), TILE=tile,
-            KV_QUANT=kv_quant, DOT=dot_dtype(dtype_name(q)), num_warps=4)
+    if not (t and programs):
+        return out
+    part = ml = out  # not read without splits
+    if num_splits > 1:
+        part = new_tensor(out, [t, hq, num_splits, d], "float32")
+        ml = new_tensor(out, [t, hq, num_splits, 2], "float32")
+    head_pad = max(16, next_pow2(d))
+    _unified_attention_kernel[(programs, kvh, num_splits)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, prog_seq, prog_q, ks, vs, part, ml,
+        float(sm_scale), kvh, page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d, HEAD_PAD=head_pad, TILE=tile,
+        KV_QUANT=kv_quant, DOT=dot_dtype(dtype_name(q)), NUM_SPLITS=num_splits, num_warps=4)
+    if num_splits > 1:
+        _combine_splits_kernel[(t, hq)](part, ml, out, hq, out.stride(0), out.stride(1),
+                                        NUM_SPLITS=num_splits, HEAD_DIM=d, HEAD_PAD=head_pad, num_warps=4)
     return out
 

@@ -14,4 +14,4 @@ def test_gpu_kernel_check_cpu_smoke(tmp_path):
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_kernel_check.json").read_text())
-    assert report["all_correct"] and len(report["results"]) == 11
+    assert report["all_correct"] and len(report["results"]) == 13

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from ernie_kernels import reference as ref
-from ernie_kernels.unified_attention import attention_programs, queries_per_program, unified_attention
+from ernie_kernels.unified_attention import (MAX_SPLITS, attention_programs, kv_splits, queries_per_program,
+                                             unified_attention)
 from ernie_serve.quantization import formats as F
 
 # (query tokens, tokens seen after the step) per sequence
@@ -30,7 +31,7 @@ def _step(rng, hq, kvh, d, block_size, seqs=MIXED):
     return q, k, v, tables, seq_lens, qsl
 
 
-def _run(fw, q, k, v, tables, seq_lens, qsl, ks=None, vs=None, q_view=None):
+def _run(fw, q, k, v, tables, seq_lens, qsl, ks=None, vs=None, q_view=None, num_splits=1):
     hq, kvh = q.shape[1], k.shape[2]
     block_q = queries_per_program(hq // kvh, int(np.diff(qsl).max()))
     seq, q0 = attention_programs(qsl, block_q)
@@ -38,7 +39,7 @@ def _run(fw, q, k, v, tables, seq_lens, qsl, ks=None, vs=None, q_view=None):
     qt = t(q) if q_view is None else q_view
     out = fw.tensor(np.full(q.shape, np.nan, np.float32))  # every row must be written
     unified_attention(qt, t(k), t(v), out, t(tables), t(seq_lens), t(qsl), t(seq), t(q0), block_q,
-                      q.shape[2] ** -0.5, t(ks), t(vs))
+                      q.shape[2] ** -0.5, t(ks), t(vs), num_splits=num_splits)
     return fw.numpy(out)
 
 
@@ -94,3 +95,45 @@ def test_int8_cache_needs_scales(fw):
     q, k, v, tables, seq_lens, qsl = _step(rng, 4, 2, 32, 16)
     with pytest.raises(ValueError, match="needs k_scale"):
         _run(fw, q, k.astype(np.int8), v.astype(np.int8), tables, seq_lens, qsl)
+
+
+# a small decode batch over long contexts (split KV's case) and the mixed step (splits shorter than some queries'
+# contexts, so a split can hold keys a row does not see yet)
+LONG_DECODES = [(1, 300), (1, 77), (2, 129)]
+
+
+@pytest.mark.parametrize("seqs", [LONG_DECODES, MIXED], ids=["decodes", "mixed"])
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+def test_split_kv_gives_the_unsplit_result(fw, seqs, num_splits):
+    rng = np.random.default_rng(num_splits)
+    q, k, v, tables, seq_lens, qsl = _step(rng, 4, 2, 32, 16, seqs=seqs)
+    got = _run(fw, q, k, v, tables, seq_lens, qsl, num_splits=num_splits)
+    np.testing.assert_allclose(got, ref.unified_attention(q, k, v, tables, seq_lens, qsl, 32 ** -0.5),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, _run(fw, q, k, v, tables, seq_lens, qsl), rtol=1e-5, atol=1e-6)
+
+
+def test_split_kv_over_an_int8_cache_one_kv_head_and_head_dim_24(fw):
+    rng = np.random.default_rng(11)
+    q, k, v, tables, seq_lens, qsl = _step(rng, 4, 1, 24, 16, seqs=LONG_DECODES)
+    (k, ks), (v, vs) = F.quantize_kv_dynamic(k), F.quantize_kv_dynamic(v)
+    got = _run(fw, q, k, v, tables, seq_lens, qsl, ks, vs, num_splits=8)
+    np.testing.assert_allclose(got, ref.unified_attention(q, k, v, tables, seq_lens, qsl, 24 ** -0.5, ks, vs),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_kv_splits_fill_the_gpu_only_when_the_step_does_not():
+    assert kv_splits(num_programs=4, kv_heads=4, max_seq_len=32768, target_programs=264) == 16
+    assert kv_splits(num_programs=16, kv_heads=4, max_seq_len=32768, target_programs=264) == 4  # 5 wanted: 4
+    assert kv_splits(num_programs=128, kv_heads=4, max_seq_len=32768, target_programs=264) == 1  # full already
+    assert kv_splits(num_programs=1, kv_heads=1, max_seq_len=300, target_programs=264) == 2  # >= 4 tiles a split
+    assert kv_splits(num_programs=1, kv_heads=1, max_seq_len=100, target_programs=264) == 1
+    assert kv_splits(num_programs=1, kv_heads=1, max_seq_len=10 ** 6, target_programs=264) == MAX_SPLITS
+    assert kv_splits(num_programs=1, kv_heads=1, max_seq_len=10 ** 6, target_programs=0) == 1  # off
+
+
+def test_num_splits_must_be_a_power_of_two(fw):
+    rng = np.random.default_rng(0)
+    q, k, v, tables, seq_lens, qsl = _step(rng, 4, 2, 32, 16)
+    with pytest.raises(ValueError, match="num_splits must be a power of two"):
+        _run(fw, q, k, v, tables, seq_lens, qsl, num_splits=3)

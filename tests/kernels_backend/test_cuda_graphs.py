@@ -92,3 +92,28 @@ def test_the_runtime_refuses_what_cannot_take_effect(tiny_model_dir, monkeypatch
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="execution_backend='kernels' needs a CUDA GPU"):
         engine(tiny_model_dir, "kernels")
+
+
+def test_split_kv_decodes_eager_and_replayed_give_the_reference_tokens(tiny_model_dir, monkeypatch):
+    """Long contexts at a small batch split their keys (as on a GPU with more SMs than the step has programs),
+    prefill and decodes; the captured graphs split by the longest context a bucket can see, so every replay
+    holds to its capture."""
+    import ernie_kernels.unified_attention as ua
+
+    ids = prompts(4096, (150, 270))
+    kw = dict(max_num_seqs=2, max_model_len=512)
+    want = greedy(engine(tiny_model_dir, "reference", **kw), ids)
+    splits = []
+    launch = ua.unified_attention
+    monkeypatch.setattr(ua, "unified_attention", lambda *a, **k: (splits.append(k["num_splits"]), launch(*a, **k))[1])
+    for graphs in (False, True):
+        llm = engine(tiny_model_dir, "kernels", **kw)
+        shard = llm.engine.runner.executor
+        shard.buffers.split_kv_target = 64  # about what 32 SMs ask for
+        if graphs:
+            shard.graphs = CudaGraphRunner(graph_batch_sizes(2), RerunGraph)
+            shard.graphs.capture_all(shard._fill_padding, shard._graph_forward)
+        splits.clear()
+        assert greedy(llm, ids) == want
+        assert max(splits) > 1
+        assert not graphs or shard.graphs.replays > 0

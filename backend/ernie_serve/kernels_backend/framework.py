@@ -159,6 +159,10 @@ class TensorOps:
         """(free, total) bytes of device memory."""
         raise NotImplementedError
 
+    def multiprocessor_count(self) -> int:
+        """The GPU's SMs (what split-KV attention fills); 0 off a GPU."""
+        return 0
+
     def allocated(self) -> int:
         """Bytes this framework's allocator holds for tensors on the device now."""
         raise NotImplementedError
@@ -298,6 +302,9 @@ class TorchOps(TensorOps):
             raise RuntimeError("device memory figures need a GPU")
         free, total = self.torch.cuda.mem_get_info()
         return int(free), int(total)
+
+    def multiprocessor_count(self):
+        return int(self.torch.cuda.get_device_properties(self.device).multi_processor_count) if self.on_gpu else 0
 
     def allocated(self):
         return int(self.torch.cuda.memory_allocated()) if self.on_gpu else 0
@@ -446,6 +453,9 @@ class PaddleOps(TensorOps):
             raise RuntimeError("device memory figures need a GPU")
         free, total = self.paddle.cuda.mem_get_info()
         return int(free), int(total)
+
+    def multiprocessor_count(self):
+        return int(self.paddle.device.cuda.get_device_properties().multi_processor_count) if self.on_gpu else 0
 
     def allocated(self):
         return int(self.paddle.device.cuda.memory_allocated(0)) if self.on_gpu else 0

@@ -34,6 +34,7 @@ class StepTensors:
     block_q: int
     logit_rows: Any  # [R] int64: rows whose logits are computed
     kv_runs: Any = None  # [R, 4] int32 block runs: only for a C8 cache with dynamic scales
+    kv_splits: int = 1  # split-KV attention: runs each program's keys are cut into
 
 
 class KernelModel:
@@ -124,7 +125,7 @@ class KernelModel:
         kv_write(k, v, cache.k[i], cache.v[i], step.slot_mapping, ks, vs, runs=step.kv_runs)
         out = ops.empty([t, nh, hd], ops.act_dtype)
         unified_attention(q, cache.k[i], cache.v[i], out, step.block_tables, step.seq_lens, step.query_start_loc,
-                          step.prog_seq, step.prog_q, step.block_q, self.scale, ks, vs)
+                          step.prog_seq, step.prog_q, step.block_q, self.scale, ks, vs, num_splits=step.kv_splits)
         return self.linear(out.reshape([t, nh * hd]), layer.o)
 
     def _mlp(self, layer: DeviceLayer, h: Any) -> Any:

@@ -28,7 +28,8 @@ class KernelShard:
         self.model, self.cache, self.ops = model, cache, ops
         self.block_size = cache.block_size
         self.buffers = StepBuffers(ops, max(max_tokens, max_seqs), max_seqs, -(-max_model_len // cache.block_size),
-                                   cfg.num_attention_heads // cfg.num_key_value_heads, cache.dynamic is not None)
+                                   cfg.num_attention_heads // cfg.num_key_value_heads, cache.dynamic is not None,
+                                   cfg.num_key_value_heads, split_kv_target=2 * ops.multiprocessor_count())
         shape = (num_host_blocks, cache.num_layers, 2, cache.block_size, cache.num_kv_heads, cache.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
         self.draft_head = None if model.weights.mtp is None else KernelDraftHead(self)
