@@ -101,10 +101,14 @@ def logit_error(got: np.ndarray, ref: np.ndarray) -> dict:
             "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).mean())}
 
 
-def decode_rate(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int) -> dict:
-    """Decode steps of `batch` running sequences, timed after every prompt is prefilled."""
+def decode_rate(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int, sampled: bool = False) -> dict:
+    """Decode steps of `batch` running sequences, timed after every prompt is prefilled; greedy, or (sampled)
+    seeded top-p sampling with a repetition penalty, all of it on the device."""
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    if sampled:
+        params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=0, max_tokens=steps + 8,
+                                ignore_eos=True)
     rids = [f"rate-{batch}-{i}" for i in range(batch)]
     for rid, s in zip(rids, forced_sequences(vocab, batch, prompt_len)):
         eng.add_request(rid, s, params)
@@ -119,7 +123,7 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int, steps: int, vocab: int) -
     dt = (time.perf_counter() - t0) / steps
     for rid in rids:
         eng.abort_request(rid)
-    return {"batch": batch, "step_ms": dt * 1e3, "tok_s": batch / dt}
+    return {"batch": batch, "step_ms": dt * 1e3, "tok_s": batch / dt, "sampled": sampled}
 
 
 @torch.no_grad()
@@ -197,6 +201,10 @@ def main() -> None:
                     r["vs_hf_generate"] = r["tok_s"] / report["hf_generate_tok_s"][b]
                     entry["decode"].append(r)
                     log(f"{name} graphs={graphs} batch {b}: {r['tok_s']:.0f} tok/s, {r['step_ms']:.2f} ms/step")
+                if fmt is None and graphs == graph_modes[-1]:  # what sampling on the device costs over greedy
+                    b = batches[len(batches) // 2]
+                    entry["sampled_decode"] = decode_rate(llm, b, prompt_len, steps, vocab, sampled=True)
+                    log(f"{name} graphs={graphs} batch {b} sampled: {entry['sampled_decode']['tok_s']:.0f} tok/s")
                 del llm
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -209,7 +217,7 @@ def main() -> None:
     for name, e in report["formats"].items():
         f = e.get("forced", {})
         rates = {}
-        for r in e["decode"]:
+        for r in e["decode"]:  # greedy rows; sampled_decode is reported in the JSON
             rates.setdefault(r["batch"], {})[r["cuda_graphs"]] = r["tok_s"]
         cells = "  ".join(f"{b}: {v.get(False, 0):.0f}/{v.get(True, 0):.0f}" for b, v in rates.items())
         print(f"{name:<16}{f.get('max_abs_err_rel', float('nan')):>9.4f}{f.get('top1_agreement', float('nan')):>7.2f}  {cells}")

@@ -20,3 +20,4 @@ def test_gpu_check_runs_in_cpu_smoke_mode(tmp_path):
     assert fp32["forced"]["max_abs_err_rel"] < 1e-4 and fp32["forced"]["top1_agreement"] == 1.0
     assert wint8["forced"]["max_abs_err_rel"] < 0.1 and wint8["weight_bytes"] < fp32["weight_bytes"]
     assert [d["batch"] for d in fp32["decode"]] == [1, 2] and all(d["tok_s"] > 0 for d in fp32["decode"])
+    assert fp32["sampled_decode"]["sampled"] and fp32["sampled_decode"]["tok_s"] > 0
