@@ -251,7 +251,8 @@ def test_sigterm_with_streams_in_flight_drains_them_and_ends_the_rest_with_an_er
 
     async def scenario():
         short = [asyncio.ensure_future(_shim_stream(url, 8)) for _ in range(2)]
-        long = [asyncio.ensure_future(_shim_stream(url, 480)) for _ in range(6)]
+        # long enough (max_model_len is 2048) that no box finishes them in the 2 s drain: 480 tokens did, once
+        long = [asyncio.ensure_future(_shim_stream(url, 1900)) for _ in range(6)]
         await asyncio.sleep(0.5)
         while not any("POST /v1/completions" in line for line in server.lines):
             await asyncio.sleep(0.1)
