@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 
@@ -15,3 +16,14 @@ def scrape(server) -> dict[str, float]:
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
     return out
+
+
+def scrape_once_blocks_are_held(server, timeout: float = 10.0) -> dict[str, float]:
+    """A scrape showing KV blocks in use, waited for: the gauges move on the engine thread after each step,
+    so on a loaded box a scrape right after a streamed token can come first."""
+    deadline = time.monotonic() + timeout
+    now = scrape(server)
+    while now["ernie:kv_cache_free_blocks"] == now["ernie:kv_cache_total_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = scrape(server)
+    return now

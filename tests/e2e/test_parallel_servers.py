@@ -14,7 +14,7 @@ from ernie_serve import SamplingParams
 from ernie_serve.serving.launcher import TritonServer, free_port
 
 from conftest import SERVER_SETTINGS
-from e2e_helpers import scrape
+from e2e_helpers import scrape, scrape_once_blocks_are_held
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Tell me about paged attention",
@@ -118,7 +118,8 @@ def test_cancel_mid_stream_on_the_decode_server_frees_blocks_on_both(pd_servers)
     for _ in range(5):
         result, error = seen.get(timeout=60)
         assert error is None, error
-    assert scrape(decode)["ernie:kv_cache_free_blocks"] < scrape(decode)["ernie:kv_cache_total_blocks"]
+    during = scrape_once_blocks_are_held(decode)
+    assert during["ernie:kv_cache_free_blocks"] < during["ernie:kv_cache_total_blocks"]
     client.stop_stream(cancel_requests=True)
     client.close()
     for server in (decode, prefill):

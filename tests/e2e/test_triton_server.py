@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from ernie_client.triton_client import build_inputs, generate, parse_result, stream_generate
 from ernie_serve import SamplingParams
 
-from e2e_helpers import scrape
+from e2e_helpers import scrape, scrape_once_blocks_are_held
 
 pytestmark = pytest.mark.e2e
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -211,13 +211,7 @@ def test_cancel_mid_stream_frees_every_kv_block(triton_server):
     for _ in range(5):
         result, error = seen.get(timeout=60)
         assert error is None, error
-    # the gauges move on the engine thread after each step; on a loaded box a scrape can come first
-    deadline = time.monotonic() + 10
-    during = scrape(triton_server)
-    while during["ernie:kv_cache_free_blocks"] == total and time.monotonic() < deadline:
-        time.sleep(0.1)
-        during = scrape(triton_server)
-    assert during["ernie:kv_cache_free_blocks"] < total
+    assert scrape_once_blocks_are_held(triton_server)["ernie:kv_cache_free_blocks"] < total
     client.stop_stream(cancel_requests=True)
     client.close()
     deadline = time.monotonic() + 20
