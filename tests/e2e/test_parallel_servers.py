@@ -113,7 +113,8 @@ def test_cancel_mid_stream_on_the_decode_server_frees_blocks_on_both(pd_servers)
     client = grpcclient.InferenceServerClient(decode.grpc_url)
     seen: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: seen.put((result, error)))
-    client.async_stream_infer("ernie", build_inputs(text=PROMPTS[2], max_tokens=400, temperature=0),
+    client.async_stream_infer("ernie", build_inputs(text=PROMPTS[2], max_tokens=400, temperature=0,
+                                                    sampling_parameters={"ignore_eos": True}),
                               request_id="to-cancel")
     for _ in range(5):
         result, error = seen.get(timeout=60)

@@ -206,7 +206,8 @@ def test_cancel_mid_stream_frees_every_kv_block(triton_server):
     seen: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: seen.put((result, error)))
     long_prompt = " ".join(["many words make a long prompt"] * 20)
-    client.async_stream_infer("ernie", build_inputs(text=long_prompt, max_tokens=400, temperature=0),
+    client.async_stream_infer("ernie", build_inputs(text=long_prompt, max_tokens=400, temperature=0,
+                                                    sampling_parameters={"ignore_eos": True}),
                               request_id="to-cancel")
     for _ in range(5):
         result, error = seen.get(timeout=60)
