@@ -119,22 +119,38 @@ def test_decode_graph_replays_hand_the_drafter_their_hidden_states(tiny_model_di
     assert shard.graphs.replays > 0
 
 
-def test_sampled_drafts_are_drawn_and_verified_on_the_device_as_the_reference_does(tiny_model_dir, monkeypatch):
+SAMPLED = {
+    "top_p": (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1), "base"),
+    # two completions a prompt, a penalty over prompt + output (drafts included), logprobs, the rejection method
+    "n2_penalty_logprobs_rejection": (SamplingParams(n=2, temperature=0.7, top_k=20, repetition_penalty=1.2,
+                                                     logprobs=2, max_tokens=8, ignore_eos=True, seed=2), "rejection"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLED))
+def test_sampled_drafts_are_drawn_and_verified_on_the_device_as_the_reference_does(case, tiny_model_dir,
+                                                                                    monkeypatch):
     from ernie_serve.kernels_backend.device_sampling import KernelLogits
 
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=1)
+    params, method = SAMPLED[case]
+    monkeypatch.setenv("FD_SAMPLING_CLASS", method)
     ref = engine(tiny_model_dir, "reference", skip=False, **_mtp(2))
     # the demo chats, which the demo head was fitted on: some drafts are kept
     chats = [json.loads(line) for line in (demo_data_dir() / "chat_demo.jsonl").read_text().splitlines() if line]
     ids = [ref.engine.tokenizer.apply_chat_template(c["messages"], tokenize=True) for c in chats[:3]]
-    want = [o.outputs[0].token_ids for o in ref.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)]
+    want = [c for o in ref.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False) for c in o.outputs]
     llm = engine(tiny_model_dir, "kernels", **_mtp(2))
     copies = []
     numpy = KernelLogits.numpy
     monkeypatch.setattr(KernelLogits, "numpy", lambda self: (copies.append(1), numpy(self))[1])
-    outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    got = [c for o in llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False) for c in o.outputs]
     # the same seeds draw the same drafts, keep the same ones and resample the same residuals
-    assert [o.outputs[0].token_ids for o in outs] == want and not copies
+    assert [c.token_ids for c in got] == [c.token_ids for c in want] and not copies
+    if params.logprobs is not None:
+        for g, w in zip(got, want):
+            for gd, wd in zip(g.logprobs, w.logprobs):
+                assert gd.keys() == wd.keys()
+                np.testing.assert_allclose([gd[t].logprob for t in wd], [wd[t].logprob for t in wd], atol=2e-3)
     stats = llm.engine.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]  # and some resampled
