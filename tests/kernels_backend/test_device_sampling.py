@@ -253,3 +253,15 @@ def test_a_sampled_row_with_no_token_left_fails_alone(framework, method):
     dev, host = _both(framework, logits, params, method=method)
     assert dev.errors == host.errors == {1: NO_TOKEN_LEFT}
     assert dev.token_ids[[0, 2]].tolist() == host.token_ids[[0, 2]].tolist()
+
+
+def test_a_batch_without_top_k_or_top_p_sorts_nothing(framework, monkeypatch):
+    ops = make_tensor_ops(framework)
+    sorts = []
+    sort = ops.sort_rows_desc
+    monkeypatch.setattr(ops, "sort_rows_desc", lambda t: (sorts.append(1), sort(t))[1])
+    logits = (np.random.default_rng(6).standard_normal((4, 50)) * 2).astype(np.float32)
+    params = [SamplingParams(temperature=0.9, min_p=0.1, seed=1), SamplingParams(temperature=0.0, top_k=5),
+              SamplingParams(temperature=1.3, seed=2), SamplingParams(temperature=0.6, seed=3)]
+    dev = Sampler("base")(KernelLogits(ops.tensor(logits), ops), _batch(params))
+    assert dev.token_ids.tolist() == Sampler("base")(logits, _batch(params)).token_ids.tolist() and not sorts

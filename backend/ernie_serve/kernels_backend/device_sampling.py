@@ -72,14 +72,17 @@ class KernelLogits(DeviceLogits):
         columns = ops.arange(x.shape[1])
         probs = ops.softmax_rows(x / _column(ops, temperature, "float32"))
         u_ = _column(ops, u, "float64")
-        # rows with neither top-k nor top-p draw in token order, unsorted, as the host's do
-        p = ops.cast(probs, "float64")
-        plain = self._draw(ops.where(p >= _column(ops, min_p, "float64") * ops.max_rows(p), p, p * 0.0), u_, columns)
-        # the others on a descending sort
-        q, order, kept = self._kept_sorted(probs, top_k, top_p, min_p)
-        drawn = ops.take_rows(order, self._draw(ops.where(kept, q, q * 0.0), u_, order * 0 + columns))
-        tokens = ops.where(_column(ops, (top_k > 0) | (top_p < 1.0), "bool"), drawn, plain)
-        tokens = ops.where(_column(ops, greedy, "bool"), ops.argmax_rows(x), tokens)
+        tokens = ops.argmax_rows(x)  # greedy rows keep it
+        needs_sort = (top_k > 0) | (top_p < 1.0)
+        if (~greedy & ~needs_sort).any():  # neither top-k nor top-p: drawn in token order, unsorted, as the host does
+            p = ops.cast(probs, "float64")
+            plain = self._draw(ops.where(p >= _column(ops, min_p, "float64") * ops.max_rows(p), p, p * 0.0), u_,
+                               columns)
+            tokens = ops.where(_column(ops, ~greedy & ~needs_sort, "bool"), plain, tokens)
+        if (~greedy & needs_sort).any():  # the others on a descending sort (a batch without them sorts nothing)
+            q, order, kept = self._kept_sorted(probs, top_k, top_p, min_p)
+            drawn = ops.take_rows(order, self._draw(ops.where(kept, q, q * 0.0), u_, order * 0 + columns))
+            tokens = ops.where(_column(ops, ~greedy & needs_sort, "bool"), drawn, tokens)
         return self._host(tokens).astype(np.int64), self._host(ops.max_rows(x))
 
     def sample_rejection(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
