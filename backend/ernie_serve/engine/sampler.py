@@ -187,16 +187,19 @@ def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch, method: str) -
         gens = dict(zip(rows.tolist(), _generators(batch, rows)))
         temperature = np.array([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=np.float32)
         top_k, top_p, min_p = row_filters(params, np.arange(len(params)), logits.vocab_size)
-        if method == "rejection":
+        verifying = np.zeros(len(params), dtype=bool)
+        if batch.draft_probs is not None:
+            verifying[rows] = [batch.draft_probs[r] is not None for r in rows]
+        if method == "rejection":  # its rounds take uniforms for verifying rows too, as the host's do
             token_ids, row_max = logits.sample_rejection(greedy, temperature, top_k, top_p, min_p,
                                                          lambda live: np.array([gens[r].random() for r in live]))
         else:
             u = np.zeros(len(params))
             u[rows] = [gens[r].random() for r in rows]
-            token_ids, row_max = logits.sample(greedy, temperature, top_k, top_p, min_p, u)
-        verifying = [r for r in rows if batch.draft_probs is not None and batch.draft_probs[r] is not None]
-        if verifying:
-            v = np.asarray(verifying, dtype=np.int64)
+            # verify replaces a verifying row's draw: its uniform is taken as on the host, its draw (a sort) skipped
+            token_ids, row_max = logits.sample(greedy | verifying, temperature, top_k, top_p, min_p, u)
+        if verifying.any():
+            v = np.flatnonzero(verifying)
             u_accept, u_residual = _verify_uniforms(_generators(batch, v))
             token_ids[v] = logits.verify(v, temperature[v], top_k[v], top_p[v], min_p[v],
                                          np.array([batch.draft_tokens[r] for r in v], dtype=np.int64),
