@@ -246,13 +246,15 @@ async def _shim_stream(url: str, max_tokens: int) -> str:
 
 
 def test_sigterm_with_streams_in_flight_drains_them_and_ends_the_rest_with_an_error_event(launch):
-    server = launch("--drain-timeout", "2", openai=True).ready()
+    # Long streams that no box finishes in the 2 s drain: at the suite's max_model_len of 512, six ~500-token
+    # streams once all did. 8000 tokens each is seconds of decoding even for the tiny model on a fast box.
+    server = launch("--drain-timeout", "2", "--max-model-len", "8192", "--num-gpu-blocks-override", "4096",
+                    openai=True).ready()
     url = f"http://127.0.0.1:{server.openai}"
 
     async def scenario():
         short = [asyncio.ensure_future(_shim_stream(url, 8)) for _ in range(2)]
-        # long enough (max_model_len is 2048) that no box finishes them in the 2 s drain: 480 tokens did, once
-        long = [asyncio.ensure_future(_shim_stream(url, 1900)) for _ in range(6)]
+        long = [asyncio.ensure_future(_shim_stream(url, 8000)) for _ in range(6)]
         await asyncio.sleep(0.5)
         while not any("POST /v1/completions" in line for line in server.lines):
             await asyncio.sleep(0.1)
