@@ -22,16 +22,16 @@ def triton_server():
         raise
     yield server
     t0 = time.monotonic()
-    server.stop()
+    code = server.stop()
     seconds = time.monotonic() - t0
     full_log = server.log_tail(400)
     log = "\n".join(line for line in full_log.splitlines() if "Timeout" in line or "unloaded" in line)
     server.cleanup()
     # Idle by now (every test closed its streams, cancelled ones included), so the server must not sit
-    # out its exit timeout waiting for a leaked in-flight request. Not a speed bound: an idle stop takes
-    # ~4 s, a leak always the full exit_timeout.
-    assert "Exit timeout expired" not in full_log and seconds < server.exit_timeout, \
-        f"tritonserver waited out its exit timeout ({seconds:.1f}s): a request stayed in flight\n{log}"
+    # out its exit timeout waiting for a leaked in-flight request: tritonserver logs when it does. The
+    # stop's duration is reported, not bounded (an idle stop takes ~4 s, longer on a loaded box).
+    assert "Exit timeout expired" not in full_log and code == 0, \
+        f"tritonserver exited {code} after {seconds:.1f}s; a request stayed in flight, or it hung\n{log}"
 
 
 @pytest.fixture(scope="session")
