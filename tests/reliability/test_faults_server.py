@@ -294,6 +294,14 @@ def test_a_taken_port_is_refused_before_tritonserver_starts(launch):
     assert "] ready in" not in server.output and not server.leftovers()
 
 
+def test_an_engine_that_refuses_its_config_ends_the_output_with_the_reason(launch):
+    server = launch("--tensor-parallel-size", "8")  # the tiny model has 4 attention heads
+    assert server.proc.wait(WAIT) == 1
+    why = server.output[server.output.rindex("why:"):]
+    assert "model 'ernie_moe': engine failed to start: tensor_parallel_size=8 does not divide" in why, why
+    assert "] ready in" not in server.output and not server.leftovers()
+
+
 def test_another_server_answering_on_the_port_is_not_taken_for_this_one():
     class Impostor(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # a ready tritonserver that is not ours

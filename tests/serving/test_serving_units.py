@@ -483,6 +483,20 @@ def test_cli_rejects_bad_engine_flags_before_starting_anything(capsys):
     assert "max_num_seqs" in capsys.readouterr().err
 
 
+def test_load_failures_reads_the_cause_from_tritonservers_status_table():
+    from ernie_serve.serving.launcher import load_failures
+
+    log = """E1204 model_repository_manager.cc:703] "Invalid argument: ensemble 'ernie' depends on 'ernie_moe'"
+| Model             | Version | Status                                                              |
++-------------------+---------+---------------------------------------------------------------------+
+| ernie             | 1       | READY                                                               |
+| ernie_moe         | 1       | UNAVAILABLE: Internal: TritonModelException: ernie_moe: bad | flag |
+| ernie_tokenizer   | 1       | UNAVAILABLE: Invalid argument: no such file                         |
+error: creating server: Internal - failed to load all models"""
+    assert load_failures(log) == [("ernie_moe", "bad | flag"), ("ernie_tokenizer", "Invalid argument: no such file")]
+    assert load_failures("| ernie | 1 | READY |\nno table here") == []
+
+
 def test_the_health_watch_names_a_dead_stub_even_when_tritonserver_exited_first():
     # a stub's SIGKILL can take tritonserver down before the launcher's watch looks: the message must still name it
     import subprocess

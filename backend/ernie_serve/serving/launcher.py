@@ -95,6 +95,24 @@ def server_env(install: TritonInstall) -> dict[str, str]:
     return env
 
 
+def load_failures(log: str) -> list[tuple[str, str]]:
+    """(model, reason) for each model tritonserver's status table shows UNAVAILABLE: the cause of a failed
+    start, which the log otherwise buries above the table and ends with a generic 'failed to load all models'."""
+    out = []
+    for line in log.splitlines():
+        if not line.lstrip().startswith("|"):
+            continue
+        cells = line.strip().strip("|").split("|", 2)  # model | version | status (which may hold a '|')
+        status = cells[2].strip() if len(cells) == 3 else ""
+        if status.startswith("UNAVAILABLE:"):
+            model = cells[0].strip()
+            reason = status.removeprefix("UNAVAILABLE:").strip()
+            for prefix in ("Internal:", "TritonModelException:", f"{model}:"):
+                reason = reason.removeprefix(prefix).strip()
+            out.append((model, reason))
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -338,7 +356,9 @@ class TritonServer:
         deadline = time.monotonic() + max(timeout, 1.0)
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
+                why = "".join(f"\n  model '{m}': {reason}" for m, reason in load_failures(self.log_tail(400)))
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode} while starting:\n"
+                                   f"{self.log_tail()}" + (f"\nwhy:{why}" if why else ""))
             if self.is_ready():
                 return
             time.sleep(0.25)
