@@ -22,6 +22,7 @@ UINT64_MAX = 2**64 - 1  # the seed tensor is UINT64
 FLOAT32_MAX = 3.4028234663852886e38  # the sampler divides logits by temperature in float32
 # Wide enough for any real use, narrow enough that a float32 logit times or over it stays finite.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's; -100 bans a token, 100 all but forces it
 GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -106,6 +107,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     guided_decoding: GuidedDecodingParams | None = None
+    # token id -> added to its logit before the penalties (vLLM's order); JSON's string keys are accepted
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -144,6 +147,8 @@ class SamplingParams:
             raise ValueError(f"stop may hold at most {MAX_STOP_SEQUENCES} strings, got {len(self.stop)}")
         self.bad_words = _strings("bad_words", self.bad_words)
         self.stop_token_ids = _integers("stop_token_ids", self.stop_token_ids, 0, INT32_MAX)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             setattr(self, name, _flag(name, getattr(self, name)))
         if self.guided_decoding is not None:
@@ -250,6 +255,23 @@ def _json_schema(name: str, value: Any) -> dict:
     except (TypeError, ValueError, UnicodeEncodeError) as e:
         raise ValueError(f"{name} must be plain JSON of valid Unicode text ({type(e).__name__}: {e})") from None
     return value
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias}; ids may be JSON's strings ("123"), as OpenAI clients send them."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {_show(value)}")
+    out = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str):
+            try:
+                token = int(key)
+            except ValueError:  # not an integer, or one past Python's conversion limit: named below
+                pass
+        token = _integer("logit_bias key", token, 0, INT32_MAX, hint=" (a token id)")
+        out[token] = _real(f"logit_bias[{token}]", bias, *LOGIT_BIAS_RANGE)
+    return out
 
 
 def _integers(name: str, value: Any, low: int, high: int) -> list[int]:

@@ -80,6 +80,21 @@ def test_stop_string_truncates_and_is_never_split_across_deltas(engine):
         assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == stop
 
 
+def test_logit_bias_steers_greedy_decoding_and_its_ids_are_checked_against_the_vocabulary(engine):
+    ref = run(engine, [(0, "r", _ids(7), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))])["r"]
+    first = ref.outputs[0].token_ids[0]
+    forced, banned = 1234, {t: -100.0 for t in ref.outputs[0].token_ids}
+    out = run(engine, [(0, "f", _ids(7), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                       logit_bias={str(forced): 100.0})),
+                       (0, "b", _ids(7), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                       logit_bias=banned))])
+    assert out["f"].outputs[0].token_ids == [forced] * 4
+    assert first not in out["b"].outputs[0].token_ids and not set(out["b"].outputs[0].token_ids) & set(banned)
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"logit_bias keys must be token ids in \[0, {vocab}\)"):
+        engine.add_request("oov", _ids(7), SamplingParams(logit_bias={vocab: 1.0}))
+
+
 def test_min_tokens_suppresses_eos(engine):
     eos = engine.eos_token_ids[0]
     p = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, bad_words=[], seed=0)

@@ -1,6 +1,7 @@
 """Sampler: both methods draw exactly the filtered distribution; penalties, masks and logprobs as vLLM."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -186,6 +187,37 @@ def test_a_repetition_penalty_changes_the_greedy_choice() -> None:
     logits = np.array([[3.0, 2.9, NEG_INF]], dtype=np.float32)
     out = Sampler()(logits, make_batch([SamplingParams(temperature=0, repetition_penalty=1.2)], outputs=[[0]]))
     assert out.token_ids.tolist() == [1]
+
+
+def test_logit_bias_is_added_before_the_penalties_as_in_vllm() -> None:
+    logits = np.array([[2.0, -1.0, 0.5, -0.5, 1.5, 0.0]] * 2, dtype=np.float32)
+    params = [SamplingParams(logit_bias={"0": -3.0, 2: 1.5, 5: 0.25}, repetition_penalty=2.0, presence_penalty=0.5),
+              SamplingParams(logit_bias={1: 100.0})]
+    batch = make_batch(params, prompts=[[0], []], outputs=[[2, 3], []], bad_words=[[[5]], []])
+    logit_edits(batch, logits.shape[1]).apply(logits)
+    # row 0: 0: (2-3)*2 = -2 (seen, biased negative); 2: (0.5+1.5)/2 - .5 = .5; 3: -.5*2 - .5 = -1.5;
+    # 5: biased, then banned by bad_words (the mask wins)
+    expected = np.array([[-2.0, -1.0, 0.5, -1.5, 1.5, NEG_INF],
+                         [2.0, 99.0, 0.5, -0.5, 1.5, 0.0]], dtype=np.float32)
+    np.testing.assert_allclose(logits, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_logit_bias_moves_greedy_and_sampled_choices(method: str) -> None:
+    logits = np.tile(np.array([3.0, 2.0, 1.0, 0.0], dtype=np.float32), (400, 1))
+    params = [SamplingParams(temperature=0, logit_bias={3: 3.5})] * 200 + \
+             [SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})] * 200
+    toks = Sampler(method)(logits, make_batch(params)).token_ids
+    assert (toks[:200] == 3).all()  # 0 + 3.5 beats 3.0
+    assert set(toks[200:].tolist()) <= {2, 3} and len(set(toks[200:].tolist())) == 2  # -100 all but bans
+
+
+def test_logit_bias_is_checked_when_the_params_are_built() -> None:
+    assert SamplingParams(logit_bias={"7": 1, 3: -2.5}).logit_bias == {7: 1.0, 3: -2.5}
+    for bad, words in [({"x": 1}, "logit_bias key"), ({-1: 1}, "logit_bias key"), ({1: 100.5}, "logit_bias[1]"),
+                       ({1: float("nan")}, "logit_bias[1]"), ([1, 2], "logit_bias must be an object")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            SamplingParams(logit_bias=bad)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -100,11 +100,12 @@ def test_logprobs_are_computed_on_the_device_from_the_unpenalized_logits(framewo
 
 
 def _penalized_batch(seed: int) -> SamplingBatch:
-    """Every penalty and mask: repetition over prompt + output, frequency / presence over output, a single-token
-    bad word, a two-token bad word whose prefix ends the output, min_tokens masking eos and a stop id; greedy and
-    sampled rows; one row left with no token."""
-    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5),
-              SamplingParams(temperature=0.9, frequency_penalty=0.7, presence_penalty=0.3, seed=1),
+    """Every penalty and mask: a logit bias (on seen, unseen and banned tokens), repetition over prompt + output,
+    frequency / presence over output, a single-token bad word, a two-token bad word whose prefix ends the output,
+    min_tokens masking eos and a stop id; greedy and sampled rows; one row left with no token."""
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={4: 2.5, 30: 6.0, 9: -1.25}),
+              SamplingParams(temperature=0.9, frequency_penalty=0.7, presence_penalty=0.3, seed=1,
+                             logit_bias={6: 50.0, 17: -100.0}),
               SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[7]),
               SamplingParams(temperature=1.2, top_k=5, repetition_penalty=0.8, presence_penalty=-0.5, seed=2),
               SamplingParams(temperature=0.0),

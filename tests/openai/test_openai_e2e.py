@@ -243,6 +243,17 @@ def test_stop_string_ends_the_text_before_it(client):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_forces_a_token_and_an_id_past_the_vocabulary_is_400(client):
+    r = client.completions.create(model="ernie-tiny", prompt="A long story:", max_tokens=3, temperature=0.8,
+                                  logit_bias={"1234": 100})
+    forced = client.completions.create(model="ernie-tiny", prompt="x", max_tokens=1, temperature=0,
+                                       logit_bias={"1234": 100}).choices[0].text
+    assert r.choices[0].text == forced * 3, (r.choices[0].text, forced)
+    with pytest.raises(openai.BadRequestError) as e:  # refused by the engine, which knows the vocabulary
+        client.completions.create(model="ernie-tiny", prompt="x", max_tokens=1, logit_bias={"99999999": 1})
+    assert _err(e.value)["param"] == "logit_bias" and "token ids in [0, " in _err(e.value)["message"]
+
+
 def test_seed_makes_sampling_reproducible(client):
     kw = dict(model="ernie-tiny", prompt="Random words:", max_tokens=10, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=1234, **kw).choices[0].text

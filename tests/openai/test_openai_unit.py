@@ -185,14 +185,14 @@ def test_sampling_fields_reach_triton_tensors_and_json(shim):
     client, _, fake = shim()
     client.chat.completions.create(
         model="ernie", messages=CHAT, max_tokens=2, temperature=0.7, top_p=0.9, seed=5, stop=["zz"],
-        presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True, top_logprobs=2,
+        presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True, top_logprobs=2, logit_bias={"7": 5, "3": -100},
         extra_body={"top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True})
     sent = _sent(fake)
     assert sent["top_p"] == pytest.approx(0.9) and sent["top_k"] == 20 and sent["seed"] == 5
     assert sent["stop_words"] == ["zz"]
     assert sent["sampling_parameters"] == {"min_p": 0.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
                                            "repetition_penalty": 1.1, "min_tokens": 1, "ignore_eos": True,
-                                           "logprobs": 2}
+                                           "logit_bias": {"7": 5.0, "3": -100.0}, "logprobs": 2}
     dtypes = {k: v.dtype for k, v in fake.requests[-1].items()}
     assert dtypes["max_tokens"] == np.int32 and dtypes["seed"] == np.uint64 and dtypes["temperature"] == np.float32
     assert dtypes["stream"] == np.bool_
@@ -342,6 +342,9 @@ def _error(exc: openai.APIStatusError) -> dict:
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e", "f"]}, "stop"),
+    ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias.abc"),
+    ({"messages": CHAT, "logit_bias": {"-4": 1}}, "logit_bias.-4"),
+    ({"messages": CHAT, "logit_bias": {"5": 100.5}}, "logit_bias.5"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
 ])

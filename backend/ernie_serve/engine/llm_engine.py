@@ -239,6 +239,9 @@ class LLMEngine:
         bad_stop = [t for t in p.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad_stop[:3]}")
+        bad_bias = [t for t in p.logit_bias or () if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad_bias[:3]}")
         banned_early = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
         if p.min_tokens > 0 and len(banned_early) >= self.num_output_ids and \
                 banned_early >= set(range(self.num_output_ids)):

@@ -1,7 +1,7 @@
-"""Turns one step's logits into tokens: penalties, masks, greedy / temperature / top-k / top-p / min-p.
+"""Turns one step's logits into tokens: bias, penalties, masks, greedy / temperature / top-k / top-p / min-p.
 
 The pipeline, per row (vectorized over the batch):
-  penalties (repetition, frequency, presence) -> bad words and min_tokens masks -> the guided-decoding
+  logit_bias -> penalties (repetition, frequency, presence) -> bad words and min_tokens masks -> the guided-decoding
   grammar mask (engine/guided.py; eos only where the grammar is complete) -> greedy rows take
   the argmax -> temperature -> top_k -> top_p (on the top-k renormalized distribution) -> min_p
   (relative to the most probable token) -> one inverse-CDF draw from the row's own generator.
@@ -238,29 +238,36 @@ def row_filters(params: list[SamplingParams], rows: np.ndarray,
 
 @dataclass
 class LogitEdits:
-    """The penalties and token masks of a batch as per-(row, token) edits, so the host and a device apply the same
-    ones to whichever copy of the logits they hold: v' = -inf where masked, else (v / rep if v > 0 else v * rep) - sub.
+    """The logit bias, penalties and token masks of a batch as per-(row, token) edits, so the host and a device
+    apply the same ones to whichever copy of the logits they hold: v' = -inf where masked, else
+    (w / rep if w > 0 else w * rep) - sub with w = v + bias.
 
-    vLLM's semantics: the repetition penalty rep over prompt + output tokens (1 where it does not apply), then
-    sub = frequency * count + presence over output tokens, then the bad-words and min_tokens masks."""
+    vLLM's semantics and order: the request's logit_bias, then the repetition penalty rep over prompt + output
+    tokens (1 where it does not apply), then sub = frequency * count + presence over output tokens, then the
+    bad-words and min_tokens masks."""
     rows: np.ndarray  # [N] int64, each (row, token) once
     tokens: np.ndarray  # [N] int64
+    bias: np.ndarray  # [N] float32
     repetition: np.ndarray  # [N] float32
     subtract: np.ndarray  # [N] float32
     masked: np.ndarray  # [N] bool
 
     def apply(self, logits: np.ndarray) -> None:
         """In place on host logits [R, V]."""
-        v = logits[self.rows, self.tokens]
+        v = logits[self.rows, self.tokens] + self.bias
         v = np.where(v > 0, v / self.repetition, v * self.repetition) - self.subtract
         logits[self.rows, self.tokens] = np.where(self.masked, -np.inf, v)
 
 
 def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
-    """The batch's penalties and masks (None when it has none); raises ValueError for a prompt or output id outside
+    """The batch's logit bias, penalties and masks (None when it has none); raises ValueError for a prompt or output id outside
     the vocabulary of a penalized row."""
-    rep_keys, rep_vals, out_keys, mask_keys = [], [], [], []
+    bias_keys, bias_vals, rep_keys, rep_vals, out_keys, mask_keys = [], [], [], [], [], []
     for r, p in enumerate(batch.params):
+        if p.logit_bias:
+            ids = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
+            bias_keys.append(r * vocab + _checked_ids(ids, vocab, "logit_bias"))
+            bias_vals.append(np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)))
         if p.repetition_penalty != 1.0:
             seen = np.unique(np.concatenate([np.asarray(batch.prompt_token_ids[r], dtype=np.int64).ravel(),
                                              np.asarray(batch.output_token_ids[r], dtype=np.int64).ravel()]))
@@ -271,11 +278,15 @@ def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
             out_keys.append(r * vocab + _checked_ids(out, vocab, "output"))
         mask_keys.append(r * vocab + _masked_tokens(batch, r, p, vocab))
     cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
-    rep_k, out_k, mask_k = cat(rep_keys, np.int64), cat(out_keys, np.int64), cat(mask_keys, np.int64)
-    if not (rep_k.size or out_k.size or mask_k.size):
+    bias_k, rep_k = cat(bias_keys, np.int64), cat(rep_keys, np.int64)
+    out_k, mask_k = cat(out_keys, np.int64), cat(mask_keys, np.int64)
+    if not (bias_k.size or rep_k.size or out_k.size or mask_k.size):
         return None
-    keys, inverse = np.unique(np.concatenate([rep_k, out_k, mask_k]), return_inverse=True)
-    n_rep, n_out = rep_k.size, out_k.size
+    keys, inverse = np.unique(np.concatenate([bias_k, rep_k, out_k, mask_k]), return_inverse=True)
+    n_bias, n_rep, n_out = bias_k.size, rep_k.size, out_k.size
+    bias = np.zeros(keys.size, dtype=np.float32)
+    bias[inverse[:n_bias]] = cat(bias_vals, np.float32)
+    inverse = inverse[n_bias:]
     repetition = np.ones(keys.size, dtype=np.float32)
     repetition[inverse[:n_rep]] = cat(rep_vals, np.float32)
     counts = np.bincount(inverse[n_rep:n_rep + n_out], minlength=keys.size).astype(np.float32)
@@ -285,7 +296,7 @@ def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
     subtract = np.where(counts > 0, freq * counts + pres, np.float32(0)).astype(np.float32)
     masked = np.zeros(keys.size, dtype=bool)
     masked[inverse[n_rep + n_out:]] = True
-    return LogitEdits(rows, keys % vocab, repetition, subtract, masked)
+    return LogitEdits(rows, keys % vocab, bias, repetition, subtract, masked)
 
 
 def _masked_tokens(batch: SamplingBatch, r: int, p: SamplingParams, vocab: int) -> np.ndarray:

@@ -2,8 +2,8 @@
 asked-for logprobs) cross to the host, instead of R x vocab floats a step.
 
 KernelLogits is the sampler's DeviceLogits for this backend (engine/sampler.py samples every batch through it). The
-penalties and the bad-words / min_tokens masks come as the host's LogitEdits, a few (row, token) entries applied
-here by one gather and one scatter; a guided row's grammar mask comes as its bias row; logprobs leave as TopLogprobs
+logit bias, penalties and bad-words / min_tokens masks come as the host's LogitEdits, a few (row, token) entries
+applied here by one gather and one scatter; a guided row's grammar mask comes as its bias row; logprobs leave as TopLogprobs
 (each asking row's sampled logprob and rank, and its top n), not as the log-softmax. The draws are the host's
 methods, written once over TensorOps' row-wise ops so that torch and Paddle run the same code: "base" is softmax at
 the row's temperature, a descending sort, the top-k / top-p / min-p rule of the sampler's module doc (membership by
@@ -40,7 +40,7 @@ class KernelLogits(DeviceLogits):
         rows, vocab = int(x.shape[0]), int(x.shape[1])
         flat = x.reshape([-1])
         keys = ops.tensor(edits.rows * vocab + edits.tokens)
-        v = ops.rows(flat, keys)
+        v = ops.rows(flat, keys) + ops.tensor(edits.bias)
         rep, sub = ops.tensor(edits.repetition), ops.tensor(edits.subtract)
         v = ops.where(v > 0, v / rep, v * rep) - sub
         v = ops.where(ops.tensor(edits.masked), ops.tensor(np.full(edits.masked.shape, -np.inf, np.float32)), v)

@@ -20,6 +20,7 @@ INT32_MAX = 2**31 - 1      # max_tokens, min_tokens, top_k and token ids travel 
 SEED_LIMIT = 2**63
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # ernie_serve.sampling_params.REPETITION_PENALTY_RANGE
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]  # ernie_serve.sampling_params.LOGIT_BIAS_RANGE, OpenAI's
 
 
 class _Model(BaseModel):
@@ -84,6 +85,7 @@ class _GenerationFields(_Model):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     bad_words: list[str] | None = None
+    logit_bias: dict[TokenId, LogitBias] | None = None  # JSON's "123" keys are read as token ids
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
