@@ -3,6 +3,7 @@ tritonclient's asyncio gRPC client. The same behaviours against a real tritonser
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 
@@ -342,6 +343,10 @@ def _error(exc: openai.APIStatusError) -> dict:
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e", "f"]}, "stop"),
+    ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"messages": CHAT, "function_call": "auto"}, "function_call"),
+    ({"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": CHAT, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias.abc"),
     ({"messages": CHAT, "logit_bias": {"-4": 1}}, "logit_bias.-4"),
     ({"messages": CHAT, "logit_bias": {"5": 100.5}}, "logit_bias.5"),
@@ -381,6 +386,15 @@ def test_bad_api_key_is_401(shim):
         bad.chat.completions.create(model="ernie", messages=CHAT)
     assert _error(e.value)["code"] == "invalid_api_key"
     assert httpx.get(running.url + "/health").status_code == 200  # health and metrics stay open
+
+
+def test_unknown_fields_are_ignored_and_logged(shim, caplog):
+    _, running, fake = shim()
+    with caplog.at_level(logging.WARNING, logger="ernie_client.openai.app"):
+        r = httpx.post(running.url + "/v1/chat/completions", timeout=20, json={
+            "model": "ernie", "messages": CHAT, "max_tokens": 1, "store": False, "reasoning_effort": "low"})
+    assert r.status_code == 200, r.text
+    assert "/v1/chat/completions: ignored request field(s) reasoning_effort, store" in caplog.text
 
 
 def test_unknown_model_is_404(shim):

@@ -89,9 +89,13 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise bad_request(f"{where}: holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its "
                           "pair); send valid Unicode text", where)
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
+    ignored = sorted(set(data) - set(model.model_fields))
+    if ignored:  # as vLLM: unknown fields do not fail a request, but an operator can see them
+        log.warning("%s: ignored request field(s) %s", request.url.path, ", ".join(ignored))
+    return parsed
 
 
 class ClientGone(Exception):

@@ -132,9 +132,21 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    # Declared only to be refused: ignoring them would answer a different request than the one sent.
+    functions: Any = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
 
     @model_validator(mode="after")
     def _check_chat(self):
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} (OpenAI's legacy function calling) is not supported; send tools and "
+                                  "tool_choice", name)
+        if self.audio is not None or any(m != "text" for m in self.modalities or ()):
+            raise bad_request("only text output is supported: modalities must be [\"text\"] and audio unset",
+                              "audio" if self.audio is not None else "modalities")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         for i, m in enumerate(self.messages):
