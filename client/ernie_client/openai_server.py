@@ -1,7 +1,8 @@
 """`ernie-openai`: the OpenAI-compatible server in front of a Triton serving the `ernie` ensemble.
 
     ernie-openai --triton-url localhost:8001 --port 9000 [--host 127.0.0.1] [--model-name ernie]
-                 [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--request-timeout S]
+                 [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--max-waiting-time S]
+                 [--request-timeout S]
                  [--graceful-shutdown-seconds S]
 """
 from __future__ import annotations
@@ -24,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="require 'Authorization: Bearer KEY' on /v1/* (env ERNIE_OPENAI_API_KEY)")
     p.add_argument("--max-concurrency", type=int, default=512,
                    help="generation requests served at once; more are refused with 429")
+    p.add_argument("--max-waiting-time", type=float, default=None,
+                   help="seconds a request over --max-concurrency waits for a slot before a 408 (-1: no limit; "
+                        "default: refused at once with 429)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take before it is cancelled with 504 (default: no limit)")
     p.add_argument("--graceful-shutdown-seconds", type=float, default=10.0,
@@ -32,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_concurrency < 1:
         p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_waiting_time is not None and args.max_waiting_time <= 0 and args.max_waiting_time != -1:
+        p.error(f"--max-waiting-time must be > 0 seconds or -1 (no limit), got {args.max_waiting_time}")
     if args.graceful_shutdown_seconds < 0:
         p.error(f"--graceful-shutdown-seconds must be >= 0, got {args.graceful_shutdown_seconds}")
     if args.request_timeout is not None and args.request_timeout <= 0:
@@ -42,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(triton_url=args.triton_url, model_name=args.model_name,
                         served_model_name=args.served_model_name, api_key=args.api_key,
-                        max_concurrency=args.max_concurrency, request_timeout=args.request_timeout)
+                        max_concurrency=args.max_concurrency, request_timeout=args.request_timeout,
+                        max_waiting_time=args.max_waiting_time)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,6 +90,7 @@ class FakeCall:
             self.client.requests.append(tensors)
             self._steps = self.client.script(tensors)
             self.client.running += 1
+            self.client.max_running = max(self.client.max_running, self.client.running)
         try:
             item = next(self._steps)
         except StopIteration:
@@ -126,6 +127,7 @@ class FakeTritonClient:
         self.cancelled = 0
         self.cancelled_after_final = 0
         self.running = 0
+        self.max_running = 0  # the most requests running at once
         self.seen_prompts: set[str] = set()
 
     def _check(self):

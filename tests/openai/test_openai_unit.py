@@ -2,6 +2,7 @@
 tritonclient's asyncio gRPC client. The same behaviours against a real tritonserver: test_openai_e2e.py."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import socket
@@ -419,6 +420,26 @@ def test_over_max_concurrency_is_429(shim):
     while fake.running and time.monotonic() < deadline:
         time.sleep(0.05)
     client.completions.create(model="ernie", prompt="y", max_tokens=1)  # the slot came back
+
+
+def test_over_max_concurrency_waits_for_a_slot_with_max_waiting_time_then_408(shim):
+    client, running, fake = shim(FakeTritonClient(step_delay=0.1), max_concurrency=1, max_waiting_time=0.3)
+    with httpx.stream("POST", running.url + "/v1/completions", timeout=20,
+                      json={"model": "ernie", "prompt": "x", "max_tokens": 50, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        with pytest.raises(openai.APIStatusError) as e:  # the stream holds the slot for ~5 s
+            client.completions.create(model="ernie", prompt="y", max_tokens=1)
+        assert e.value.status_code == 408 and _error(e.value)["code"] == "request_timeout"
+    metrics = httpx.get(running.url + "/metrics").text
+    assert 'ernie_openai:requests_rejected_total{status="408"} 1.0' in metrics
+    assert "ernie_openai:requests_waiting 0.0" in metrics
+
+    client, running, fake = shim(FakeTritonClient(step_delay=0.05), max_concurrency=1, max_waiting_time=-1)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # one at a time, the others wait their turn
+        texts = list(pool.map(lambda i: client.completions.create(model="ernie", prompt=f"p{i}", max_tokens=3)
+                              .choices[0].text, range(4)))
+    assert all(texts) and fake.max_running == 1, fake.max_running
 
 
 def test_overloaded_engine_is_429_with_retry_after(shim):

@@ -497,6 +497,21 @@ error: creating server: Internal - failed to load all models"""
     assert load_failures("| ernie | 1 | READY |\nno table here") == []
 
 
+def test_cli_passes_the_shims_flags_on_and_refuses_them_without_the_shim(capsys):
+    from ernie_serve.cli.serve import build_parser, main, openai_flags
+
+    parser = build_parser()
+    args = parser.parse_args(["--openai-port", "9000", "--max-concurrency", "8", "--max-waiting-time", "2.5"])
+    assert openai_flags(parser, args) == ("--max-concurrency", "8", "--max-waiting-time", "2.5")
+    assert openai_flags(parser, parser.parse_args(["--openai-port", "9000"])) == ()
+    for argv, words in [(["--max-waiting-time", "3"], "give --openai-port too"),
+                        (["--openai-port", "9000", "--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+                        (["--openai-port", "9000", "--max-waiting-time", "0"], "--max-waiting-time must be > 0")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_the_health_watch_names_a_dead_stub_even_when_tritonserver_exited_first():
     # a stub's SIGKILL can take tritonserver down before the launcher's watch looks: the message must still name it
     import subprocess

@@ -18,7 +18,10 @@ from ..config import EngineConfig
 # Flags that belong to the launcher, not to the engine.
 SERVER_FLAGS = {"http_port", "grpc_port", "metrics_port", "openai_port", "host", "max_inflight_requests",
                 "engine_instances", "run_dir", "startup_timeout", "state_ttl_seconds", "log_to_console",
-                "restart_on_failure", "drain_timeout", "api_key", "admin_api_key"}
+                "restart_on_failure", "drain_timeout", "api_key", "admin_api_key", "max_concurrency",
+                "max_waiting_time"}
+# The launcher's flags that go on to the OpenAI shim's command line (ernie-openai), under the same names.
+OPENAI_FLAGS = ("max_concurrency", "max_waiting_time")
 HEALTH_CHECK_SECONDS = 0.5
 
 
@@ -31,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-port", type=int, default=8002)
     g.add_argument("--openai-port", type=int, default=None, help="also start the OpenAI shim on this port")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    g.add_argument("--max-concurrency", default=None,
+                   help="the OpenAI shim's generation requests at once (default 512); more are refused with 429, "
+                        "or wait with --max-waiting-time")
+    g.add_argument("--max-waiting-time", default=None,
+                   help="seconds a shim request over --max-concurrency waits for a slot before a 408 (-1: no limit)")
     g.add_argument("--max-inflight-requests", type=int, default=None,
                    help="ensemble max_inflight_requests (needs a tritonserver newer than 2.51)")
     g.add_argument("--engine-instances", type=int, default=None,
@@ -75,11 +83,26 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def openai_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
+    """The shim's flags given to the launcher, checked now by the shim's own parser (not after tritonserver
+    has loaded); refused without --openai-port, where nothing would read them."""
+    given = [(f"--{name.replace('_', '-')}", str(getattr(args, name))) for name in OPENAI_FLAGS
+             if getattr(args, name) is not None]
+    if given and args.openai_port is None:
+        parser.error(f"{', '.join(flag for flag, _ in given)}: only the OpenAI shim reads this; give --openai-port too")
+    if given:
+        from ernie_client.openai_server import parse_args as shim_args
+
+        shim_args(["--port", str(args.openai_port), *(a for pair in given for a in pair)])
+    return tuple(a for pair in given for a in pair)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    openai_args = openai_flags(parser, args)
     try:
         settings = settings_from_args(args)
     except (ValueError, TypeError) as e:
@@ -93,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                               engine_instances=args.engine_instances, max_inflight_requests=args.max_inflight_requests,
                               openai_port=args.openai_port, log_to_console=args.log_to_console,
                               drain_timeout=args.drain_timeout, api_key=args.api_key,
-                              admin_api_key=args.admin_api_key)
+                              admin_api_key=args.admin_api_key, openai_args=openai_args)
     except ValueError as e:
         print(f"ernie-serve: {e}", file=sys.stderr)
         return 2

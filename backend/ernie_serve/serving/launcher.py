@@ -228,7 +228,8 @@ class TritonServer:
                  run_dir: Path | None = None, engine_instances: int | None = None,
                  max_inflight_requests: int | None = None, openai_port: int | None = None,
                  exit_timeout: int = 15, drain_timeout: float = 10.0, api_key: str | None = None,
-                 admin_api_key: str | None = None, extra_args: tuple[str, ...] = (), log_to_console: bool = False):
+                 admin_api_key: str | None = None, extra_args: tuple[str, ...] = (), log_to_console: bool = False,
+                 openai_args: tuple[str, ...] = ()):
         self.settings = dict(settings or {})
         engine_instances = replicas(self.settings, engine_instances)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -244,6 +245,7 @@ class TritonServer:
         self.api_key = api_key
         self.admin_api_key = admin_api_key or secrets.token_urlsafe(24)
         self.extra_args = tuple(extra_args)
+        self.openai_args = tuple(openai_args)  # more ernie-openai flags (--max-concurrency N, ...)
         self.log_to_console = log_to_console
         self.server_id = f"ernie-serve-{uuid.uuid4().hex[:12]}"
         self._server: _Child | None = None
@@ -331,7 +333,7 @@ class TritonServer:
             return
         cmd = [sys.executable, "-m", "ernie_client.openai_server", "--triton-url", self.grpc_url,
                "--host", self.host, "--port", str(self.openai_port),
-               "--graceful-shutdown-seconds", str(self.drain_timeout + 5)]
+               "--graceful-shutdown-seconds", str(self.drain_timeout + 5), *self.openai_args]
         env = server_env(self._install)
         if self.api_key:
             env["ERNIE_OPENAI_API_KEY"] = self.api_key  # not on the command line, where `ps` shows it

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ class ServerConfig:
     api_key: str | None = None
     max_concurrency: int = 512
     request_timeout: float | None = None    # seconds, whole request; None = no limit
+    max_waiting_time: float | None = None   # seconds over max_concurrency waits for a slot; None: 429 at once
 
     @property
     def public_name(self) -> str:
@@ -44,19 +46,53 @@ class ServerConfig:
 
 
 class _Slots:
-    """At most `limit` generation requests at once; the next one is refused (429), never queued."""
+    """At most `limit` generation requests at once. The next one is refused at once (429), or, with
+    `max_wait` (FastDeploy's --max-waiting-time), waits its turn for a slot that many seconds (-1: without
+    limit) and is refused with 408 if none comes. Waiters are served first come, first served."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, metrics: Metrics, max_wait: float | None = None):
+        self.limit, self.max_wait, self.metrics = limit, max_wait, metrics
         self.active = 0
+        self._queue: collections.deque[asyncio.Future] = collections.deque()
 
-    def acquire(self) -> None:
-        if self.active >= self.limit:
+    async def acquire(self) -> None:
+        if self.active < self.limit and not self._queue:
+            self.active += 1
+            return
+        if self.max_wait is None:
+            self.metrics.rejected.labels("429").inc()
             raise OpenAIError(429, f"too many concurrent requests: {self.active} in flight "
                               f"(--max-concurrency {self.limit}); retry later", code="rate_limit_exceeded")
-        self.active += 1
+        turn = asyncio.get_running_loop().create_future()
+        self._queue.append(turn)
+        self.metrics.waiting.inc()
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), None if self.max_wait < 0 else self.max_wait)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            handed = turn.done() and not turn.cancelled()  # a slot came in the same instant
+            if not handed:
+                turn.cancel()
+                self._queue.remove(turn)
+            if isinstance(e, asyncio.CancelledError):
+                if handed:
+                    self.release()  # pass it on
+                raise
+            if handed:
+                return
+            self.metrics.rejected.labels("408").inc()
+            raise OpenAIError(408, f"no slot came free within --max-waiting-time {self.max_wait:g} s "
+                              f"({self.active} requests in flight, --max-concurrency {self.limit}); retry later",
+                              code="request_timeout") from None
+        finally:
+            self.metrics.waiting.dec()
 
     def release(self) -> None:
+        """Hand the slot to the longest waiter, else free it."""
+        while self._queue:
+            turn = self._queue.popleft()
+            if not turn.done():
+                turn.set_result(None)  # the slot passes on: `active` stays
+                return
         self.active -= 1
 
 
@@ -125,7 +161,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> FastAPI:
     backend = backend or TritonBackend(config.triton_url, config.model_name, api_key=config.api_key)
     metrics = Metrics()
-    slots = _Slots(config.max_concurrency)
+    slots = _Slots(config.max_concurrency, metrics, config.max_waiting_time)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -178,7 +214,7 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
     # ------------------------------------------------------------------ generation
     async def serve(request: Request, endpoint: str, jobs: list[Job], states: list[ChoiceState], stream: bool,
                     finish: Callable[[], dict], events: Callable[[Generation, Any], AsyncIterator[str]]):
-        slots.acquire()
+        await slots.acquire()
         started = time.monotonic()
         gen = Generation(backend, jobs, f"{endpoint.rsplit('/', 1)[-1]}-{uuid.uuid4().hex}",
                          config.request_timeout).start()

@@ -9,6 +9,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    408: "timeout_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",

@@ -14,7 +14,9 @@ class Metrics:
         self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.in_flight = Gauge(p + "requests_in_flight", "generation requests being served", registry=r)
-        self.rejected = Counter(p + "requests_rejected", "requests refused over --max-concurrency", registry=r)
+        self.rejected = Counter(p + "requests_rejected", "requests refused over --max-concurrency: at once (429) "
+                                "or after --max-waiting-time for a slot (408)", ["status"], registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "requests waiting for a slot (--max-waiting-time)", registry=r)
         self.disconnects = Counter(p + "client_disconnects", "streams whose client left before the end; "
                                    "their Triton requests were cancelled", registry=r)
         self.timeouts = Counter(p + "request_timeouts", "requests cancelled at --request-timeout", registry=r)
