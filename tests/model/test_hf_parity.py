@@ -38,6 +38,12 @@ CONFIGS = {
     "moe_one_kv_head": dict(MOE, num_key_value_heads=1, tie_word_embeddings=True, moe_num_shared_experts=1,
                             moe_layer_start_index=1, moe_layer_end_index=2),
     "dense_one_kv_head_headdim": dict(BASE, num_key_value_heads=1, tie_word_embeddings=False, head_dim=24),
+    # sizes that are no multiple of a SIMD width or a tile, so the C kernels run their tails (the expert width
+    # stays a multiple of 4: transformers' grouped matmul needs 16-byte strides)
+    "moe_odd_sizes": dict(MOE, hidden_size=68, num_attention_heads=3, num_key_value_heads=1, head_dim=20,
+                          intermediate_size=50, moe_intermediate_size=20, moe_num_experts=5, moe_k=3,
+                          moe_num_shared_experts=1, tie_word_embeddings=False, moe_layer_start_index=1,
+                          moe_layer_end_index=2),
 }
 
 
