@@ -28,6 +28,10 @@ SHAPES = {
                                         tie_word_embeddings=False, head_dim=24),
     "dense_gqa4_headdim80": dict(BASE, architectures=["Ernie4_5ForCausalLM"], num_attention_heads=8,
                                  num_key_value_heads=2, head_dim=80, tie_word_embeddings=False),
+    "moe_odd_sizes": dict(MOE, hidden_size=68, num_attention_heads=3, num_key_value_heads=1, head_dim=20,
+                          intermediate_size=50, moe_intermediate_size=20, moe_num_experts=5, moe_k=3,
+                          moe_num_shared_experts=1, tie_word_embeddings=False, moe_layer_start_index=1,
+                          moe_layer_end_index=2),
 }
 # Every K a multiple of 128 (block_wise_fp8) and of 64 (wint2)
 QUANT = dict(_ARCH, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
