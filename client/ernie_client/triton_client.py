@@ -58,8 +58,10 @@ def build_inputs(text: str | None = None, messages: list[dict] | None = None, to
                  chat_template_kwargs: dict | None = None, sampling_parameters: dict | None = None,
                  stop: list[str] | None = None, bad_words: list[str] | None = None, stream: bool = True,
                  exclude_input_in_output: bool = True, protocol: str = "grpc", return_log_probs: bool | None = None,
-                 skip_parsers: bool | None = None, **scalars: Any) -> list:
-    """InferInputs with the batch dimension the ensemble declares ([1, ...])."""
+                 skip_parsers: bool | None = None, input_token_ids: list[int] | None = None,
+                 **scalars: Any) -> list:
+    """InferInputs with the batch dimension the ensemble declares ([1, ...]). The prompt is `text`,
+    `messages` (a chat) or `input_token_ids` (a tokenized prompt, used as it is)."""
     if protocol == "grpc":
         from tritonclient.grpc import InferInput
     else:
@@ -78,6 +80,8 @@ def build_inputs(text: str | None = None, messages: list[dict] | None = None, to
     for name, value in strings.items():
         if value is not None:
             add(name, "BYTES", np.array([[value.encode("utf-8")]], dtype=np.object_))
+    if input_token_ids is not None:
+        add("input_token_ids", "INT32", np.array([input_token_ids], dtype=np.int32))
     for name, words in (("stop_words", stop), ("bad_words", bad_words)):
         if words:
             add(name, "BYTES", np.array([[w.encode("utf-8") for w in words]], dtype=np.object_))

@@ -63,6 +63,20 @@ def test_http_generate_stream_matches_offline_llm(triton_server, offline_llm):
     assert events[-1]["finish_reason"] == "length"
 
 
+def test_a_tokenized_prompt_gives_what_its_text_gives(triton_server):
+    by_text = generate(triton_server.grpc_url, text=PROMPT, max_tokens=12, temperature=0)
+    ids = by_text.prompt_token_ids
+    by_ids = generate(triton_server.grpc_url, input_token_ids=ids, max_tokens=12, temperature=0)
+    assert by_ids.output_ids == by_text.output_ids and by_ids.text == by_text.text
+    assert by_ids.prompt_token_ids == ids and by_ids.num_input_tokens == len(ids)
+    status, body = http_post(triton_server, "/v2/models/ernie/generate",  # the JSON list for a [-1] INT32 input
+                             {"input_token_ids": ids, "max_tokens": 12, "temperature": 0})
+    assert status == 200 and json.loads(body)["output_ids"] == by_text.output_ids, body
+    status, body = http_post(triton_server, "/v2/models/ernie/generate",
+                             {"input_token_ids": [5, 10**6 % 2**31], "max_tokens": 2})
+    assert status == 400 and "input_token_ids: token ids must be in [0, " in body, body
+
+
 def test_non_streaming_returns_whole_text_once(triton_server, offline_llm):
     want_text, _ = offline_text(offline_llm, PROMPT, 16)
     deltas = list(stream_generate(triton_server.grpc_url, text=PROMPT, max_tokens=16, temperature=0, stream=False))

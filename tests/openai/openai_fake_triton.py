@@ -12,7 +12,7 @@ import json
 import numpy as np
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, triton_to_np_dtype
 
-_IN = [("text_input", "TYPE_STRING", [1]), ("max_tokens", "TYPE_INT32", [1]), ("stream", "TYPE_BOOL", [1]),
+_IN = [("text_input", "TYPE_STRING", [1]), ("input_token_ids", "TYPE_INT32", [-1]), ("max_tokens", "TYPE_INT32", [1]), ("stream", "TYPE_BOOL", [1]),
        ("temperature", "TYPE_FP32", [1]), ("top_p", "TYPE_FP32", [1]), ("top_k", "TYPE_INT32", [1]),
        ("seed", "TYPE_UINT64", [1]), ("stop_words", "TYPE_STRING", [-1]), ("bad_words", "TYPE_STRING", [-1]),
        ("exclude_input_in_output", "TYPE_BOOL", [1]), ("return_num_input_tokens", "TYPE_BOOL", [1]),
@@ -160,6 +160,8 @@ class FakeTritonClient:
         if "messages" in t:
             messages = json.loads(_str(t["messages"]))
             prompt = " ".join(str(m.get("content") or "") for m in messages)
+        elif "input_token_ids" in t:
+            prompt = " ".join(f"t{i}" for i in t["input_token_ids"].reshape(-1))
         else:
             prompt = _str(t["text_input"])
         max_tokens = int(t["max_tokens"].reshape(-1)[0]) if "max_tokens" in t else sp.get("max_tokens", 16) or 40

@@ -254,6 +254,17 @@ def test_logit_bias_forces_a_token_and_an_id_past_the_vocabulary_is_400(client):
     assert _err(e.value)["param"] == "logit_bias" and "token ids in [0, " in _err(e.value)["message"]
 
 
+def test_a_token_id_prompt_completes_as_its_text_does(client):
+    by_text = client.completions.create(model="ernie-tiny", prompt="A long story:", max_tokens=8, temperature=0,
+                                        extra_body={"return_token_ids": True}).choices[0]
+    ids = by_text.model_extra["prompt_token_ids"]
+    by_ids = client.completions.create(model="ernie-tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.text and by_ids.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:  # refused by Triton's tokenizer model, named as the prompt
+        client.completions.create(model="ernie-tiny", prompt=[5, 99999999], max_tokens=1)
+    assert _err(e.value)["param"] == "prompt" and "token ids must be in [0, " in _err(e.value)["message"]
+
+
 def test_seed_makes_sampling_reproducible(client):
     kw = dict(model="ernie-tiny", prompt="Random words:", max_tokens=10, temperature=1.0, top_p=0.95)
     a = client.completions.create(seed=1234, **kw).choices[0].text

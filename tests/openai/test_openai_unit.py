@@ -201,6 +201,21 @@ def test_sampling_fields_reach_triton_tensors_and_json(shim):
     assert fake.requests[-1]["stop_words"].shape == (1,)
 
 
+def test_token_id_prompts_go_to_input_token_ids(shim):
+    client, running, fake = shim()
+    r = client.completions.create(model="ernie", prompt=[[5, 6, 7], [8]], max_tokens=2)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == 4
+    sent = [fake.requests[i] for i in (-2, -1)]
+    assert sorted(x["input_token_ids"].tolist() for x in sent) == [[5, 6, 7], [8]]
+    assert all(x["input_token_ids"].dtype == np.int32 and "text_input" not in x for x in sent)
+    client.completions.create(model="ernie", prompt=[9, 10], max_tokens=1)
+    assert fake.requests[-1]["input_token_ids"].tolist() == [9, 10]
+    for body, param in [({"prompt": [5, -1]}, "prompt"), ({"prompt": [[5], []]}, "prompt[1]"),
+                        ({"prompt": [5, 2**31]}, "prompt"), ({"prompt": [5], "echo": True}, "echo")]:
+        r = httpx.post(running.url + "/v1/completions", json={"model": "ernie", "max_tokens": 1, **body}, timeout=20)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_batched_ensemble_gets_a_leading_batch_dimension(shim):
     client, _, fake = shim(FakeTritonClient(ensemble_config(max_batch_size=8)))
     client.completions.create(model="ernie", prompt="a b", max_tokens=1, stop=["x", "y"])

@@ -53,6 +53,11 @@ def test_tensor_values_override_sampling_parameters_json():
     ({"text_input": s("a"), "sampling_parameters": s('{"nope": 1}')}, "nope"),
     ({"text_input": s("a"), "tools": s("[]"), "chat_template_kwargs": s('{"x": 1}')}, "chat_template_kwargs"),
     ({"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_)}, "text_input"),
+    ({"text_input": s("a"), "input_token_ids": np.array([[5, 6]], np.int32)}, "input_token_ids"),
+    ({"input_token_ids": np.zeros((1, 0), np.int32)}, "input_token_ids"),
+    ({"input_token_ids": np.array([[5, -2]], np.int32)}, "input_token_ids"),
+    ({"input_token_ids": np.array([[5.0]], np.float32)}, "input_token_ids"),
+    ({"input_token_ids": np.array([[5]], np.int32), "tools": s('[{"type": "function"}]')}, "tools"),
 ])
 def test_bad_requests_raise_invalid_input_naming_the_field(inputs, field):
     with pytest.raises(InvalidInput) as info:
@@ -90,6 +95,18 @@ def tokenizer(tiny_model_dir):
     from ernie_serve.tokenizer import ErnieTokenizer
 
     return ErnieTokenizer.from_pretrained(tiny_model_dir)
+
+
+def test_a_tokenized_prompt_is_used_as_sent_and_checked_against_the_vocabulary(tokenizer):
+    pre = Preprocessor(tokenizer, max_model_len=16)
+    sent = tokenizer.encode("hello world")  # no BOS: exactly these ids reach the engine
+    ids, payload = pre.encode(parse_request({"input_token_ids": np.array([sent], np.int32)}))
+    assert ids == sent and payload["meta"]["echo"] == tokenizer.decode(sent, skip_special_tokens=True)
+    assert not payload["meta"]["is_chat"]
+    with pytest.raises(InvalidInput, match=rf"input_token_ids: token ids must be in \[0, {len(tokenizer)}\)"):
+        pre.encode(parse_request({"input_token_ids": np.array([[5, len(tokenizer)]], np.int32)}))
+    with pytest.raises(InvalidInput, match="input_token_ids: the prompt has 16 tokens but max_model_len is 16"):
+        pre.encode(parse_request({"input_token_ids": np.full((1, 16), 7, np.int32)}))
 
 
 def test_preprocessor_rejects_long_prompts_and_unknown_parsers(tokenizer):

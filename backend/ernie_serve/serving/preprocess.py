@@ -66,6 +66,13 @@ class Preprocessor:
                 raise
             except Exception as e:  # noqa: BLE001 - template errors (jinja, bad kwargs) are the request's fault
                 raise InvalidInput("messages", f"the chat template could not render them: {e}") from None
+        elif req.prompt_token_ids is not None:
+            field = "input_token_ids"
+            ids = req.prompt_token_ids
+            vocab = len(self.tokenizer)
+            if max(ids) >= vocab:
+                raise InvalidInput(field, f"token ids must be in [0, {vocab}) (the tokenizer's vocabulary), got "
+                                          f"{max(ids)}")
         else:
             field = "text_input"
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)
@@ -81,7 +88,7 @@ class Preprocessor:
             "stream": req.stream,
             "is_chat": req.is_chat,
             # vLLM backend semantics: a non-streaming text request echoes its prompt unless excluded
-            "echo": None if (req.stream or req.is_chat or req.exclude_input_in_output) else req.prompt,
+            "echo": None if (req.stream or req.is_chat or req.exclude_input_in_output) else self._prompt_text(req),
             "reasoning_parser": reasoning,
             "tool_call_parser": tool if req.tools else None,
             "tools": req.tools,
@@ -93,6 +100,11 @@ class Preprocessor:
             "errors_in_band": True,
         }
         return ids, {"sampling": asdict(params), "stream": req.stream, "meta": meta}
+
+    def _prompt_text(self, req: GenerateRequest) -> str:
+        if req.prompt_token_ids is None:
+            return req.prompt
+        return self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def _constrained(self, req: GenerateRequest, ids: list[int], reasoning: str | None, tool: str | None,
                      enable_thinking: bool | None) -> SamplingParams:

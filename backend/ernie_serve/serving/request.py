@@ -39,6 +39,7 @@ GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": 
 class GenerateRequest:
     params: SamplingParams
     prompt: str | None = None
+    prompt_token_ids: list[int] | None = None  # a pre-tokenized prompt (input_token_ids), used as it is
     messages: list[dict] | None = None
     tools: list[dict] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -116,6 +117,20 @@ def _json(inputs: dict[str, np.ndarray], name: str, kind: type) -> Any:
     return value
 
 
+def _token_ids(inputs: dict[str, np.ndarray], name: str) -> list[int] | None:
+    """A tokenized prompt: a non-empty INT32 row of ids >= 0 (the vocabulary bound is the preprocessor's)."""
+    arr = _row(inputs, name)
+    if arr is None:
+        return None
+    if arr.dtype.kind not in "iu":
+        raise InvalidInput(name, f"must be integer token ids, got {arr.dtype}")
+    if arr.size == 0:
+        raise InvalidInput(name, "is empty: give at least one token id")
+    if int(arr.min()) < 0:
+        raise InvalidInput(name, f"token ids must be >= 0, got {int(arr.min())}")
+    return [int(t) for t in arr]
+
+
 def _string_list(inputs: dict[str, np.ndarray], name: str) -> list[str] | None:
     arr = inputs.get(name)
     if arr is None:
@@ -135,10 +150,14 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
     prompt_raw = _one(inputs, "text_input")
     prompt = _text(prompt_raw, "text_input") if prompt_raw is not None else None
     messages = _json(inputs, "messages", list)
-    if prompt is not None and messages is not None:
-        raise InvalidInput("text_input", "give either text_input or messages, not both")
-    if prompt is None and messages is None:
-        raise InvalidInput("text_input", "missing: give text_input (a prompt) or messages (a chat as JSON)")
+    token_ids = _token_ids(inputs, "input_token_ids")
+    given = [name for name, v in (("text_input", prompt), ("input_token_ids", token_ids), ("messages", messages))
+             if v is not None]
+    if len(given) > 1:
+        raise InvalidInput(given[1], f"give one of text_input, input_token_ids or messages, got {' and '.join(given)}")
+    if not given:
+        raise InvalidInput("text_input", "missing: give text_input (a prompt), input_token_ids (a tokenized prompt) "
+                                         "or messages (a chat as JSON)")
     if prompt is not None and not prompt:
         raise InvalidInput("text_input", "is empty")
     if messages is not None:
@@ -151,9 +170,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise InvalidInput("tools", "must be a JSON array of tool objects")
     kwargs = _json(inputs, "chat_template_kwargs", dict) or {}
-    if prompt is not None and (tools or kwargs):
+    if messages is None and (tools or kwargs):
         name = "tools" if tools else "chat_template_kwargs"
-        raise InvalidInput(name, "only applies to chat requests (messages), not to text_input")
+        raise InvalidInput(name, f"only applies to chat requests (messages), not to {given[0]}")
 
     flags = {}
     for name in BOOL_INPUTS:
@@ -173,9 +192,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise InvalidInput("parallel_tool_calls", f"parallel_tool_calls: must be true or false, got "
                                                   f"{parallel_tool_calls!r}")
-    if tool_choice not in (None, "none", "auto") and prompt is not None:
+    if tool_choice not in (None, "none", "auto") and messages is None:
         raise InvalidInput("tool_choice", "tool_choice: only applies to chat requests (messages with tools), not to "
-                                          "text_input")
+                                          f"{given[0]}")
     if tool_choice == "none":  # OpenAI: the model may not call tools, so it is not shown them
         tools = None
     if "max_completion_tokens" in sampling:  # OpenAI spelling; parsers.md: it wins over max_tokens
@@ -204,7 +223,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
         if v is not None and not isinstance(v, str):
             raise InvalidInput(name, f"must be a parser name string, got {type(v).__name__}")
         overrides[name] = v or None
-    return GenerateRequest(params=params, prompt=prompt, messages=messages, tools=tools or None,
+    return GenerateRequest(params=params, prompt=prompt, prompt_token_ids=token_ids, messages=messages,
+                           tools=tools or None,
                            chat_template_kwargs=kwargs, stream=flags["stream"],
                            exclude_input_in_output=flags["exclude_input_in_output"],
                            skip_parsers=flags["skip_parsers"], guided_field=guided_field,

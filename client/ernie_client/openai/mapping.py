@@ -111,6 +111,7 @@ def completion_jobs(req: CompletionRequest) -> list[Job]:
         for j in range(req.n):
             i = p * req.n + j
             # skip_parsers: a completion is the model's raw text (</think> and all), never split into reasoning
-            jobs.append(Job(i, dict(_with_seed(base, req.seed, j), text_input=prompt, skip_parsers=True),
-                            prompt_text=prompt))
+            key = "text_input" if isinstance(prompt, str) else "input_token_ids"
+            jobs.append(Job(i, dict(_with_seed(base, req.seed, j), skip_parsers=True, **{key: prompt}),
+                            prompt_text=prompt if isinstance(prompt, str) else None))
     return jobs

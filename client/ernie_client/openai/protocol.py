@@ -191,22 +191,34 @@ class CompletionRequest(_GenerationFields):
                               "echo")
         prompts = self.prompt_list()
         if not prompts:
-            raise bad_request("prompt must be a non-empty string or list of strings", "prompt")
+            raise bad_request("prompt must be a non-empty string, list of strings, list of token ids or list of "
+                              "lists of token ids", "prompt")
+        if self.echo and any(isinstance(p, list) for p in prompts):
+            raise bad_request("echo with a token-id prompt is not supported (the shim holds no tokenizer to show "
+                              "it as text)", "echo")
         if len(prompts) * self.n > MAX_N:
             raise bad_request(f"at most {MAX_N} choices per request (prompts x n), got {len(prompts) * self.n}",
                               "prompt")
         return self
 
-    def prompt_list(self) -> list[str]:
+    def prompt_list(self) -> list[str | list[int]]:
+        """Each prompt: text, or token ids used as they are (the ensemble's input_token_ids)."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, str) for x in p):
+        if not p:
+            return []
+        if all(isinstance(x, str) for x in p):
             return list(p)
-        if p and not all(isinstance(x, str) for x in p):
-            raise bad_request("token-id prompts are not supported by the Triton ensemble (text_input is text); "
-                              "send the prompt as a string", "prompt")
-        return []
+        prompts = [p] if all(isinstance(x, int) for x in p) else list(p)
+        for i, ids in enumerate(prompts):
+            where = "prompt" if prompts[0] is p else f"prompt[{i}]"
+            if not isinstance(ids, list) or not ids:
+                raise bad_request(f"{where} must be a non-empty list of token ids", where)
+            bad = next((t for t in ids if not 0 <= t <= INT32_MAX), None)
+            if bad is not None:
+                raise bad_request(f"{where}: token ids must be in [0, {INT32_MAX}], got {bad}", where)
+        return prompts
 
     @property
     def generation_limit(self) -> int | None:
