@@ -359,6 +359,7 @@ def _error(exc: openai.APIStatusError) -> dict:
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e", "f"]}, "stop"),
+    ({"messages": CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"messages": CHAT, "function_call": "auto"}, "function_call"),
     ({"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),

@@ -102,8 +102,13 @@ class _GenerationFields(_Model):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    prompt_logprobs: Any = None  # vLLM's; declared only to be refused: the prompt's logprobs are not computed
+
     @model_validator(mode="after")
     def _check_common(self):
+        if self.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs is not supported (the prompt's logprobs are not computed)",
+                              "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         stops = self.stop_list()
