@@ -10,6 +10,8 @@ from typing import Any
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 EXECUTION_BACKENDS = ("auto", "reference", "kernels")
+# FastDeploy's --guided-decoding-backend: structured outputs run on llguidance ("guidance", what "auto" picks)
+GUIDED_DECODING_BACKENDS = ("auto", "guidance", "off")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when kv_cache_memory is not given
 # speculative_config keys per method; mtp's "model": a separate checkpoint holding the MTP head
 SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "max_ngram", "min_ngram"},
@@ -49,6 +51,7 @@ class EngineConfig:
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None
     chat_template: str | None = None
+    guided_decoding_backend: str = "auto"  # "off": structured-output requests are refused
     enable_logprob: bool = True
     max_logprobs: int = 20
     seed: int = 0
@@ -90,6 +93,11 @@ class EngineConfig:
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"must be one of {', '.join(QUANTIZATIONS)}")
         need(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", f"must be one of {', '.join(SPLITWISE_ROLES)}")
+        if self.guided_decoding_backend == "xgrammar":
+            raise ValueError("guided_decoding_backend='xgrammar' is not available: structured outputs run on llguidance "
+                             "here (README 'Structured outputs' says why); use 'auto' or 'guidance', or 'off'")
+        need(self.guided_decoding_backend in GUIDED_DECODING_BACKENDS, "guided_decoding_backend",
+             f"must be one of {', '.join(GUIDED_DECODING_BACKENDS)}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(self.engine_worker_queue_port is None or 0 < self.engine_worker_queue_port < 65536,
              "engine_worker_queue_port", "must be a TCP port")

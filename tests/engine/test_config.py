@@ -99,6 +99,22 @@ def test_enable_logprob_false_refuses_requests_that_ask_for_logprobs(tiny_model_
         engine.step()
 
 
+def test_guided_decoding_backend_off_refuses_structured_output_requests(tiny_model_dir):
+    from ernie_serve.sampling_params import GuidedDecodingParams
+
+    with pytest.raises(ValueError, match="'xgrammar' is not available: structured outputs run on llguidance"):
+        EngineConfig(guided_decoding_backend="xgrammar", execution_backend="reference")
+    with pytest.raises(ValueError, match="guided_decoding_backend must be one of auto, guidance, off"):
+        EngineConfig(guided_decoding_backend="outlines", execution_backend="reference")
+    engine = make_engine(tiny_model_dir, guided_decoding_backend="off")
+    with pytest.raises(ValueError, match="--guided-decoding-backend auto"):
+        engine.add_request("x", [40, 41], SamplingParams(guided_decoding=GuidedDecodingParams(regex="[0-9]+")))
+    engine = make_engine(tiny_model_dir, guided_decoding_backend="guidance")
+    engine.add_request("y", [40, 41], SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(regex="[0-9]+")))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 @pytest.mark.parametrize("spec,hint", [
     ({"method": "eagle", "num_speculative_tokens": 1}, "supported: 'ngram', 'mtp'"),
     ({"method": "mtp", "num_speculative_tokens": 1, "max_ngram": 2}, "known for 'mtp': method, model"),

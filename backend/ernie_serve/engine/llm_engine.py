@@ -250,6 +250,9 @@ class LLMEngine:
         if self.tokenizer is None and (p.stop or p.bad_words):
             raise ValueError("stop and bad_words need text: this engine runs with skip_tokenizer_init")
         bad_words = [w for w in (self.tokenizer.encode(w) for w in p.bad_words) if w] if p.bad_words else []
+        if p.guided_decoding is not None and self.config.guided_decoding_backend == "off":
+            raise ValueError("guided_decoding is off on this server (guided_decoding_backend='off'): start it with "
+                             "--guided-decoding-backend auto for structured outputs and tool_choice 'required'")
         if p.guided_decoding is not None and self.grammars is None:
             raise ValueError("guided_decoding needs the tokenizer and an eos token: this engine runs with "
                              "skip_tokenizer_init or its model has no eos_token_id")
