@@ -100,6 +100,17 @@ def test_stream_include_usage_sends_a_final_usage_chunk(shim):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(shim):
+    client, _, _ = shim()
+    for create in (lambda **kw: client.chat.completions.create(messages=CHAT, **kw),
+                   lambda **kw: client.completions.create(prompt="a b", **kw)):
+        chunks = list(create(model="ernie", max_tokens=4, stream=True,
+                             stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert all(c.usage is not None and c.usage.prompt_tokens == 2 for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1].choices == []
+
+
 def test_reasoning_content_is_separate_in_message_and_delta(shim):
     client, _, _ = shim()
     msgs = [{"role": "user", "content": "think first"}]

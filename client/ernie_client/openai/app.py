@@ -274,7 +274,7 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
             obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": config.public_name,
                    "choices": choices}
             if req.include_usage:
-                obj["usage"] = None
+                obj["usage"] = R.usage(states) if req.continuous_usage else None
             return R.sse(obj)
 
         async def events(gen: Generation, first) -> AsyncIterator[str]:
@@ -325,7 +325,7 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
             obj = {"id": rid, "object": "text_completion", "created": created, "model": config.public_name,
                    "choices": [choice]}
             if req.include_usage:
-                obj["usage"] = None
+                obj["usage"] = R.usage(states) if req.continuous_usage else None
             return R.sse(obj)
 
         async def events(gen: Generation, first) -> AsyncIterator[str]:
