@@ -193,8 +193,9 @@ def checkpoint(server, started: float, idle_timeout: float) -> Checkpoint:
 def run(args: argparse.Namespace) -> dict:
     from ernie_serve.serving.launcher import TritonServer, free_port
 
+    # the shim at warning level: its access log (a line a request) would bury what matters
     server = TritonServer(SETTINGS, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          openai_port=free_port())
+                          openai_port=free_port(), openai_args=("--log-level", "warning"))
     server.start(timeout=300)
     try:
         deadline = time.monotonic() + 60
@@ -207,10 +208,23 @@ def run(args: argparse.Namespace) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError("the shim did not become healthy")
             time.sleep(0.2)
-        return soak(server, args)
+        result = soak(server, args)
+        if not result["passed"]:
+            report_server(server)
+        return result
+    except BaseException:
+        report_server(server)
+        raise
     finally:
         server.stop()
         server.cleanup()
+
+
+def report_server(server) -> None:
+    """What the server says about a failure, before its run dir is removed: its health and its log's tail."""
+    print(f"tritonserver {'running' if server.proc.poll() is None else f'exited with {server.proc.returncode}'}; "
+          f"health: {server.health_problem() or 'no problem seen'}\n--- tritonserver log (tail) ---\n"
+          f"{server.log_tail(80)}", file=sys.stderr, flush=True)
 
 
 def soak(server, args: argparse.Namespace) -> dict:
