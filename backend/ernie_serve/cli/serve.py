@@ -86,15 +86,16 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
 def openai_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
     """The shim's flags given to the launcher, checked now by the shim's own parser (not after tritonserver
     has loaded); refused without --openai-port, where nothing would read them."""
-    given = [(f"--{name.replace('_', '-')}", str(getattr(args, name))) for name in OPENAI_FLAGS
-             if getattr(args, name) is not None]
-    if given and args.openai_port is None:
-        parser.error(f"{', '.join(flag for flag, _ in given)}: only the OpenAI shim reads this; give --openai-port too")
-    if given:
-        from ernie_client.openai_server import parse_args as shim_args
+    flags = [f"--{name.replace('_', '-')}" for name in OPENAI_FLAGS if getattr(args, name) is not None]
+    if not flags:
+        return ()
+    if args.openai_port is None:
+        parser.error(f"{', '.join(flags)}: only the OpenAI shim reads this; give --openai-port too")
+    given = tuple(a for flag in flags for a in (flag, str(getattr(args, flag[2:].replace('-', '_')))))
+    from ernie_client.openai_server import parse_args as shim_args
 
-        shim_args(["--port", str(args.openai_port), *(a for pair in given for a in pair)])
-    return tuple(a for pair in given for a in pair)
+    shim_args(["--port", str(args.openai_port), *given])
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,10 +69,10 @@ class Preprocessor:
         elif req.prompt_token_ids is not None:
             field = "input_token_ids"
             ids = req.prompt_token_ids
-            vocab = len(self.tokenizer)
-            if max(ids) >= vocab:
+            vocab, largest = len(self.tokenizer), max(ids)
+            if largest >= vocab:
                 raise InvalidInput(field, f"token ids must be in [0, {vocab}) (the tokenizer's vocabulary), got "
-                                          f"{max(ids)}")
+                                          f"{largest}")
         else:
             field = "text_input"
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=True)

@@ -68,32 +68,28 @@ class _Slots:
         self.metrics.waiting.inc()
         try:
             await asyncio.wait_for(asyncio.shield(turn), None if self.max_wait < 0 else self.max_wait)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
-            handed = turn.done() and not turn.cancelled()  # a slot came in the same instant
-            if not handed:
-                turn.cancel()
+        except asyncio.TimeoutError:
+            if not turn.done():  # (done: a slot came in the same instant, and is kept)
                 self._queue.remove(turn)
-            if isinstance(e, asyncio.CancelledError):
-                if handed:
-                    self.release()  # pass it on
-                raise
-            if handed:
-                return
-            self.metrics.rejected.labels("408").inc()
-            raise OpenAIError(408, f"no slot came free within --max-waiting-time {self.max_wait:g} s "
-                              f"({self.active} requests in flight, --max-concurrency {self.limit}); retry later",
-                              code="request_timeout") from None
+                self.metrics.rejected.labels("408").inc()
+                raise OpenAIError(408, f"no slot came free within --max-waiting-time {self.max_wait:g} s "
+                                  f"({self.active} requests in flight, --max-concurrency {self.limit}); retry later",
+                                  code="request_timeout") from None
+        except asyncio.CancelledError:
+            if turn.done():
+                self.release()  # handed a slot as it was cancelled: pass it on
+            else:
+                self._queue.remove(turn)
+            raise
         finally:
             self.metrics.waiting.dec()
 
     def release(self) -> None:
-        """Hand the slot to the longest waiter, else free it."""
-        while self._queue:
-            turn = self._queue.popleft()
-            if not turn.done():
-                turn.set_result(None)  # the slot passes on: `active` stays
-                return
-        self.active -= 1
+        """Hand the slot to the longest waiter (every future in the queue is still waiting), else free it."""
+        if self._queue:
+            self._queue.popleft().set_result(None)  # the slot passes on: `active` stays
+        else:
+            self.active -= 1
 
 
 def _param_from_loc(loc: tuple) -> str | None:
