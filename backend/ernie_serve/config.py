@@ -94,8 +94,9 @@ class EngineConfig:
              f"must be one of {', '.join(QUANTIZATIONS)}")
         need(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", f"must be one of {', '.join(SPLITWISE_ROLES)}")
         if self.guided_decoding_backend == "xgrammar":
-            raise ValueError("guided_decoding_backend='xgrammar' is not available: structured outputs run on llguidance "
-                             "here (README 'Structured outputs' says why); use 'auto' or 'guidance', or 'off'")
+            raise ValueError("guided_decoding_backend='xgrammar' is not available: structured outputs run on "
+                             "llguidance here (README 'Structured outputs' says why); use 'auto' or 'guidance', "
+                             "or 'off'")
         need(self.guided_decoding_backend in GUIDED_DECODING_BACKENDS, "guided_decoding_backend",
              f"must be one of {', '.join(GUIDED_DECODING_BACKENDS)}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

@@ -110,7 +110,8 @@ def test_guided_decoding_backend_off_refuses_structured_output_requests(tiny_mod
     with pytest.raises(ValueError, match="--guided-decoding-backend auto"):
         engine.add_request("x", [40, 41], SamplingParams(guided_decoding=GuidedDecodingParams(regex="[0-9]+")))
     engine = make_engine(tiny_model_dir, guided_decoding_backend="guidance")
-    engine.add_request("y", [40, 41], SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(regex="[0-9]+")))
+    engine.add_request("y", [40, 41],
+                       SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(regex="[0-9]+")))
     while engine.has_unfinished_requests():
         engine.step()
 

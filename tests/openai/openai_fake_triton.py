@@ -12,7 +12,8 @@ import json
 import numpy as np
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, triton_to_np_dtype
 
-_IN = [("text_input", "TYPE_STRING", [1]), ("input_token_ids", "TYPE_INT32", [-1]), ("max_tokens", "TYPE_INT32", [1]), ("stream", "TYPE_BOOL", [1]),
+_IN = [("text_input", "TYPE_STRING", [1]), ("input_token_ids", "TYPE_INT32", [-1]), ("max_tokens", "TYPE_INT32", [1]),
+       ("stream", "TYPE_BOOL", [1]),
        ("temperature", "TYPE_FP32", [1]), ("top_p", "TYPE_FP32", [1]), ("top_k", "TYPE_INT32", [1]),
        ("seed", "TYPE_UINT64", [1]), ("stop_words", "TYPE_STRING", [-1]), ("bad_words", "TYPE_STRING", [-1]),
        ("exclude_input_in_output", "TYPE_BOOL", [1]), ("return_num_input_tokens", "TYPE_BOOL", [1]),

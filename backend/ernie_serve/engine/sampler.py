@@ -260,8 +260,8 @@ class LogitEdits:
 
 
 def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
-    """The batch's logit bias, penalties and masks (None when it has none); raises ValueError for a prompt or output id outside
-    the vocabulary of a penalized row."""
+    """The batch's logit bias, penalties and masks (None when it has none); raises ValueError for a prompt, output or
+    bias id outside the vocabulary of a penalized or biased row."""
     bias_keys, bias_vals, rep_keys, rep_vals, out_keys, mask_keys = [], [], [], [], [], []
     for r, p in enumerate(batch.params):
         if p.logit_bias:

@@ -3,14 +3,14 @@ asked-for logprobs) cross to the host, instead of R x vocab floats a step.
 
 KernelLogits is the sampler's DeviceLogits for this backend (engine/sampler.py samples every batch through it). The
 logit bias, penalties and bad-words / min_tokens masks come as the host's LogitEdits, a few (row, token) entries
-applied here by one gather and one scatter; a guided row's grammar mask comes as its bias row; logprobs leave as TopLogprobs
-(each asking row's sampled logprob and rank, and its top n), not as the log-softmax. The draws are the host's
-methods, written once over TensorOps' row-wise ops so that torch and Paddle run the same code: "base" is softmax at
-the row's temperature, a descending sort, the top-k / top-p / min-p rule of the sampler's module doc (membership by
-probability values, ties alike) and the inverse CDF over the kept tokens in that order at a uniform the host drew
-from the row's generator; "rejection" its sort-free rounds. MTP drafts are drawn here from q and q stays here, one
-[1, V] row per draft, until the next step verifies the draft against p by the speculative-sampling rule. So a seed
-draws the same tokens here as on the host except where float rounding moves a boundary.
+applied here by one gather and one scatter; a guided row's grammar mask comes as its bias row; logprobs leave as
+TopLogprobs (each asking row's sampled logprob and rank, and its top n), not as the log-softmax. The draws are the
+host's methods, written once over TensorOps' row-wise ops so that torch and Paddle run the same code: "base" is
+softmax at the row's temperature, a descending sort, the top-k / top-p / min-p rule of the sampler's module doc
+(membership by probability values, ties alike) and the inverse CDF over the kept tokens in that order at a uniform
+the host drew from the row's generator; "rejection" its sort-free rounds. MTP drafts are drawn here from q and q
+stays here, one [1, V] row per draft, until the next step verifies the draft against p by the speculative-sampling
+rule. So a seed draws the same tokens here as on the host except where float rounding moves a boundary.
 """
 from __future__ import annotations
 

@@ -165,8 +165,9 @@ def triton_error(exc: BaseException, model: str) -> OpenAIError:
 
 
 # ernie_tokenizer's field names -> the OpenAI request's
-_PARAM_NAMES = {"text_input": "prompt", "input_token_ids": "prompt", "stop_words": "stop", "bad_words": "bad_words", "random_seed": "seed",
-                "min_length": "min_tokens", "sampling_parameters": None, "request_key": None, "stop": "stop"}
+_PARAM_NAMES = {"text_input": "prompt", "input_token_ids": "prompt", "stop_words": "stop", "bad_words": "bad_words",
+                "random_seed": "seed", "min_length": "min_tokens", "sampling_parameters": None, "request_key": None,
+                "stop": "stop"}
 
 
 def _param_of(message: str) -> str | None:
