@@ -63,3 +63,25 @@ def test_state_is_a_bounded_window_and_can_be_rebuilt_from_it(tok: ErnieTokenize
     rest = ids[200:]
     assert rebuilt.step(ctx[len(ctx) - pending:] + rest) + rebuilt.flush() == detok.step(rest) + detok.flush()
     assert detok.text == tok.decode(ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_any_ids_of_the_vocabulary_stream_to_their_decode(tok: ErnieTokenizer, data: st.DataObject,
+                                                          skip: bool) -> None:
+    """Ids no text encodes to (bare byte pieces, specials between plain pieces) included: the no-decode path
+    must agree with SentencePiece wherever it is taken."""
+    ids = data.draw(st.lists(st.integers(0, len(tok) - 1), max_size=40))
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids) + 1))
+    assert "".join(_stream(tok, ids, cuts, skip)) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_plain_pieces_stream_without_decoding(tok: ErnieTokenizer) -> None:
+    """A step whose ids continue a run of plain pieces is its pieces' text: no window decode a token."""
+    ids = tok.encode(" the capital of France is Paris and the capital of Italy is Rome" * 4)
+    calls = []
+    detok = IncrementalDetokenizer(tok, prompt_ids=tok.encode("Hello"))
+    detok._tokenizer = type("Counting", (), {"decode": lambda _, i, **k: calls.append(1) or tok.decode(i, **k)})()
+    text = "".join(detok.step([i]) for i in ids)
+    assert text == tok.decode(ids)
+    assert len(calls) <= 4, f"{len(calls)} decodes for {len(ids)} plain tokens"

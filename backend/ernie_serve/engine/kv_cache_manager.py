@@ -195,6 +195,8 @@ class KVCacheManager:
         With prefix_hits (at admission, from lookup_prefix) the hit blocks join the request and its
         num_computed_tokens moves past them.
         """
+        if prefix_hits is None and self.num_blocks_for(req.num_computed_tokens + num_new_tokens) <= len(req.block_ids):
+            return True  # a decode inside its last block: the common case, nothing to allocate
         hits = prefix_hits or []
         n_hit_tokens = len(hits) * self.block_size
         total = req.num_computed_tokens + n_hit_tokens + num_new_tokens
@@ -234,8 +236,10 @@ class KVCacheManager:
         """Offer the request's newly completed full blocks to the prefix cache."""
         if not self.enable_caching:
             return
-        hashes = self._update_hashes(req)
         done = self._registered.get(req.request_id, 0)
+        if req.num_computed_tokens // self.block_size <= done:
+            return  # no block completed since the last call
+        hashes = self._update_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(hashes))
         for i in range(done, full):
             self.pool.register(req.block_ids[i], hashes[i])

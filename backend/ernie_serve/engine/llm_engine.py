@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..model.config import ErnieModelConfig
-from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .guided import GrammarCompiler
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .model_shard import ModelShard
 
 log = logging.getLogger(__name__)
+_NO_DELTA: tuple[list[int], str] = ([], "")
 
 
 class EngineCapacityError(RuntimeError):
@@ -407,21 +408,22 @@ class LLMEngine:
         comps = []
         for req in group:
             state = self.texts[req.request_id]
-            new_ids, new_text = deltas.get(req.request_id, ([], ""))
+            new_ids, new_text = deltas.get(req.request_id, _NO_DELTA)
+            logprobs = cumulative = None
+            if req.sampling_params.logprobs is not None:
+                logprobs, cumulative = state.logprobs_so_far(req)
             comps.append(CompletionOutput(
                 index=req.index, text=state.text, token_ids=list(req.output_token_ids),
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-                logprobs=[{t: Logprob(v, r) for t, (v, r) in d.items()} for d in req.logprobs]
-                if req.sampling_params.logprobs is not None else None,
-                cumulative_logprob=_cumulative(req) if req.sampling_params.logprobs is not None else None,
-                text_delta=new_text, token_ids_delta=list(new_ids)))
-        finished = all(r.is_finished for r in group)
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason, logprobs=logprobs,
+                cumulative_logprob=cumulative, text_delta=new_text, token_ids_delta=list(new_ids)))
         leader = group[0]
+        finished = leader.is_finished if len(group) == 1 else all(r.is_finished for r in group)
+        preemptions = leader.num_preemptions if len(group) == 1 else sum(r.num_preemptions for r in group)
         metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
-                                 time.monotonic() if finished else None, sum(r.num_preemptions for r in group))
+                                 time.monotonic() if finished else None, preemptions)
+        error = leader.error if len(group) == 1 else next((r.error for r in group if r.error is not None), None)
         out = RequestOutput(ext_id, None, leader.prompt_token_ids, comps, finished,
-                            max(leader.num_cached_tokens, 0), metrics,
-                            error=next((r.error for r in group if r.error is not None), None))
+                            max(leader.num_cached_tokens, 0), metrics, error=error)
         if finished:
             del self.requests[ext_id]
             for r in group:
@@ -445,11 +447,3 @@ class LLMEngine:
             "spec_acceptance_rate": self.scheduler.spec.acceptance_rate,
             "generation_tokens": self.num_generation_tokens,
         }
-
-
-def _cumulative(req: Request) -> float:
-    total = 0.0
-    for tok, d in zip(req.output_token_ids, req.logprobs):
-        if tok in d:
-            total += d[tok][0]
-    return total

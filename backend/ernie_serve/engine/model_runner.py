@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..model.attention_metadata import AttentionMetadata
 from .guided import GrammarRows
+from .input_batch import InputBatch
 from .kv_cache_manager import KVOp
 from .request import Request
 from .sampler import Sampler, SamplingBatch
@@ -41,6 +41,9 @@ class StepExecutor(Protocol):
     def execute(self, step: StepInput) -> tuple[Any, Any]: ...
 
 
+_NO_DRAFTS: list[int] = []
+
+
 class ModelRunner:
     def __init__(self, executor: StepExecutor, block_size: int, sampling_method: str = "base",
                  num_speculative_tokens: int = 0, max_model_len: int = 0):
@@ -55,6 +58,7 @@ class ModelRunner:
 
             self.drafter = MTPDrafter(head, num_speculative_tokens, max_model_len, MAX_BATCHED_QUERY)
         self._last_step: tuple[Any, list[StepRow]] | None = None  # for the drafter
+        self.input_batch = InputBatch(block_size, -(-max_model_len // block_size) if max_model_len else 64)
 
     @property
     def cache(self) -> Any:
@@ -66,54 +70,66 @@ class ModelRunner:
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         order = sorted(so.scheduled, key=lambda s: s.num_tokens > MAX_BATCHED_QUERY)
-        ids, positions, slots, q_lens, ctx_lens, tables, keys = [], [], [], [], [], [], []
-        bs = self.block_size
+        ids: list[int] = []
+        starts, q_lens, keys, tables = [], [], [], []
         for s in order:
             r = s.request
             start, n = r.num_computed_tokens, s.num_tokens
-            ids.extend(r.all_token_ids[start : start + n - s.num_spec_tokens])
-            ids.extend(r.spec_token_ids[: s.num_spec_tokens])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            table = np.asarray(r.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1 and not s.num_spec_tokens:
+                ids.append(r.all_token_ids[start])
+            else:
+                ids.extend(r.all_token_ids[start : start + n - s.num_spec_tokens])
+                ids.extend(r.spec_token_ids[: s.num_spec_tokens])
+            starts.append(start)
             q_lens.append(n)
-            ctx_lens.append(start + n)
-            tables.append(r.block_ids)
             keys.append(r.row_key)
-        pos = np.concatenate(positions)
-        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs, np.concatenate(slots), int(pos.max()),
-                                       MAX_BATCHED_QUERY)
+            tables.append(r.block_ids)
+        rows_in_batch = self.input_batch.rows_for(keys, tables)
+        meta, pos = self.input_batch.attention_metadata(rows_in_batch, np.array(starts, dtype=np.int64),
+                                                        np.array(q_lens, dtype=np.int64), MAX_BATCHED_QUERY)
 
-        rows, batch, owners, step_rows = [], _BatchBuilder(), [], []
+        rows, batch, owners = [], _BatchBuilder(), []
         offset = 0
         for s in order:
-            step_rows.append(StepRow(s.request, s.request.num_computed_tokens, s.num_tokens, offset))
+            n, spec = s.num_tokens, s.num_spec_tokens
             if s.samples:
-                first = offset + s.num_tokens - s.num_spec_tokens - 1
-                drafts = s.request.spec_token_ids[: s.num_spec_tokens]
-                batch.add_grammar(s.request, len(rows), drafts)
-                for j in range(s.num_spec_tokens + 1):
-                    rows.append(first + j)
-                    batch.add(s.request, drafts[:j], verifies=j if j < len(drafts) else None)
-                    owners.append(s.request.request_id)
+                req = s.request
+                first = offset + n - spec - 1
+                if spec:
+                    drafts = req.spec_token_ids[:spec]
+                    batch.add_grammar(req, len(rows), drafts)
+                    for j in range(spec + 1):
+                        rows.append(first + j)
+                        batch.add(req, drafts[:j], verifies=j if j < len(drafts) else None)
+                        owners.append(req.request_id)
+                else:
+                    if req.guided is not None:
+                        batch.add_grammar(req, len(rows), [])
+                    rows.append(first)
+                    batch.add(req)
+                    owners.append(req.request_id)
                 for child in _forking_children(s):
                     batch.add_grammar(child, len(rows), [])
                     rows.append(first)
-                    batch.add(child, [])
+                    batch.add(child)
                     owners.append(child.request_id)
-            offset += s.num_tokens
+            offset += n
         step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta, np.asarray(rows, dtype=np.int64),
                                     so.kv_ops, np.asarray(keys, dtype=np.int64))
         hidden, logits = self.executor.execute(step)
-        self._last_step = (hidden, step_rows) if self.drafter is not None else None
+        self._last_step = (hidden, _step_rows(order, meta)) if self.drafter is not None else None
         out = ModelRunnerOutput()
         if not rows:
             return out
         result = self.sampler(logits, batch.build())
+        sampled, logprobs = out.sampled, out.logprobs
         for rid, tok, lp in zip(owners, result.token_ids.tolist(), result.logprobs):
-            out.sampled.setdefault(rid, []).append(int(tok))
-            out.logprobs.setdefault(rid, []).append(lp)
+            if rid in sampled:  # a request verifying drafts samples several rows
+                sampled[rid].append(tok)
+                logprobs[rid].append(lp)
+            else:
+                sampled[rid] = [tok]
+                logprobs[rid] = [lp]
         for row, why in result.errors.items():
             out.errors.setdefault(owners[row], why)
         return out
@@ -127,6 +143,12 @@ class ModelRunner:
         return self.drafter.propose(hidden, rows)
 
 
+def _step_rows(order: list[ScheduledRequest], meta) -> list[StepRow]:
+    """Where each request's tokens sit in the step, for the MTP drafter."""
+    return [StepRow(s.request, s.request.num_computed_tokens, s.num_tokens, int(offset))
+            for s, offset in zip(order, meta.query_start_loc[:-1])]
+
+
 def _forking_children(s: ScheduledRequest) -> list[Request]:
     r = s.request
     if not r.forks or r.num_computed_tokens + s.num_tokens != r.num_prompt_tokens or r.output_token_ids:
@@ -135,25 +157,18 @@ def _forking_children(s: ScheduledRequest) -> list[Request]:
 
 
 class _BatchBuilder:
-    def __init__(self):
-        self.params, self.gens, self.prompts, self.outputs, self.bad, self.eos = [], [], [], [], [], []
-        self.grammars: list[GrammarRows] = []
-        self.draft_tokens: list[int | None] = []
-        self.draft_probs: list[np.ndarray | None] = []
+    """The sampled rows, as (request, drafts before the row, index of the draft it verifies); the SamplingBatch's
+    per-row lists are made from them at once in build()."""
 
-    def add(self, req: Request, drafts: list[int], verifies: int | None = None) -> None:
+    def __init__(self):
+        self.rows: list[tuple[Request, list[int], int | None]] = []
+        self.grammars: list[GrammarRows] = []
+
+    def add(self, req: Request, drafts: list[int] = _NO_DRAFTS, verifies: int | None = None) -> None:
         """A row sampling after `drafts` (the request's drafts before it). `verifies`: the index of the draft
         this row checks; with the distribution the draft was sampled from, the sampler applies the
         speculative-sampling rule to it."""
-        q = req.spec_token_probs[verifies] if verifies is not None and req.spec_token_probs else None
-        self.draft_tokens.append(req.spec_token_ids[verifies] if q is not None else None)
-        self.draft_probs.append(q)
-        self.params.append(req.sampling_params)
-        self.gens.append(req.generator)
-        self.prompts.append(req.prompt_token_ids)
-        self.outputs.append(req.output_token_ids + drafts if drafts else req.output_token_ids)
-        self.bad.append(req.bad_words_ids)
-        self.eos.append(req.eos_token_ids)
+        self.rows.append((req, drafts, verifies))
 
     def add_grammar(self, req: Request, first_row: int, drafts: list[int]) -> None:
         """A guided request's rows start at first_row (one more per draft)."""
@@ -161,8 +176,16 @@ class _BatchBuilder:
             self.grammars.append(GrammarRows(req.guided, first_row, drafts))
 
     def build(self) -> SamplingBatch:
-        return SamplingBatch(params=self.params, generators=self.gens, prompt_token_ids=self.prompts,
-                             output_token_ids=self.outputs, eos_token_ids=self.eos, bad_words_ids=self.bad,
-                             grammars=self.grammars,
-                             draft_tokens=self.draft_tokens if any(q is not None for q in self.draft_probs) else None,
-                             draft_probs=self.draft_probs if any(q is not None for q in self.draft_probs) else None)
+        reqs = [r for r, _, _ in self.rows]
+        draft_probs = [r.spec_token_probs[v] if v is not None and r.spec_token_probs else None
+                       for r, _, v in self.rows] if any(v is not None for _, _, v in self.rows) else None
+        sampled_drafts = draft_probs is not None and any(q is not None for q in draft_probs)
+        return SamplingBatch(
+            params=[r.sampling_params for r in reqs], generators=[r.generator for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids + d if d else r.output_token_ids for r, d, _ in self.rows],
+            eos_token_ids=[r.eos_token_ids for r in reqs], bad_words_ids=[r.bad_words_ids for r in reqs],
+            grammars=self.grammars,
+            draft_tokens=[r.spec_token_ids[v] if q is not None else None
+                          for (r, _, v), q in zip(self.rows, draft_probs)] if sampled_drafts else None,
+            draft_probs=draft_probs if sampled_drafts else None)

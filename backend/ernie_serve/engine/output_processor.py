@@ -6,6 +6,7 @@ client never receives half of a stop string (and with include_stop_str_in_output
 """
 from __future__ import annotations
 
+from ..outputs import Logprob
 from ..tokenizer import IncrementalDetokenizer
 from .request import Request
 
@@ -20,6 +21,19 @@ class TextState:
         self.text = ""  # decided text, as returned to the user
         self._pending = ""  # decoded but possibly the start of a stop string
         self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._logprobs: list[dict[int, Logprob]] = []  # the request's logprobs as outputs carry them
+        self._cumulative = 0.0
+
+    def logprobs_so_far(self, req: Request) -> tuple[list[dict[int, Logprob]], float]:
+        """Every output token's logprobs and their sum, converting only those added since the last call (a
+        streamed request would otherwise convert its whole history every step)."""
+        for k in range(len(self._logprobs), len(req.logprobs)):
+            d = req.logprobs[k]
+            self._logprobs.append({t: Logprob(v, r) for t, (v, r) in d.items()})
+            tok = req.output_token_ids[k]
+            if tok in d:
+                self._cumulative += d[tok][0]
+        return list(self._logprobs), self._cumulative
 
     def append(self, token_ids: list[int], final: bool, check_stops: bool = True) -> tuple[str, str | None]:
         """Feed new tokens; returns (new decided text, matched stop string or None)."""

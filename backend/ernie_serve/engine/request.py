@@ -32,11 +32,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ in _FINISHED  # by value: an Enum member's own hash is Python code, read every step
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-                       RequestStatus.FINISHED_ERROR})
+_FINISHED = frozenset({"stop", "length", "abort", "error"})
 _row_keys = count()  # process-wide, so two live requests (n > 1 siblings included) never share one
 
 

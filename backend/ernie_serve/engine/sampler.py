@@ -31,6 +31,7 @@ SAMPLING_METHODS = {"base": "base", "base_non_truncated": "base", "air": "base",
 # the base method sorts a row's SORT_WINDOW most probable tokens instead of its whole vocabulary
 # when they provably hold every token that survives its filters (a peaked distribution's usual case)
 SORT_WINDOW = 1024
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 NO_TOKEN_LEFT = ("no token left to sample: every logit is -inf or NaN after penalties, bad_words, the "
                  "min_tokens mask of eos/stop_token_ids and the guided-decoding grammar")
 
@@ -137,19 +138,24 @@ class Sampler:
             return _sample_on_device(logits, batch, self.method)
         raw = _as_float32_matrix(logits)
         _check_batch(raw, batch)
-        work = raw.copy()
-        edits = logit_edits(batch, work.shape[1])
+        edits = logit_edits(batch, raw.shape[1])
+        work = raw.copy() if edits is not None or batch.grammars else raw  # raw stays as it came, for logprobs
         if edits is not None:
             edits.apply(work)
         apply_grammar_masks(work, batch)
         dead = ~np.isfinite(work.max(axis=1)) if work.size else np.zeros(0, bool)
         errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
-        work[dead] = 0.0  # sampled only to keep the batch's shape
+        if errors:
+            work = work.copy() if work is raw else work
+            work[dead] = 0.0  # sampled only to keep the batch's shape
 
         params = batch.params
         greedy = batch.greedy_rows
-        token_ids = np.empty(len(params), dtype=np.int64)
-        token_ids[greedy] = np.argmax(work[greedy], axis=1)
+        if greedy.all():
+            token_ids = np.argmax(work, axis=1).astype(np.int64)
+        else:
+            token_ids = np.empty(len(params), dtype=np.int64)
+            token_ids[greedy] = np.argmax(work[greedy], axis=1)
         rows = np.flatnonzero(~greedy)
         if rows.size:
             probs = _softmax(work[rows], np.array([params[r].temperature for r in rows], dtype=np.float32))
@@ -160,7 +166,8 @@ class Sampler:
             if batch.draft_probs is not None:
                 verify_sampled_drafts(token_ids, rows, probs, top_k, top_p, min_p, gens, batch)
         rows, n = _logprob_rows(params, raw.shape[1])
-        logprobs = _logprob_dicts(rows, params, token_ids, _top_logprobs(raw[rows], token_ids[rows], n))
+        logprobs = _logprob_dicts(rows, params, token_ids, _top_logprobs(raw[rows], token_ids[rows], n)) \
+            if rows.size else [None] * len(params)
         for r in errors:
             logprobs[r] = None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
@@ -263,7 +270,11 @@ def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
     """The batch's logit bias, penalties and masks (None when it has none); raises ValueError for a prompt, output or
     bias id outside the vocabulary of a penalized or biased row."""
     bias_keys, bias_vals, rep_keys, rep_vals, out_keys, mask_keys = [], [], [], [], [], []
+    outputs, bad_words = batch.output_token_ids, batch.bad_words_ids
     for r, p in enumerate(batch.params):
+        if not (p.logit_bias or bad_words[r] or len(outputs[r]) < p.min_tokens or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            continue  # the usual row: nothing to edit (checked here, before any array is made for it)
         if p.logit_bias:
             ids = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
             bias_keys.append(r * vocab + _checked_ids(ids, vocab, "logit_bias"))
@@ -276,7 +287,9 @@ def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
         if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             out = np.asarray(batch.output_token_ids[r], dtype=np.int64).ravel()
             out_keys.append(r * vocab + _checked_ids(out, vocab, "output"))
-        mask_keys.append(r * vocab + _masked_tokens(batch, r, p, vocab))
+        masked = _masked_tokens(batch, r, p, vocab)
+        if masked.size:
+            mask_keys.append(r * vocab + masked)
     cat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
     bias_k, rep_k = cat(bias_keys, np.int64), cat(rep_keys, np.int64)
     out_k, mask_k = cat(out_keys, np.int64), cat(mask_keys, np.int64)
@@ -538,7 +551,8 @@ class TopLogprobs:
 
 def _logprob_rows(params: list[SamplingParams], vocab: int) -> tuple[np.ndarray, int]:
     """The rows that asked for logprobs, and how many top tokens the batch needs (the most any row asked for)."""
-    rows = np.array([r for r, p in enumerate(params) if p.logprobs is not None], dtype=np.int64)
+    rows = np.array([r for r, p in enumerate(params) if p.logprobs is not None], dtype=np.int64) if any(
+        p.logprobs is not None for p in params) else _NO_ROWS
     return rows, (min(max(params[r].logprobs for r in rows), vocab) if rows.size else 0)
 
 

@@ -8,7 +8,9 @@ part. The ids of a character still incomplete at the end (its text would end in 
 until it completes (or `flush()`).
 
 Only the window is kept, so each step costs O(window + new ids), and the state can be rebuilt from a
-tail of ids: construct with `prompt_ids=<the last few emitted ids>`.
+tail of ids: construct with `prompt_ids=<the last few emitted ids>`. Most steps cost less: when nothing
+is held back and the new ids continue a run of plain pieces, their text is their pieces' text (the
+tokenizer's `continuation_text`, checked once per id against SentencePiece) and nothing is decoded.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = [int(i) for i in list(prompt_ids)[-CONTEXT_IDS:]]
         self._read = len(self._ids)  # ids before this index have been emitted
         self._parts: list[str] = []
+        self._continuation = getattr(tokenizer, "continuation_text", None)
 
     @property
     def text(self) -> str:
@@ -82,8 +85,24 @@ class IncrementalDetokenizer:
         """Append `new_ids`; return the text they complete (possibly "" while a character is held)."""
         if not new_ids:
             return ""
+        fast = self._continued(new_ids)
         self._ids.extend(int(i) for i in new_ids)
-        return self._advance(force=False)
+        if fast is None:
+            return self._advance(force=False)
+        if len(self._ids) > CONTEXT_IDS:
+            del self._ids[:len(self._ids) - CONTEXT_IDS]
+        self._read = len(self._ids)
+        if fast:
+            self._parts.append(fast)
+        return fast
+
+    def _continued(self, new_ids: Sequence[int]) -> str | None:
+        """The new ids' text without decoding, when nothing is held and they extend a run of plain pieces."""
+        cont = self._continuation
+        if cont is None or self._read != len(self._ids) or not self._ids or cont(self._ids[-1]) is None:
+            return None
+        texts = [cont(int(i)) for i in new_ids]
+        return None if None in texts else "".join(texts)
 
     def flush(self) -> str:
         """Emit whatever is still held back (an incomplete character becomes U+FFFD)."""

@@ -81,6 +81,8 @@ class ErnieTokenizer:
         self._space_bytes = self._byte_ids(_SP_SPACE)
         self.add_bos_token = bool(self.config.get("add_bos_token", True))
         self.add_eos_token = bool(self.config.get("add_eos_token", False))
+        self._continuations: dict[int, str | None] = {}
+        self._reference_piece = next((i for i in range(self._sp_size) if self._is_plain_piece(i)), None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ErnieTokenizer":
@@ -218,6 +220,29 @@ class ErnieTokenizer:
         if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:
             ids.append(self.eos_token_id)
         return ids
+
+    def _is_plain_piece(self, i: int) -> bool:
+        sp = self._sp
+        return 0 <= i < self._sp_size and i not in self._literal and not (sp.is_byte(i) or sp.is_unused(i))
+
+    def continuation_text(self, token_id: int) -> str | None:
+        """The text `token_id` adds when it follows another plain SentencePiece piece, or None where that depends
+        on its neighbours (special and byte-fallback ids, a piece at the start of a decode losing its space).
+
+        It lets the streaming detokenizer append a step's text without decoding a window: decode(run + [id]) ==
+        decode(run) + continuation_text(id) for any run ending in a plain piece. Checked once per id against
+        SentencePiece itself, so a model whose normalizer rewrites pieces falls back to decoding."""
+        text = self._continuations.get(token_id, False)
+        if text is not False:
+            return text
+        text = None
+        ref = self._reference_piece
+        if ref is not None and self._is_plain_piece(token_id):
+            candidate = self._sp.id_to_piece(token_id).replace(_SP_SPACE, " ")
+            if self._sp.decode([ref, token_id]) == self._sp.decode([ref]) + candidate:
+                text = candidate
+        self._continuations[token_id] = text
+        return text
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text for `ids`; incomplete UTF-8 from byte-fallback pieces decodes to U+FFFD."""
