@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Host time per engine step outside the model forward: what the scheduler, the runner's batch building, the
+sampler and output processing cost a step, at 64 and 256 running requests, decode-heavy (every request
+decoding) and prefill-heavy (requests arriving while others decode, prompts chunked), on the embedded tiny
+model and the benchmark checkpoint. Each step's wall time is split into the executor's `execute` (the forward)
+and the rest, with the rest broken down by phase. Prints a table, writes out/bench_host_overhead.json.
+
+    .venv/bin/python scripts/bench_host_overhead.py [--running 64 256] [--steps 100] [--models tiny bench]
+
+The serving-path half of the issue (served/offline tok/s and CPU per token per process) is measured by
+scripts/bench_serving.py; this script is the engine's half.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backend"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "sampler"),
+          ("engine", "_outputs"))
+
+
+class _Clock:
+    """Seconds spent in wrapped callables, by name (reset between warm-up and the measured steps)."""
+
+    def __init__(self):
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t
+        setattr(owner, attr, timed)
+
+
+def measure(model: str | None, running: int, workload: str, steps: int, seed: int = 0) -> dict:
+    from ernie_serve import LLM, SamplingParams
+
+    llm = LLM(model=model, max_num_seqs=running, max_num_batched_tokens=max(2048, 2 * running),
+              max_model_len=2048, disable_progress_bar=True)
+    engine = llm.engine
+    clock = _Clock()
+    clock.wrap(engine.runner.executor, "execute", "forward")
+    for owner_name, attr in PHASES:
+        owner = {"scheduler": engine.scheduler, "runner": engine.runner, "engine": engine}[owner_name]
+        clock.wrap(owner, attr, attr)
+    rng = np.random.default_rng(seed)
+    vocab = min(engine.model_config.vocab_size, 1000)
+    params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)
+    added = 0
+
+    def add(n: int, prompt_len: int) -> None:
+        nonlocal added
+        for _ in range(n):
+            engine.add_request(f"r{added}", rng.integers(10, vocab, prompt_len).tolist(), params)
+            added += 1
+
+    add(running, 32)
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                          for r in engine.scheduler.running):
+        engine.step()  # every request admitted and decoding
+    for _ in range(5):
+        engine.step()
+    clock.spent.clear()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if workload == "prefill-heavy" and i % 4 == 0:
+            # a request leaves and a 300-token prompt arrives: prefill chunks share steps with the decodes
+            engine.abort_request(next(iter(engine.requests)))
+            add(1, 300)
+        engine.step()
+    wall = time.perf_counter() - t0
+    per_step = {k: 1e3 * v / steps for k, v in clock.spent.items()}
+    host = 1e3 * wall / steps - per_step["forward"]
+    result = {"model": model or "tiny", "running": running, "workload": workload, "steps": steps,
+              "step_ms": 1e3 * wall / steps, "forward_ms": per_step["forward"], "host_ms": host,
+              "phases_ms": {k: v for k, v in per_step.items() if k != "forward"},
+              "running_at_end": len(engine.scheduler.running)}
+    engine.close()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--running", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--workloads", nargs="+", default=["decode-heavy", "prefill-heavy"],
+                    choices=["decode-heavy", "prefill-heavy"])
+    ap.add_argument("--models", nargs="+", default=["tiny", "bench"], choices=["tiny", "bench"])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_host_overhead.json")
+    args = ap.parse_args()
+
+    from tqdm import tqdm
+
+    models = {"tiny": None}
+    if "bench" in args.models:
+        from bench_offline import bench_checkpoint
+        models["bench"] = str(bench_checkpoint())
+    cases = [(m, n, w) for m in args.models for n in args.running for w in args.workloads]
+    results = [measure(models[m], n, w, args.steps) for m, n, w in tqdm(cases, desc="host overhead", unit="case")]
+    print(f"\n{'model':6} {'running':>7} {'workload':14} {'step ms':>8} {'forward':>8} {'host ms':>8} {'host %':>7}  "
+          "schedule / update / sampler / outputs (ms)")
+    for r in results:
+        p = r["phases_ms"]
+        print(f"{r['model'] if r['model'] == 'tiny' else 'bench':6} {r['running']:>7} {r['workload']:14} "
+              f"{r['step_ms']:8.2f} {r['forward_ms']:8.2f} {r['host_ms']:8.2f} {100 * r['host_ms'] / r['step_ms']:6.0f}%  "
+              f"{p['schedule']:.2f} / {p['update_from_output']:.2f} / {p['sampler']:.2f} / {p['_outputs']:.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"results": results}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
