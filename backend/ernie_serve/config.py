@@ -104,9 +104,21 @@ class EngineConfig:
              "engine_worker_queue_port", "must be a TCP port")
         self._check_splitwise()
         need(self.swap_space is None or self.swap_space >= 0, "swap_space", "must be >= 0 GB")
+        self._check_swap_space_fits()
         need(self.max_logprobs <= 20, "max_logprobs", "must be <= 20")
         self._check_speculative()
         self._refuse_unbuilt()
+
+    def _check_swap_space_fits(self) -> None:
+        """The CPU tier is allocated whole at start-up: one larger than the host's memory can only fail there, as a
+        bare allocation error, so refuse it here naming the flag and both figures."""
+        if not self.swap_space:
+            return
+        total, available = host_memory_bytes()
+        if self.swap_space * (1 << 30) > total:
+            raise ValueError(f"swap_space (--swap-space) is {self.swap_space:g} GiB but this host has "
+                             f"{total / (1 << 30):.1f} GiB of memory ({available / (1 << 30):.1f} GiB available): "
+                             "the CPU tier of the prefix cache lives in host memory; give at most that")
 
     def _check_speculative(self) -> None:
         spec = self.speculative_config
@@ -242,3 +254,17 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def host_memory_bytes() -> tuple[int, int]:
+    """(total, available) host memory in bytes, from /proc/meminfo (sysconf where it is missing)."""
+    info = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, info.get("MemAvailable", total)

@@ -127,3 +127,13 @@ def test_speculative_config_is_checked_at_start_up(spec, hint):
     with pytest.raises(ValueError) as e:
         EngineConfig(speculative_config=spec)
     assert hint in str(e.value)
+
+
+def test_a_swap_space_beyond_host_memory_is_refused_naming_the_flag_and_both_figures() -> None:
+    from ernie_serve.config import host_memory_bytes
+
+    total, _ = host_memory_bytes()
+    too_big = 2 * total / (1 << 30)
+    with pytest.raises(ValueError, match=r"swap_space \(--swap-space\) is .* GiB but this host has .* GiB of memory"):
+        EngineConfig(swap_space=too_big)
+    EngineConfig(swap_space=0.5)  # within it: accepted
