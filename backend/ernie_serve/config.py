@@ -105,6 +105,7 @@ class EngineConfig:
         self._check_splitwise()
         need(self.swap_space is None or self.swap_space >= 0, "swap_space", "must be >= 0 GB")
         self._check_swap_space_fits()
+        self._check_scheduler_env()
         need(self.max_logprobs <= 20, "max_logprobs", "must be <= 20")
         self._check_speculative()
         self._refuse_unbuilt()
@@ -119,6 +120,15 @@ class EngineConfig:
             raise ValueError(f"swap_space (--swap-space) is {self.swap_space:g} GiB but this host has "
                              f"{total / (1 << 30):.1f} GiB of memory ({available / (1 << 30):.1f} GiB available): "
                              "the CPU tier of the prefix cache lives in host memory; give at most that")
+
+    @staticmethod
+    def _check_scheduler_env() -> None:
+        """FastDeploy's ENABLE_V1_KVCACHE_SCHEDULER: 1 (its default) is the V1 scheduler, the only one here."""
+        value = os.environ.get("ENABLE_V1_KVCACHE_SCHEDULER", "1").strip().lower()
+        if value not in ("1", "true", "yes", "on"):
+            raise ValueError(f"ENABLE_V1_KVCACHE_SCHEDULER={value!r} is not supported: this engine has only the V1 "
+                             "scheduler (one token budget shared by decodes and chunked prefills, one block pool "
+                             "the engine manages, FastDeploy's default); unset it or set it to 1")
 
     def _check_speculative(self) -> None:
         spec = self.speculative_config

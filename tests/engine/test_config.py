@@ -137,3 +137,11 @@ def test_a_swap_space_beyond_host_memory_is_refused_naming_the_flag_and_both_fig
     with pytest.raises(ValueError, match=r"swap_space \(--swap-space\) is .* GiB but this host has .* GiB of memory"):
         EngineConfig(swap_space=too_big)
     EngineConfig(swap_space=0.5)  # within it: accepted
+
+
+def test_enable_v1_kvcache_scheduler_is_accepted_at_1_and_refused_otherwise(monkeypatch) -> None:
+    monkeypatch.setenv("ENABLE_V1_KVCACHE_SCHEDULER", "1")
+    EngineConfig()
+    monkeypatch.setenv("ENABLE_V1_KVCACHE_SCHEDULER", "0")
+    with pytest.raises(ValueError, match=r"ENABLE_V1_KVCACHE_SCHEDULER='0' is not supported: .*only the V1"):
+        EngineConfig()
