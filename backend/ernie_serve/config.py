@@ -56,6 +56,9 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     max_waiting_requests: int = 1024
+    # SGLang's --stream-interval: a stream's responses carry at least this many new tokens (the first token and
+    # the last response go out at once); a consumer that lags gets several steps' tokens in one response anyway
+    stream_interval: int = 1
     disable_progress_bar: bool = False
     # "reference": the Paddle CPU path (the oracle); "kernels": the triton-lang kernels (kernels_backend/) on a GPU,
     # or on the CPU under TRITON_INTERPRET=1; "auto": kernels when a GPU is visible, else reference
@@ -107,6 +110,8 @@ class EngineConfig:
         self._check_swap_space_fits()
         self._check_scheduler_env()
         need(self.max_logprobs <= 20, "max_logprobs", "must be <= 20")
+        need(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
+             "must be an integer >= 1 (tokens a streamed response carries at least)")
         self._check_speculative()
         self._refuse_unbuilt()
 

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from ernie_serve.config import EngineConfig
 from ernie_serve.engine.async_engine import EngineDeadError, EngineOverloadedError
 from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ernie_serve.serving.control import AbortListener, send_abort
@@ -305,11 +306,23 @@ class Sink:
     def __init__(self):
         self.sent, self.errors, self.cancel = [], [], False
         self.done = threading.Event()
+        self.gate = threading.Event()  # a consumer that lags: send blocks until the gate opens
+        self.gate.set()
+        self.entered = threading.Event()  # a send has started
 
     def send(self, outputs, final):
+        self.entered.set()
+        self.gate.wait(5)
         self.sent.append((outputs, final))
         if final:
             self.done.set()
+
+    def wait_sent(self, n: int) -> None:
+        """Until n responses went out: a test that wants one response a step lets each go before the next."""
+        deadline = time.monotonic() + 5
+        while len(self.sent) < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(self.sent) >= n
 
     def send_error(self, code, message):
         self.errors.append((code, message))
@@ -345,9 +358,12 @@ def test_stream_sends_per_step_and_non_stream_sends_once():
     streaming, whole = Sink(), Sink()
     model.submit(engine_inputs(True), streaming, "a")
     model.submit(engine_inputs(False), whole, "b")
-    for rid in list(engine.callbacks):
-        engine.emit(rid, "x")
-        engine.emit(rid, "y", finished=True, reason="length")
+    a, b = list(engine.callbacks)
+    engine.emit(a, "x")
+    streaming.wait_sent(1)
+    engine.emit(a, "y", finished=True, reason="length")
+    engine.emit(b, "x")
+    engine.emit(b, "y", finished=True, reason="length")
     assert streaming.done.wait(2) and whole.done.wait(2)
     assert [f for _, f in streaming.sent] == [False, True]
     assert len(whole.sent) == 1 and whole.sent[0][0]["text_delta"][0, 0] == b"xy"
@@ -362,8 +378,9 @@ def logprob_inputs(stream: bool, k: int):
             "request_json": s(json.dumps({"sampling": {"max_tokens": 4, "logprobs": k}, "stream": stream, "meta": {}}))}
 
 
-def emit_with_logprobs(engine, rid, steps):
-    """steps: one list of (sampled id, {id: logprob}) per engine step; CompletionOutput.logprobs is cumulative."""
+def emit_with_logprobs(engine, rid, steps, sink=None):
+    """steps: one list of (sampled id, {id: logprob}) per engine step; CompletionOutput.logprobs is cumulative.
+    With a sink, each step's response goes out before the next step (a consumer that keeps up)."""
     ids, cb = engine.callbacks[rid]
     tokens, logprobs = [], []
     for n, step in enumerate(steps):
@@ -375,6 +392,8 @@ def emit_with_logprobs(engine, rid, steps):
                                 logprobs=[dict(d) for d in logprobs], text_delta="t",
                                 token_ids_delta=[t for t, _ in step])
         cb(RequestOutput(rid, None, ids, [comp], last, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2)), None)
+        if sink is not None:
+            sink.wait_sent(n + 1)
 
 
 STEPS = [[(7, {7: -0.1, 8: -2.0, 9: -3.0})], [(8, {8: -0.7, 7: -0.9, 5: -4.0}), (9, {9: -5.0, 1: -0.2, 2: -0.3})]]
@@ -385,7 +404,7 @@ def test_engine_sends_the_new_tokens_logprobs_each_step_best_k_alternatives():
     model = EngineModel(None, engine=engine)
     sink = Sink()
     model.submit(logprob_inputs(True, 2), sink, "lp")
-    emit_with_logprobs(engine, next(iter(engine.callbacks)), STEPS)
+    emit_with_logprobs(engine, next(iter(engine.callbacks)), STEPS, sink)
     assert sink.done.wait(2)
     per_step = [json.loads(o["logprobs"][0, 0]) for o, _ in sink.sent]
     assert [[e["token_id"] for e in step] for step in per_step] == [[7], [8, 9]]
@@ -405,6 +424,57 @@ def test_non_streaming_gets_every_tokens_logprobs_once():
     entries = json.loads(sink.sent[0][0]["logprobs"][0, 0])
     assert [e["token_id"] for e in entries] == [7, 8, 9] and all(e["top_logprobs"] == [] for e in entries)
     model.shutdown()
+
+
+def _tokens_and_text(sink: Sink) -> tuple[list[int], str]:
+    return ([int(t) for o, _ in sink.sent for t in o["token_ids"][0]],
+            "".join(o["text_delta"][0, 0].decode() for o, _ in sink.sent))
+
+
+def test_a_lagging_consumer_gets_several_steps_in_one_response_same_tokens_same_order():
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    sink = Sink()
+    model.submit(engine_inputs(True), sink, "lag")
+    sink.gate.clear()  # the first response blocks in send; the steps after it accumulate
+    rid = next(iter(engine.callbacks))
+    ids, cb = engine.callbacks[rid]
+    for k in range(6):
+        comp = CompletionOutput(0, "", [], finish_reason="length" if k == 5 else None, text_delta=f"<{k}>",
+                                token_ids_delta=[10 + k])
+        cb(RequestOutput(rid, None, ids, [comp], k == 5, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2)), None)
+        if k == 0:
+            assert sink.entered.wait(2)  # the first response is in send, held by the consumer
+    sink.gate.set()
+    assert sink.done.wait(2)
+    assert _tokens_and_text(sink) == ([10, 11, 12, 13, 14, 15], "<0><1><2><3><4><5>")
+    assert len(sink.sent) == 2 and [f for _, f in sink.sent] == [False, True]  # the first, then the rest at once
+    assert [o["response_index"][0, 0] for o, _ in sink.sent] == [0, 1]
+    model.shutdown()
+
+
+def test_stream_interval_sends_the_first_token_then_chunks_of_at_least_that_many():
+    engine = FakeEngine()
+    model = EngineModel(EngineConfig(stream_interval=3), engine=engine)
+    sink = Sink()
+    model.submit(engine_inputs(True), sink, "iv")
+    rid = next(iter(engine.callbacks))
+    ids, cb = engine.callbacks[rid]
+    for k in range(8):
+        comp = CompletionOutput(0, "", [], finish_reason="length" if k == 7 else None, text_delta=str(k),
+                                token_ids_delta=[k])
+        cb(RequestOutput(rid, None, ids, [comp], k == 7, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2)), None)
+        time.sleep(0.01)  # the consumer keeps up: only the interval groups tokens
+    assert sink.done.wait(2)
+    assert _tokens_and_text(sink) == (list(range(8)), "01234567")
+    sizes = [len(o["token_ids"][0]) for o, _ in sink.sent]
+    assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and sum(sizes) == 8, sizes
+    model.shutdown()
+
+
+def test_stream_interval_below_one_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 1"):
+        EngineConfig(stream_interval=0)
 
 
 def test_no_logprobs_asked_for_sends_an_empty_string():

@@ -1,9 +1,12 @@
 """ernie_moe's logic: one AsyncEngine per model instance, driven from Triton's decoupled execute.
 
 Per request: execute() submits and returns; the engine thread produces one RequestOutput per step;
-a response thread turns each into output tensors and sends them, so a slow send never stalls the
-step loop. Streaming requests get one response per step, non-streaming ones a single response with
-everything. Cancellation (is_cancelled() polled on a thread, or an abort from the detokenizer, see
+a response thread turns them into output tensors and sends them, so a slow send never stalls the
+step loop. A stream's steps are buffered on the request and the response thread sends whatever has
+accumulated when it gets to it: one response a step while it keeps up, several steps' tokens in one
+response (never fewer tokens, never another order) when it lags, and at least `stream_interval`
+tokens a response after the first when the operator asks for fewer, larger chunks. Non-streaming
+requests get a single response with everything. Cancellation (is_cancelled() polled on a thread, or an abort from the detokenizer, see
 control.py) aborts the request in the engine, which frees its KV blocks; the request then gets
 CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
 
@@ -89,6 +92,10 @@ class _Live:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    # a stream's steps not sent yet (the engine thread appends, the response thread takes them), the last
+    # step's output, and whether a send of them is queued
+    last_output: RequestOutput | None = None
+    queued: bool = False
 
 
 def _str_tensor(value: str) -> np.ndarray:
@@ -157,6 +164,7 @@ class EngineModel:
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
+        self._interval = config.stream_interval if config is not None else 1
         self._stop = threading.Event()
         self._draining = False
         self._sender = threading.Thread(target=self._send_loop, name="ernie-responses", daemon=True)
@@ -240,6 +248,7 @@ class EngineModel:
             if self.metrics is not None:
                 self.metrics.request_finished(comp.finish_reason, len(comp.token_ids), out.metrics)
         if err is not None:
+            self._send_pending_now(live)  # tokens a stream_interval was holding go out before the error
             self._end_with_error(live, out, *self._failure(err))
             return
         if live.ending is not None or (out.finished and comp.finish_reason == "abort"):
@@ -251,17 +260,30 @@ class EngineModel:
                     self._end_with_error(live, out, ending.code, ending.message)
             return
         logprobs = new_logprob_entries(live, comp)
-        if not live.stream:
+        with self._lock:
             live.token_ids.extend(comp.token_ids_delta)
             live.text.append(comp.text_delta)
             live.logprobs.extend(logprobs)
-            if not out.finished:
+            live.last_output = out
+            due = out.finished or (live.stream and (live.index == 0 or len(live.token_ids) >= self._interval))
+            if not due or live.queued:
                 return
-            self._outbox.put((live.sink, self._tensors(live, out, live.token_ids, "".join(live.text), live.logprobs),
-                              None))
-            return
-        self._outbox.put((live.sink, self._tensors(live, out, list(comp.token_ids_delta), comp.text_delta, logprobs),
-                          None))
+            live.queued = True
+        self._outbox.put((live.sink, live, None))
+
+    def _send_pending_now(self, live: _Live) -> None:
+        with self._lock:
+            if not live.stream or not live.token_ids or live.queued:
+                return
+            live.queued = True
+        self._outbox.put((live.sink, live, None))
+
+    def _take_pending(self, live: _Live) -> tuple[dict, bool]:
+        """What a request accumulated since its last response, as one response (response thread)."""
+        with self._lock:
+            ids, text, logprobs, out = live.token_ids, "".join(live.text), live.logprobs, live.last_output
+            live.token_ids, live.text, live.logprobs, live.queued = [], [], [], False
+        return self._tensors(live, out, ids, text, logprobs)
 
     def _end_with_error(self, live: _Live, out: RequestOutput, code: str, message: str) -> None:
         """The request's FINAL as an error: in band for the ensemble (module docstring), else an error response."""
@@ -324,6 +346,8 @@ class EngineModel:
                     sink.send_error(*error)
                 elif payload is None:
                     sink.send_final()
+                elif isinstance(payload, _Live):
+                    sink.send(*self._take_pending(payload))
                 else:
                     outputs, final = payload
                     sink.send(outputs, final)
