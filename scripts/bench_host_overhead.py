@@ -116,7 +116,8 @@ def main() -> None:
     for r in results:
         p = r["phases_ms"]
         print(f"{r['model'] if r['model'] == 'tiny' else 'bench':6} {r['running']:>7} {r['workload']:14} "
-              f"{r['step_ms']:8.2f} {r['forward_ms']:8.2f} {r['host_ms']:8.2f} {100 * r['host_ms'] / r['step_ms']:6.0f}%  "
+              f"{r['step_ms']:8.2f} {r['forward_ms']:8.2f} {r['host_ms']:8.2f} "
+              f"{100 * r['host_ms'] / r['step_ms']:6.0f}%  "
               f"{p['schedule']:.2f} / {p['update_from_output']:.2f} / {p['sampler']:.2f} / {p['_outputs']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"results": results}, indent=2))

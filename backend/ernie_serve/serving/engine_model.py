@@ -6,7 +6,8 @@ step loop. A stream's steps are buffered on the request and the response thread 
 accumulated when it gets to it: one response a step while it keeps up, several steps' tokens in one
 response (never fewer tokens, never another order) when it lags, and at least `stream_interval`
 tokens a response after the first when the operator asks for fewer, larger chunks. Non-streaming
-requests get a single response with everything. Cancellation (is_cancelled() polled on a thread, or an abort from the detokenizer, see
+requests get a single response with everything. Cancellation (is_cancelled() polled on a thread, or an
+abort from the detokenizer, see
 control.py) aborts the request in the engine, which frees its KV blocks; the request then gets
 CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
 
