@@ -7,9 +7,8 @@ accumulated when it gets to it: one response a step while it keeps up, several s
 response (never fewer tokens, never another order) when it lags, and at least `stream_interval`
 tokens a response after the first when the operator asks for fewer, larger chunks. Non-streaming
 requests get a single response with everything. Cancellation (is_cancelled() polled on a thread, or an
-abort from the detokenizer, see
-control.py) aborts the request in the engine, which frees its KV blocks; the request then gets
-CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
+abort from the detokenizer, see control.py) aborts the request in the engine, which frees its KV
+blocks; the request then gets CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
 
 Failures: a request that fails alone (RequestFailedError) ends INTERNAL naming the cause and the
 engine serves on; a dead engine (EngineDeadError) ends every request UNAVAILABLE and sets the
