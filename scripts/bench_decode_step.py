@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "backend"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-class _Timer:
+class CallTimer:
     """Seconds spent in wrapped callables, by name."""
 
     def __init__(self):
@@ -56,7 +56,7 @@ def main() -> None:
     if args.model is None:
         from bench_offline import bench_checkpoint
         args.model = bench_checkpoint()
-    timer = _Timer()
+    timer = CallTimer()
     timer.wrap(cpu_layer, "decoder_layers", "layer stack (C)")
     timer.wrap(cpu_gemm, "gemm", "gemm calls (lm_head; the dense layers on the Python path)")
     timer.wrap(cpu_gemm, "moe_gemm", "expert gemm calls (Python path)")

@@ -23,27 +23,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_decode_step import CallTimer  # noqa: E402  (seconds spent in wrapped calls, by name)
 
 PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "sampler"),
           ("engine", "_outputs"))
-
-
-class _Clock:
-    """Seconds spent in wrapped callables, by name (reset between warm-up and the measured steps)."""
-
-    def __init__(self):
-        self.spent: dict[str, float] = {}
-
-    def wrap(self, owner, attr: str, name: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t
-        setattr(owner, attr, timed)
 
 
 def measure(model: str | None, running: int, workload: str, steps: int, seed: int = 0) -> dict:
@@ -52,7 +35,7 @@ def measure(model: str | None, running: int, workload: str, steps: int, seed: in
     llm = LLM(model=model, max_num_seqs=running, max_num_batched_tokens=max(2048, 2 * running),
               max_model_len=2048, disable_progress_bar=True)
     engine = llm.engine
-    clock = _Clock()
+    clock = CallTimer()
     clock.wrap(engine.runner.executor, "execute", "forward")
     for owner_name, attr in PHASES:
         owner = {"scheduler": engine.scheduler, "runner": engine.runner, "engine": engine}[owner_name]

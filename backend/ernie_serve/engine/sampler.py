@@ -551,9 +551,10 @@ class TopLogprobs:
 
 def _logprob_rows(params: list[SamplingParams], vocab: int) -> tuple[np.ndarray, int]:
     """The rows that asked for logprobs, and how many top tokens the batch needs (the most any row asked for)."""
-    rows = np.array([r for r, p in enumerate(params) if p.logprobs is not None], dtype=np.int64) if any(
-        p.logprobs is not None for p in params) else _NO_ROWS
-    return rows, (min(max(params[r].logprobs for r in rows), vocab) if rows.size else 0)
+    asking = [r for r, p in enumerate(params) if p.logprobs is not None]
+    if not asking:
+        return _NO_ROWS, 0
+    return np.array(asking, dtype=np.int64), min(max(params[r].logprobs for r in asking), vocab)
 
 
 def _top_logprobs(raw: np.ndarray, token_ids: np.ndarray, n: int) -> TopLogprobs:
