@@ -47,6 +47,9 @@ class EngineConfig:
     # prefill servers' ports a decode server sends them to (comma-separated; FastDeploy's names)
     engine_worker_queue_port: int | None = None
     innode_prefill_ports: str | None = None
+    # a prefill server's KV endpoint: the blocks go to decode servers on a connection of their own, so pings and
+    # aborts never queue behind megabytes of KV (without it they share engine_worker_queue_port's)
+    cache_queue_port: int | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None
@@ -103,8 +106,8 @@ class EngineConfig:
         need(self.guided_decoding_backend in GUIDED_DECODING_BACKENDS, "guided_decoding_backend",
              f"must be one of {', '.join(GUIDED_DECODING_BACKENDS)}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        need(self.engine_worker_queue_port is None or 0 < self.engine_worker_queue_port < 65536,
-             "engine_worker_queue_port", "must be a TCP port")
+        for port in ("engine_worker_queue_port", "cache_queue_port"):
+            need(getattr(self, port) is None or 0 < getattr(self, port) < 65536, port, "must be a TCP port")
         self._check_splitwise()
         need(self.swap_space is None or self.swap_space >= 0, "swap_space", "must be >= 0 GB")
         self._check_swap_space_fits()
@@ -183,6 +186,12 @@ class EngineConfig:
         if role != "prefill" and self.engine_worker_queue_port is not None:
             raise ValueError(f"engine_worker_queue_port is the prefill server's port (splitwise_role='prefill'), "
                              f"got splitwise_role={role!r}")
+        if role != "prefill" and self.cache_queue_port is not None:
+            raise ValueError(f"cache_queue_port is a prefill server's KV endpoint (splitwise_role='prefill'); a "
+                             f"decode server learns it from each prefill server, got splitwise_role={role!r}")
+        if self.cache_queue_port is not None and self.cache_queue_port == self.engine_worker_queue_port:
+            raise ValueError(f"cache_queue_port and engine_worker_queue_port must differ, both are "
+                             f"{self.cache_queue_port}")
 
     def _refuse_unbuilt(self) -> None:
         """FastDeploy flags this build does not implement yet: refused with what is supported, never ignored."""

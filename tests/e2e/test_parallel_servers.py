@@ -84,17 +84,57 @@ def test_a_tensor_parallel_server_streams_the_tokens_of_one_rank(tp2_server, off
 
 
 # ---------------------------------------------------------------- prefill / decode disaggregation
+def _from_seed_flags(flags: list[str]) -> TritonServer:
+    """A server from an ernie-serve command line, as the seed's 1P1D commands write it (free ports in place of
+    8180-8183 / 8190-8191); Triton's own ports are the CLI's choice, as they are for a FastDeploy user."""
+    from ernie_serve.cli.serve import server_from_args
+
+    engine = [a for k, v in SERVER_SETTINGS.items() for a in (f"--{k.replace('_', '-')}", v)]
+    server, _ = server_from_args(flags + engine)
+    try:
+        server.start(timeout=300)
+    except Exception:
+        server.cleanup()
+        raise
+    return server
+
+
 @pytest.fixture(scope="module")
 def pd_servers():
-    port = free_port()
-    prefill = _start({"splitwise_role": "prefill", "engine_worker_queue_port": str(port)})
+    queue_port = free_port()
+    prefill = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
+                                "--engine-worker-queue-port", str(queue_port), "--cache-queue-port", str(free_port()),
+                                "--splitwise-role", "prefill"])
     try:
-        decode = _start({"splitwise_role": "decode", "innode_prefill_ports": str(port)})
+        decode = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
+                                   "--splitwise-role", "decode", "--innode-prefill-ports", str(queue_port)])
     except Exception:
         _stop(prefill)
         raise
     yield prefill, decode
     _stop(decode, prefill)
+
+
+def test_the_seeds_1p1d_pair_serves_a_chat_through_the_decode_servers_port(pd_servers, offline_llm):
+    import httpx
+
+    prefill, decode = pd_servers
+    url = f"http://{decode.host}:{decode.openai_port}"
+    for _ in range(100):  # the shim comes up after tritonserver
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    r = httpx.post(f"{url}/v1/completions", json={"model": "ernie", "prompt": PROMPTS[1], "max_tokens": 12,
+                                                  "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == _offline(offline_llm, PROMPTS[1], 12)[0]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "ernie", "max_tokens": 8,
+                                                          "messages": [{"role": "user", "content": "Hi"}]}, timeout=120)
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"], chat.text
+    assert {prefill.http_port, prefill.grpc_port} .isdisjoint({decode.http_port, decode.grpc_port})
 
 
 def test_one_prefill_one_decode_server_stream_the_tokens_of_one_mixed_server(pd_servers, offline_llm):

@@ -145,3 +145,15 @@ def test_enable_v1_kvcache_scheduler_is_accepted_at_1_and_refused_otherwise(monk
     monkeypatch.setenv("ENABLE_V1_KVCACHE_SCHEDULER", "0")
     with pytest.raises(ValueError, match=r"ENABLE_V1_KVCACHE_SCHEDULER='0' is not supported: .*only the V1"):
         EngineConfig()
+
+
+@pytest.mark.parametrize("kw,hint", [
+    (dict(cache_queue_port=8183), "cache_queue_port is a prefill server's KV endpoint"),
+    (dict(splitwise_role="decode", innode_prefill_ports="8182", cache_queue_port=8193), "learns it from each"),
+    (dict(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=8182), "must differ"),
+    (dict(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=70000), "must be a TCP port"),
+])
+def test_cache_queue_port_is_the_prefill_servers_and_is_checked(kw, hint):
+    with pytest.raises(ValueError, match=hint):
+        EngineConfig(**kw)
+    EngineConfig(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=8183)

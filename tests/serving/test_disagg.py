@@ -69,6 +69,38 @@ def test_one_prefill_one_decode_gives_the_tokens_of_one_mixed_server(servers, pa
         _wait_for(lambda: _all_free(front))
 
 
+def test_with_a_cache_queue_port_the_kv_travels_on_its_own_connection_and_gives_the_same_tokens(tiny_model_dir,
+                                                                                                servers):
+    _, _, mixed = servers
+    port, kv_port = free_port(), free_port()
+    base = dict(ENGINE, model=str(tiny_model_dir))
+    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port,
+                                               cache_queue_port=kv_port))
+    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port)))
+    try:
+        _wait_for(lambda: prefill.service._kv_routes)  # the hello on both connections is through
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+        pd = [_final(_collect(decode, f"kvport-{i}", p, params)) for i, p in enumerate(PROMPTS)]
+        mx = [_final(_collect(mixed, f"kvport-mixed-{i}", p, params)) for i, p in enumerate(PROMPTS)]
+        for (a, a_err), (b, b_err) in zip(pd, mx):
+            assert a_err is None and b_err is None
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert prefill.service.transfers == {"prompt_socket": 0, "kv_socket": len(PROMPTS)}
+        for front in (prefill, decode):
+            _wait_for(lambda: _all_free(front))
+    finally:
+        for front in (decode, prefill):
+            front.shutdown(drain=False)
+
+
+def test_a_decode_server_gets_its_kv_on_the_prompt_connection_until_the_kv_one_is_up(servers):
+    prefill, decode, _ = servers  # a prefill server without --cache-queue-port: its hello names no KV port
+    out, err = _final(_collect(decode, "no-kv-port", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3)))
+    assert err is None and len(out.outputs[0].token_ids) == 3
+    assert prefill.service.transfers["kv_socket"] == 0 and prefill.service.transfers["prompt_socket"] > 0
+    assert all(server.kv_sock is None for server in decode._servers)
+
+
 def _wait_for(predicate, rounds: int = 400) -> None:
     ev = threading.Event()
     for _ in range(rounds):

@@ -620,3 +620,47 @@ def test_the_health_watch_names_a_dead_stub_even_when_tritonserver_exited_first(
         for p in (server, stub, other):
             p.kill()
             p.wait()
+
+
+def test_port_is_the_openai_port_and_frees_tritons_own_ports_for_a_second_server(tmp_path):
+    from ernie_serve.cli.serve import server_from_args
+
+    seed = ["--port", "8180", "--metrics-port", "8181", "--run-dir", str(tmp_path / "p")]
+    first, args = server_from_args(seed)
+    second, _ = server_from_args(["--port", "8190", "--metrics-port", "8191", "--run-dir", str(tmp_path / "d")])
+    assert first.openai_port == 8180 and first.metrics_port == 8181 and second.openai_port == 8190
+    triton = {first.http_port, first.grpc_port, second.http_port, second.grpc_port}
+    assert len(triton) == 4 and not triton & {8000, 8001, 8180, 8181, 8190, 8191}  # free ones, all different
+    plain, _ = server_from_args(["--run-dir", str(tmp_path / "x")])
+    assert (plain.http_port, plain.grpc_port, plain.metrics_port, plain.openai_port) == (8000, 8001, 8002, None)
+    same, _ = server_from_args(["--port", "9000", "--openai-port", "9000", "--run-dir", str(tmp_path / "y")])
+    assert same.openai_port == 9000
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--port", "9000", "--openai-port", "9001"], "both are the OpenAI API's port; give one"),
+    (["--port", "8002", "--metrics-port", "8002"], "--metrics-port 8002, --port 8002 are the same port"),
+    (["--http-port", "0"], "--http-port 0 is not a TCP port"),
+])
+def test_conflicting_ports_are_refused_naming_them(argv, words, capsys):
+    from ernie_serve.cli.serve import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_fd_log_dir_holds_the_servers_and_the_shims_logs(tmp_path, monkeypatch, capsys):
+    from ernie_serve.cli.serve import main, server_from_args
+
+    monkeypatch.setenv("FD_LOG_DIR", str(tmp_path / "log"))
+    server, _ = server_from_args(["--port", "9000", "--run-dir", str(tmp_path / "run")])
+    assert server.log_path == tmp_path / "log" / "tritonserver.log"
+    assert server.openai_log_path == tmp_path / "log" / "api_server.log" and (tmp_path / "log").is_dir()
+    monkeypatch.delenv("FD_LOG_DIR")
+    server, _ = server_from_args(["--run-dir", str(tmp_path / "run2")])
+    assert server.log_path == tmp_path / "run2" / "tritonserver.log" and server.openai_log_path is None
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("FD_LOG_DIR", str(tmp_path / "file" / "log"))
+    assert main(["--run-dir", str(tmp_path / "run3")]) == 2
+    assert "FD_LOG_DIR=" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from dataclasses import fields
 from ..config import EngineConfig
 
 # Flags that belong to the launcher, not to the engine.
-SERVER_FLAGS = {"http_port", "grpc_port", "metrics_port", "openai_port", "host", "max_inflight_requests",
+SERVER_FLAGS = {"http_port", "grpc_port", "metrics_port", "openai_port", "port", "host", "max_inflight_requests",
                 "engine_instances", "run_dir", "startup_timeout", "state_ttl_seconds", "log_to_console",
                 "restart_on_failure", "drain_timeout", "api_key", "admin_api_key", "max_concurrency",
                 "max_waiting_time"}
@@ -29,10 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ernie-serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("server")
-    g.add_argument("--http-port", type=int, default=8000)
-    g.add_argument("--grpc-port", type=int, default=8001)
-    g.add_argument("--metrics-port", type=int, default=8002)
+    g.add_argument("--http-port", type=int, default=None,
+                   help="Triton's HTTP port (default 8000; with --port: a free port, printed at start-up)")
+    g.add_argument("--grpc-port", type=int, default=None,
+                   help="Triton's gRPC port (default 8001; with --port: a free port, printed at start-up)")
+    g.add_argument("--metrics-port", type=int, default=None,
+                   help="Triton's metrics port, ernie:* (default 8002; with --port: a free port)")
     g.add_argument("--openai-port", type=int, default=None, help="also start the OpenAI shim on this port")
+    g.add_argument("--port", type=int, default=None,
+                   help="FastDeploy's API server port: the OpenAI shim's, as --openai-port (then Triton's own "
+                        "ports default to free ones, so two servers started as FastDeploy's are do not collide)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     g.add_argument("--max-concurrency", default=None,
                    help="the OpenAI shim's generation requests at once (default 512); more are refused with 429, "
@@ -83,6 +89,32 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def resolve_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--port is FastDeploy's API server port, i.e. the shim's. A FastDeploy-style launch names only its own
+    ports (--port, --metrics-port), so Triton's HTTP and gRPC ports it leaves out are picked free rather than
+    8000/8001, which a second server on the host would collide on; a plain launch keeps Triton's defaults."""
+    from ..serving.launcher import free_port
+
+    if args.port is not None and args.openai_port is not None and args.port != args.openai_port:
+        parser.error(f"--port {args.port} and --openai-port {args.openai_port}: both are the OpenAI API's port; "
+                     "give one")
+    fastdeploy_style = args.port is not None
+    args.openai_port = args.openai_port if args.openai_port is not None else args.port
+    for name, default in (("http_port", 8000), ("grpc_port", 8001), ("metrics_port", 8002)):
+        port = getattr(args, name)
+        if port is None:
+            port = free_port(args.host) if fastdeploy_style else default
+        if not 0 < port < 65536:
+            parser.error(f"--{name.replace('_', '-')} {port} is not a TCP port")
+        setattr(args, name, port)
+    given = [("--http-port", args.http_port), ("--grpc-port", args.grpc_port), ("--metrics-port", args.metrics_port)]
+    if args.openai_port is not None:
+        given.append(("--port" if fastdeploy_style else "--openai-port", args.openai_port))
+    ports = [port for _, port in given]
+    if len(set(ports)) != len(ports):
+        parser.error("two of " + ", ".join(f"{flag} {port}" for flag, port in given) + " are the same port")
+
+
 def openai_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
     """The shim's flags given to the launcher, checked now by the shim's own parser (not after tritonserver
     has loaded); refused without --openai-port, where nothing would read them."""
@@ -98,27 +130,31 @@ def openai_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> t
     return given
 
 
-def main(argv: list[str] | None = None) -> int:
+def server_from_args(argv: list[str] | None = None):
+    """The TritonServer an ernie-serve command line describes, not started; flag errors exit as argparse's do
+    (2, naming the flag), engine setting errors raise ValueError."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    resolve_ports(parser, args)
     openai_args = openai_flags(parser, args)
-    try:
-        settings = settings_from_args(args)
-    except (ValueError, TypeError) as e:
-        print(f"ernie-serve: {e}", file=sys.stderr)
-        return 2
+    settings = settings_from_args(args)
     from ..serving.launcher import TritonServer
 
+    server = TritonServer(settings, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, host=args.host, run_dir=args.run_dir,
+                          engine_instances=args.engine_instances, max_inflight_requests=args.max_inflight_requests,
+                          openai_port=args.openai_port, log_to_console=args.log_to_console,
+                          drain_timeout=args.drain_timeout, api_key=args.api_key,
+                          admin_api_key=args.admin_api_key, openai_args=openai_args)
+    return server, args
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        server = TritonServer(settings, http_port=args.http_port, grpc_port=args.grpc_port,
-                              metrics_port=args.metrics_port, host=args.host, run_dir=args.run_dir,
-                              engine_instances=args.engine_instances, max_inflight_requests=args.max_inflight_requests,
-                              openai_port=args.openai_port, log_to_console=args.log_to_console,
-                              drain_timeout=args.drain_timeout, api_key=args.api_key,
-                              admin_api_key=args.admin_api_key, openai_args=openai_args)
-    except ValueError as e:
+        server, args = server_from_args(argv)
+    except (ValueError, TypeError) as e:
         print(f"ernie-serve: {e}", file=sys.stderr)
         return 2
     stopping = []
@@ -140,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
           f"  metrics  {server.metrics_url}  (ernie:*)\n"
           + (f"  OpenAI   http://{args.host}:{args.openai_port}/v1\n" if server.openai_proc else "")
           + f"  log      {server.log_path}\n"
-          "  Ctrl-C to stop.", flush=True)
+          + (f"  shim log {server.openai_log_path}\n" if server.openai_proc and server.openai_log_path else "")
+          + "  Ctrl-C to stop.", flush=True)
     code = supervise(server, stopping, args.restart_on_failure, args.startup_timeout)
     if stopping:
         print("[ernie-serve] stopping: in-flight requests finish or are cancelled, then the server exits",

@@ -9,7 +9,11 @@
               decodes, streams as usual
 
 Messages go over pyzmq (DEALER on D, one per prefill port, round robin; ROUTER on P); the KV travels as
-KVTransfer's frames (a JSON header and the raw blocks). FastDeploy's P samples the first token and D
+KVTransfer's frames (a JSON header and the raw blocks). A prefill server started with --cache-queue-port sends
+the KV on a connection of its own, bound there: D says hello on each prefill port, P answers with its KV port,
+D connects a second DEALER under the same identity and says hello on it, and from then on P routes that D's
+blocks there, so pings, failures and aborts never wait behind megabytes of KV. Until the hello is through
+(or without the flag) the KV shares the prompt connection. FastDeploy's P samples the first token and D
 appends it; here P computes the prompt's KV only and D recomputes the last prompt token and samples every
 token itself with the request's own parameters and generator, so a 1P1D pair gives what one mixed server
 gives for every kind of request (seeded sampling, guided decoding, penalties), at the cost of one token
@@ -29,6 +33,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from itertools import cycle
 
@@ -51,7 +56,7 @@ def engine_front(config: EngineConfig):
     """The engine a server's ernie_moe drives: as it is for the mixed role, wrapped for prefill / decode."""
     engine = AsyncEngine(config)
     if config.splitwise_role == "prefill":
-        return PrefillFront(engine, config.engine_worker_queue_port)
+        return PrefillFront(engine, config.engine_worker_queue_port, config.cache_queue_port)
     if config.splitwise_role == "decode":
         return DecodeFront(engine, config.prefill_ports)
     return engine
@@ -117,9 +122,9 @@ class _Front:
 class PrefillFront(_Front):
     """A prefill server's engine: prefills for decode servers on `port`, refuses direct requests."""
 
-    def __init__(self, engine: AsyncEngine, port: int):
+    def __init__(self, engine: AsyncEngine, port: int, kv_port: int | None = None):
         super().__init__(engine)
-        self.service = PrefillService(engine, port)
+        self.service = PrefillService(engine, port, kv_port)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     callback: OutputCallback) -> None:
@@ -133,39 +138,68 @@ class PrefillFront(_Front):
 
 
 class PrefillService:
-    """The prefill side of the protocol: a ROUTER socket on 127.0.0.1:port, owned by one thread."""
+    """The prefill side of the protocol: a ROUTER socket on 127.0.0.1:port (and one on kv_port for the KV, when
+    given), owned by one thread."""
 
-    def __init__(self, engine: AsyncEngine, port: int, host: str = "127.0.0.1"):
-        self.engine, self.port = engine, port
+    def __init__(self, engine: AsyncEngine, port: int, kv_port: int | None = None, host: str = "127.0.0.1"):
+        self.engine, self.port, self.kv_port = engine, port, kv_port
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://{host}:{port}")
+        self._sock = self._router(host, port)
+        self._kv_sock = self._router(host, kv_port) if kv_port is not None else None
+        self._kv_routes: set[bytes] = set()  # decode servers that said hello on the KV socket
+        self.transfers = {"prompt_socket": 0, "kv_socket": 0}  # where each KVTransfer went (for tests and logs)
         self._wake = _Wakeup()
         self._stop = threading.Event()
         self._owners: dict[str, bytes] = {}  # request id -> the decode server's socket identity
         self._thread = threading.Thread(target=self._loop, name="ernie-prefill-service", daemon=True)
         self._thread.start()
-        log.info("prefill server: taking prompts from decode servers on tcp://%s:%d", host, port)
+        log.info("prefill server: taking prompts from decode servers on tcp://%s:%d%s", host, port,
+                 f", sending their KV on tcp://{host}:{kv_port}" if kv_port is not None else "")
+
+    def _router(self, host: str, port: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{host}:{port}")
+        return sock
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._kv_sock is not None:
+            poller.register(self._kv_sock, zmq.POLLIN)
         poller.register(self._wake.read_fd, zmq.POLLIN)
         while not self._stop.is_set():
             for sock, _ in poller.poll(POLL_MS):
                 if sock is self._sock:
                     self._on_message(self._sock.recv_multipart(copy=False))
+                elif sock is self._kv_sock:
+                    owner, kind = self._kv_sock.recv_multipart()[:2]
+                    if kind == b"hello":
+                        self._kv_routes.add(owner)
             for frames in self._wake.drain():
-                self._sock.send_multipart(frames, copy=False)
-        self._sock.close(0)
+                self._send(frames)
+        for sock in (self._sock, self._kv_sock):
+            if sock is not None:
+                sock.close(0)
         self._ctx.term()
         self._wake.close()
+
+    def _send(self, frames: list) -> None:
+        """Replies go back on the prompt socket; KV on the KV socket once its owner said hello there."""
+        if frames[1] == b"kv":
+            on_kv = frames[0] in self._kv_routes
+            self.transfers["kv_socket" if on_kv else "prompt_socket"] += 1
+            if on_kv:
+                self._kv_sock.send_multipart(frames, copy=False)
+                return
+        self._sock.send_multipart(frames, copy=False)
 
     def _on_message(self, frames) -> None:
         owner, kind, body = frames[0].bytes, frames[1].bytes, [f.bytes for f in frames[2:]]
         if kind == b"ping":
             self._sock.send_multipart([owner, b"pong"])
+        elif kind == b"hello":
+            self._sock.send_multipart([owner, b"hello", json.dumps({"kv_port": self.kv_port}).encode()])
         elif kind == b"prefill":
             msg = json.loads(body[0])
             rid = msg["request_id"]
@@ -211,6 +245,8 @@ class _Waiting:
 class _PrefillServer:
     address: str
     sock: zmq.Socket
+    identity: bytes
+    kv_sock: zmq.Socket | None = None  # its --cache-queue-port connection, once it said where that is
     waiting: set[str] = field(default_factory=set)
     last_heard: float = 0.0
     last_ping: float = 0.0
@@ -224,12 +260,14 @@ class DecodeFront(_Front):
         self._lock = threading.Lock()
         self._waiting: dict[str, _Waiting] = {}
         self._ctx = zmq.Context()
+        self._host = host
         self._servers = []
-        for port in prefill_ports:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{host}:{port}")
-            self._servers.append(_PrefillServer(f"{host}:{port}", sock))
+        me = uuid.uuid4().hex[:12]
+        for i, port in enumerate(prefill_ports):
+            identity = f"decode-{me}-{i}".encode()
+            server = _PrefillServer(f"{host}:{port}", self._dealer(identity, port), identity)
+            server.sock.send_multipart([b"hello"])  # queued until connected; the answer names its KV port
+            self._servers.append(server)
         self._next_server = cycle(self._servers)
         self._wake = _Wakeup()
         self._stop = threading.Event()
@@ -272,6 +310,13 @@ class DecodeFront(_Front):
             self._fail(rid, w, "unavailable: the server shut down before the prompt came back from prefill")
         super().shutdown(drain, timeout)
 
+    def _dealer(self, identity: bytes, port: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity)  # the same on both connections: P routes KV by it
+        sock.connect(f"tcp://{self._host}:{port}")
+        return sock
+
     # ------------------------------------------------------------ the socket thread
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -284,7 +329,11 @@ class DecodeFront(_Front):
                 if sock in by_sock:
                     server = by_sock[sock]
                     server.last_heard = time.monotonic()
-                    self._on_message(server, sock.recv_multipart())
+                    frames = sock.recv_multipart()
+                    if frames[0] == b"hello":
+                        self._connect_kv(server, json.loads(frames[1]).get("kv_port"), poller, by_sock)
+                    else:
+                        self._on_message(server, frames)
             for server, frames, rid in self._wake.drain():
                 if rid is not None:
                     if not server.waiting:
@@ -293,9 +342,21 @@ class DecodeFront(_Front):
                 server.sock.send_multipart(frames)
             self._watch_servers()
         for server in self._servers:
-            server.sock.close(0)
+            for sock in (server.sock, server.kv_sock):
+                if sock is not None:
+                    sock.close(0)
         self._ctx.term()
         self._wake.close()
+
+    def _connect_kv(self, server: _PrefillServer, kv_port: int | None, poller: zmq.Poller, by_sock: dict) -> None:
+        """The prefill server has a KV port: connect to it under this server's identity and say hello there."""
+        if kv_port is None or server.kv_sock is not None:
+            return
+        server.kv_sock = self._dealer(server.identity, int(kv_port))
+        server.kv_sock.send_multipart([b"hello"])
+        poller.register(server.kv_sock, zmq.POLLIN)
+        by_sock[server.kv_sock] = server
+        log.info("decode server: KV from prefill server %s comes on port %s", server.address, kv_port)
 
     def _on_message(self, server: _PrefillServer, frames: list[bytes]) -> None:
         kind = frames[0]

@@ -113,6 +113,21 @@ def load_failures(log: str) -> list[tuple[str, str]]:
     return out
 
 
+def fd_log_dir() -> Path | None:
+    """FD_LOG_DIR, created; None when unset."""
+    value = os.environ.get("FD_LOG_DIR", "").strip()
+    if not value:
+        return None
+    path = Path(value).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"FD_LOG_DIR={value!r}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"FD_LOG_DIR={value!r}: not writable")
+    return path
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -252,7 +267,11 @@ class TritonServer:
         self._openai: _Child | None = None
         self.watch: HealthWatch | None = None
         self._install: TritonInstall | None = None
-        self.log_path = self.run_dir / "tritonserver.log"
+        # FastDeploy's FD_LOG_DIR: the logs go there (and stay after the run dir is cleaned up), named as
+        # FastDeploy names its API server's; otherwise the server's log is in the run dir, the shim's on stderr.
+        log_dir = fd_log_dir()
+        self.log_path = (log_dir or self.run_dir) / "tritonserver.log"
+        self.openai_log_path = log_dir / "api_server.log" if log_dir else None
         self.startup_seconds: float | None = None
 
     @property
@@ -337,7 +356,11 @@ class TritonServer:
         env = server_env(self._install)
         if self.api_key:
             env["ERNIE_OPENAI_API_KEY"] = self.api_key  # not on the command line, where `ps` shows it
-        self._openai = _Child(cmd, env=env)
+        if self.openai_log_path is None:
+            self._openai = _Child(cmd, env=env)
+            return
+        with open(self.openai_log_path, "wb") as out:
+            self._openai = _Child(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def _get(self, path: str) -> urllib.request.Request:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
