@@ -209,10 +209,6 @@ class EngineConfig:
             if self.speculative_config and self.speculative_config.get("method") == "mtp":
                 refuse("tensor_parallel_size", "the MTP draft head is not built for tensor parallelism; use "
                                                "speculative_config method 'ngram', or tensor_parallel_size 1 with mtp")
-            if self.splitwise_role != "mixed":
-                refuse("tensor_parallel_size", f"splitwise_role={self.splitwise_role!r} exports and imports KV blocks "
-                                               "from one rank's cache; serve prefill/decode servers with "
-                                               "tensor_parallel_size 1")
         if self.execution_backend == "reference":
             if self.gpu_memory_utilization != 0.9:
                 refuse("gpu_memory_utilization", "it sizes the KV pool on a GPU (execution_backend='kernels'); the "

@@ -1,4 +1,4 @@
-"""End-to-end: a tensor-parallel (TP=2) tritonserver, and a 1P1D pair of tritonservers (prefill and
+"""End-to-end: a tensor-parallel (TP=2) tritonserver, and a 1P1D pair of TP=2 tritonservers (prefill and
 decode roles), each streaming through the `ernie` ensemble and agreeing with the one-rank offline engine."""
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def test_a_tensor_parallel_server_streams_the_tokens_of_one_rank(tp2_server, off
 # ---------------------------------------------------------------- prefill / decode disaggregation
 def _from_seed_flags(flags: list[str]) -> TritonServer:
     """A server from an ernie-serve command line, as the seed's 1P1D commands write it (free ports in place of
-    8180-8183 / 8190-8191); Triton's own ports are the CLI's choice, as they are for a FastDeploy user."""
+    8180-8183 / 8190-8191, two ranks a side in place of four on this 2-core box); Triton's own ports are the
+    CLI's choice, as they are for a FastDeploy user."""
     from ernie_serve.cli.serve import server_from_args
 
     engine = [a for k, v in SERVER_SETTINGS.items() for a in (f"--{k.replace('_', '-')}", v)]
@@ -104,10 +105,11 @@ def pd_servers():
     queue_port = free_port()
     prefill = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
                                 "--engine-worker-queue-port", str(queue_port), "--cache-queue-port", str(free_port()),
-                                "--splitwise-role", "prefill"])
+                                "--tensor-parallel-size", "2", "--splitwise-role", "prefill"])
     try:
         decode = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
-                                   "--splitwise-role", "decode", "--innode-prefill-ports", str(queue_port)])
+                                   "--tensor-parallel-size", "2", "--splitwise-role", "decode",
+                                   "--innode-prefill-ports", str(queue_port)])
     except Exception:
         _stop(prefill)
         raise

@@ -48,8 +48,6 @@ def test_the_server_refuses_them_before_starting_anything(flags, capsys):
 
 @pytest.mark.parametrize("kw,hint", [
     (dict(tensor_parallel_size=2, speculative_config={"method": "mtp"}), "use speculative_config method 'ngram'"),
-    (dict(tensor_parallel_size=2, splitwise_role="prefill", engine_worker_queue_port=9100),
-     "serve prefill/decode servers with tensor_parallel_size 1"),
 ])
 def test_combinations_tensor_parallelism_does_not_serve_are_refused_naming_what_does(kw, hint):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported") as e:

@@ -156,7 +156,7 @@ def test_w4a8_with_the_c8_cache_on_two_ranks_differs_from_one_only_by_rounding_f
     two = LLM(model=str(w4a8_checkpoints / "w4a8c8"), tensor_parallel_size=2, **ENGINE)
     try:
         a, b = _logits(one, PROMPTS[0], [7, 8, 9]), _logits(two, PROMPTS[0], [7, 8, 9])
-        c1, c2 = one.engine.runner.cache, two.engine.runner.cache
+        c1, c2 = one.engine.runner.cache, two.engine.runner.cache.rank0
         assert c1.quant is not None and c1.quant.static and c2.quant is not None and c2.quant.static
         heads = c2.k[0].shape[-2]  # rank 0 holds the first of the model's KV heads
         for layer in range(len(c1.k)):
@@ -266,3 +266,31 @@ def test_guided_decoding_and_seeded_sampling_are_unchanged_by_tensor_parallelism
         llm.engine.close()
     assert texts[2] == texts[1]
     assert texts[1][0].split(" ")[0] in ("yes", "no", "maybe")
+
+
+def _decode_transferred(src: LLM, dst: LLM, rid: str, prompt: list[int]) -> list[int]:
+    """Prefill on src (its KV exported whole, every KV head), decode on dst from the imported blocks."""
+    from ernie_serve.engine.kv_transfer import KVTransfer
+
+    src.engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), hold_kv=True)
+    while src.engine.has_unfinished_requests():
+        src.engine.step()
+    transfer = KVTransfer.from_frames(src.engine.export_kv(rid).to_frames())
+    assert transfer.data.shape[4] == src.engine.model_config.num_key_value_heads  # all heads, whatever the ranks
+    final = dst.engine.add_prefilled_request(transfer, GREEDY)
+    while final is None:
+        final = next((o for o in dst.engine.step() if o.request_id == rid and o.finished), None)
+    return list(final.outputs[0].token_ids)
+
+
+def test_prefill_and_decode_at_different_parallel_layouts_give_one_ranks_tokens(engines):
+    """P/D under tensor parallelism: the transfer carries every KV head, each rank keeps its own on import, so
+    the two sides may differ in layout (KV heads re-sharded, replicated ones included)."""
+    name, llms = engines
+    ref = [o.outputs[0].token_ids for o in llms["tp1"].generate(prompt_token_ids=PROMPTS[:2], sampling_params=GREEDY,
+                                                                use_tqdm=False)]
+    pairs = [("tp2", "tp1"), ("tp1", "tp2"), ("tp2", "tp2")] + ([("ep2", "tp2")] if "ep2" in llms else [])
+    for src, dst in pairs:
+        for i, prompt in enumerate(PROMPTS[:2]):
+            got = _decode_transferred(llms[src], llms[dst], f"pd-{src}-{dst}-{i}", prompt)
+            assert got == list(ref[i]), (name, src, dst, i)

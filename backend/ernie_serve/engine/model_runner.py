@@ -31,7 +31,8 @@ class ModelRunnerOutput:
 class StepExecutor(Protocol):
     """Runs a StepInput on the whole model: engine/model_shard.ModelShard (the reference backend, one rank),
     engine/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
-    backend). `cache` is this process's KV cache (num_blocks, read_blocks / write_blocks for whole blocks).
+    backend). `cache` is the engine's view of the KV pool (num_blocks, and read_blocks /
+    write_blocks of whole blocks with all the model's KV heads, across the ranks under tensor parallelism).
     execute returns (the step's final hidden states, the sampled rows' logits as a Paddle tensor or NumPy).
     `draft_head` (engine/mtp_drafter.DraftHead) is its MTP head, or None."""
 

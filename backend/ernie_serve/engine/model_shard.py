@@ -6,6 +6,8 @@ collectives keep them in step. A single-rank engine calls its one ModelShard dir
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import paddle
 
@@ -32,6 +34,28 @@ class ModelShard:
         shape = (num_host_blocks, layers, 2, block_size, kv_heads, cfg.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
         self.draft_head = None if mtp is None else ReferenceDraftHead(model, mtp, self.cache, block_size)
+
+    # Whole blocks with every KV head of the model, whatever this rank holds: the prefill/decode transfer's format,
+    # so a prefill and a decode server may run different tensor-parallel sizes.
+    def read_kv(self, block_ids: list[int]) -> np.ndarray:
+        """[layers, 2, n, block_size, model's KV heads, head_dim]. Under tensor parallelism a collective: every
+        rank calls it with the same ids, and each gets the ranks' heads gathered."""
+        local = self.cache.read_blocks(block_ids)
+        layout, cfg = self.model.layout, self.model.config
+        if not layout.is_parallel:
+            return local
+        parts: list[paddle.Tensor] = []
+        paddle.distributed.all_gather(parts, to_paddle(local), group=layout.group)
+        full = np.empty(local.shape[:4] + (cfg.num_key_value_heads, local.shape[5]), np.float32)
+        for rank, part in enumerate(parts):
+            heads = replace(layout, rank=rank).kv_heads(cfg)
+            full[..., heads.start:heads.stop, :] = part.numpy()
+        return full
+
+    def write_kv(self, block_ids: list[int], data: np.ndarray) -> None:
+        """The inverse of read_kv: each rank keeps the heads it holds (no collective)."""
+        heads = self.model.layout.kv_heads(self.model.config)
+        self.cache.write_blocks(block_ids, np.ascontiguousarray(data[..., heads.start:heads.stop, :]))
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
         """Swaps and copies, in the order the block pool recorded them."""

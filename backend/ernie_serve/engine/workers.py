@@ -25,6 +25,10 @@ which the driver runs too), against ~0.04 ms to pack and unpack the whole step: 
 16 KB cross localhost in microseconds, that is CPU spent for nothing; it pays off with long contexts,
 big batches, or ranks on other hosts.
 
+Besides steps ("step" + the delta), the driver sends "kv-read" (block ids: every rank reads its heads of those
+blocks and joins one all-gather, so rank 0 holds the whole blocks a prefill server exports) and "kv-write" (ids
+and whole blocks: each rank keeps its heads), on the same socket, so they fall in order between steps.
+
 Rank 0 runs in the driver's process on the StepInput itself (vLLM and FastDeploy use a separate process
 for every rank), so a single-rank engine has no IPC at all and a tensor-parallel one moves no logits
 between processes: the lm_head's all-gather delivers them to rank 0, where the sampler runs unchanged.
@@ -58,6 +62,7 @@ from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from .._env import setup_model_process
@@ -145,6 +150,7 @@ class TensorParallelExecutor:
             self._await("hello", deadline)  # every worker is up and about to join the group
             self.group, self._store = make_group(0, self.spec)
             self.shard = load_shard(0, self.spec, self.group)
+            self._kv = AllRanksKV(self)
             self._await("ready", deadline)
         except BaseException:
             self.shutdown()
@@ -158,22 +164,39 @@ class TensorParallelExecutor:
         return self.shard.model
 
     @property
-    def cache(self):
-        return self.shard.cache
+    def cache(self) -> "AllRanksKV":
+        """The engine's view of the KV: whole blocks with every KV head, read and written across the ranks."""
+        return self._kv
+
+    def read_kv(self, block_ids: list[int]):
+        """Every rank's heads of these blocks (ModelShard.read_kv, a collective the workers join)."""
+        ids = json.dumps([int(b) for b in block_ids]).encode()
+        return self._on_all_ranks([b"kv-read", ids], lambda: self.shard.read_kv(block_ids))
+
+    def write_kv(self, block_ids: list[int], data) -> None:
+        """Each rank writes the heads it holds of these whole blocks."""
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        header = json.dumps({"ids": [int(b) for b in block_ids], "shape": list(data.shape)}).encode()
+        self._on_all_ranks([b"kv-write", header, data], lambda: self.shard.write_kv(block_ids, data))
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
     def execute(self, step: StepInput):
+        return self._on_all_ranks(lambda: [b"step", *self._encoder.encode(step)], lambda: self.shard.execute(step))
+
+    def _on_all_ranks(self, frames, run_on_rank0):
+        """Send the workers one message (frames, or a callable making them) and run rank 0's part here."""
         if self.failure is not None:
             raise RankFailedError(self.failure)
         self._check_alive()
-        frames = self._encoder.encode(step)
+        if callable(frames):
+            frames = frames()
         try:
             for sock in self._steps:
                 sock.send_multipart(frames, copy=False)
-            return self.shard.execute(step)
+            return run_on_rank0()
         except Exception as e:
             # The ranks are out of step now, whatever happened: no further step can run.
             if isinstance(e, zmq.ZMQError) or "gloo" in str(e):
@@ -227,6 +250,24 @@ class TensorParallelExecutor:
         log.error("%s", self.failure)
         self.shutdown()
         raise RankFailedError(self.failure)
+
+
+class AllRanksKV:
+    """What the engine reads as `executor.cache` under tensor parallelism: the pool's shape with the model's KV
+    heads, and whole-block reads / writes that span the ranks (prefill/decode transfer)."""
+
+    def __init__(self, executor: TensorParallelExecutor):
+        local, cfg = executor.shard.cache, executor.shard.model.config
+        self._executor = executor
+        self.num_blocks, self.num_layers, self.block_size = local.num_blocks, local.num_layers, local.block_size
+        self.num_kv_heads, self.head_dim = cfg.num_key_value_heads, local.head_dim
+        self.rank0 = local  # rank 0's own PagedKVCache (its share of the heads)
+
+    def read_blocks(self, block_ids: list[int]):
+        return self._executor.read_kv(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data) -> None:
+        self._executor.write_kv(block_ids, data)
 
 
 def _how(code: int) -> str:
@@ -297,8 +338,17 @@ def worker_main(argv: list[str] | None = None) -> int:
         while True:
             if not steps.poll(1000):
                 continue  # idle; the driver's death ends this process (PR_SET_PDEATHSIG)
-            frames = steps.recv_multipart(copy=False)
-            shard.execute(batch.apply([f.buffer for f in frames]))
+            kind, *frames = steps.recv_multipart(copy=False)
+            if kind.bytes == b"step":
+                shard.execute(batch.apply([f.buffer for f in frames]))
+            elif kind.bytes == b"kv-read":
+                shard.read_kv(json.loads(frames[0].bytes))
+            elif kind.bytes == b"kv-write":
+                header = json.loads(frames[0].bytes)
+                data = np.frombuffer(frames[1].buffer, np.float32).reshape(header["shape"])
+                shard.write_kv(header["ids"], data)
+            else:
+                raise ValueError(f"unknown message from the driver: {kind.bytes[:32]!r}")
     except Exception as e:  # noqa: BLE001 - reported to the driver, which fails the engine's requests
         traceback.print_exc()
         report("error", error=f"{type(e).__name__}: {e}")
