@@ -205,10 +205,6 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             refuse("enable_expert_parallel", "experts are split across the tensor-parallel ranks; it needs "
                                              "tensor_parallel_size > 1")
-        if self.tensor_parallel_size > 1:
-            if self.speculative_config and self.speculative_config.get("method") == "mtp":
-                refuse("tensor_parallel_size", "the MTP draft head is not built for tensor parallelism; use "
-                                               "speculative_config method 'ngram', or tensor_parallel_size 1 with mtp")
         if self.execution_backend == "reference":
             if self.gpu_memory_utilization != 0.9:
                 refuse("gpu_memory_utilization", "it sizes the KV pool on a GPU (execution_backend='kernels'); the "

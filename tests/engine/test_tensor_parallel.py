@@ -294,3 +294,38 @@ def test_prefill_and_decode_at_different_parallel_layouts_give_one_ranks_tokens(
         for i, prompt in enumerate(PROMPTS[:2]):
             got = _decode_transferred(llms[src], llms[dst], f"pd-{src}-{dst}-{i}", prompt)
             assert got == list(ref[i]), (name, src, dst, i)
+
+
+MTP_CASES = {  # MTP heads split across two ranks: GQA with a MoE target, and one KV head (replicated) at head_dim 24
+    "moe_kv2_mtp": dict(BASE, head_dim=16),
+    "dense_one_kv_head_headdim24_mtp": dict(BASE, architectures=["Ernie4_5ForCausalLM"], moe_num_experts=0,
+                                            num_key_value_heads=1, head_dim=24, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MTP_CASES))
+def test_mtp_under_tensor_and_expert_parallelism_gives_one_ranks_greedy_tokens(tmp_path, name):
+    """The head is split as the target's layers are; every rank runs each draft call. Greedy output is TP=1's
+    without MTP, under chunked prefill and preemption (too few blocks for every request at once)."""
+    from ernie_serve.demo.tiny_model import random_mtp_weights
+
+    config = MTP_CASES[name]
+    write_checkpoint(tmp_path / name, config, {**random_weights(config, seed=5), **random_mtp_weights(config, seed=6)})
+    opts = dict(ENGINE, num_gpu_blocks_override=8)
+    mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+    plain = LLM(model=str(tmp_path / name), **opts)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
+                                                          use_tqdm=False)]
+    plain.engine.close()
+    layouts = [dict(tensor_parallel_size=2)] + ([dict(tensor_parallel_size=2, enable_expert_parallel=True)]
+                                                if config.get("moe_num_experts") else [])
+    for layout in layouts:
+        llm = LLM(model=str(tmp_path / name), **opts, **layout, **mtp)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
+                                                                use_tqdm=False)]
+            stats = llm.engine.stats()
+            assert got == ref, (name, layout)
+            assert stats["spec_draft_tokens"] > 0 and llm.engine.scheduler.num_preemptions > 0, stats
+        finally:
+            llm.engine.close()

@@ -167,12 +167,19 @@ class LLMEngine:
         plan = QuantPlan.resolve(c.quantization, self.model_config.quantization_config)
         self.cpu_threads = setup_model_process(threads_per_rank(c.tensor_parallel_size))
         c8 = plan is not None and plan.kv_cache == "int8"
-        num_blocks, self._num_host_blocks = self._size_kv_pool(self.model_config.num_hidden_layers, c8)
+        spec = c.speculative_config or {}
+        mtp = spec.get("method") == "mtp"
+        layers = self.model_config.num_hidden_layers + mtp  # the MTP head's cache layer, on every rank
+        num_blocks, self._num_host_blocks = self._size_kv_pool(layers, c8)
         executor = TensorParallelExecutor(dict(
             model_dir=str(self.model_dir), num_output_ids=len(self.tokenizer) if self.tokenizer else None,
             quantization=c.quantization, num_blocks=num_blocks, block_size=c.block_size,
             num_host_blocks=self._num_host_blocks, world_size=c.tensor_parallel_size,
-            expert_parallel=c.enable_expert_parallel))
+            expert_parallel=c.enable_expert_parallel, mtp_source=(spec.get("model") or "") if mtp else None))
+        if mtp:
+            log.info("MTP speculative decoding: %d draft token(s) per step from %s, the head split across %d ranks",
+                     spec.get("num_speculative_tokens", 1), spec.get("model") or "the checkpoint's MTP head",
+                     c.tensor_parallel_size)
         _log_weight_memory(executor.model, " on rank 0")
         return executor
 
@@ -184,13 +191,10 @@ class LLMEngine:
 
     def _load_mtp(self, spec: dict) -> ErnieMTP:
         """The MTP head: from the checkpoint's own mtp_* tensors, or from speculative_config.model."""
-        from ..model.checkpoint_map import read_mtp_checkpoint
-        from ..model.loader import load_mtp
+        from ..model.loader import load_mtp_head
 
         source = spec.get("model")
-        weights = read_mtp_checkpoint(source, self.model_config) if source else self.model.mtp_weights
-        head = load_mtp(self.model_config, weights, source or str(self.model_dir))
-        self.model.mtp_weights = {}  # loaded into the head; the float copies are not needed twice
+        head = load_mtp_head(self.model, self.model_dir, source)
         log.info("MTP speculative decoding: %d draft token(s) per step from %s", spec.get("num_speculative_tokens", 1),
                  source or "the checkpoint's MTP head")
         return head

@@ -59,6 +59,7 @@ import time
 import traceback
 import weakref
 from dataclasses import asdict, dataclass
+from typing import Any
 from itertools import count
 from pathlib import Path
 
@@ -66,7 +67,7 @@ import numpy as np
 import zmq
 
 from .._env import setup_model_process
-from ..model.loader import load_model
+from ..model.loader import load_model, load_mtp_head
 from ..model.parallel import ParallelLayout
 from .model_shard import ModelShard
 from .persistent_batch import PersistentBatch, StepDeltaEncoder
@@ -95,6 +96,7 @@ class ShardSpec:
     expert_parallel: bool
     store_port: int
     group_id: int
+    mtp_source: str | None = None  # None: no MTP head; "": the checkpoint's own; else speculative_config.model
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -117,13 +119,12 @@ def load_shard(rank: int, spec: ShardSpec, group) -> ModelShard:
     layout = ParallelLayout(rank, spec.world_size, spec.expert_parallel, group)
     model = load_model(spec.model_dir, spec.num_output_ids, show_progress=False, quantization=spec.quantization,
                        layout=layout)
-    return ModelShard(model, spec.num_blocks, spec.block_size, spec.num_host_blocks)
+    mtp = None if spec.mtp_source is None else load_mtp_head(model, spec.model_dir, spec.mtp_source or None)
+    return ModelShard(model, spec.num_blocks, spec.block_size, spec.num_host_blocks, mtp)
 
 
 class TensorParallelExecutor:
     """The driver's view of all ranks: sends each StepInput to the workers as a delta and runs rank 0 itself."""
-
-    draft_head = None  # MTP runs on one rank (EngineConfig refuses it with tensor_parallel_size > 1)
 
     def __init__(self, spec_fields: dict, startup_timeout: float = STARTUP_TIMEOUT_SECONDS):
         """`spec_fields`: ShardSpec's fields but the store port and group id, which are chosen here."""
@@ -151,6 +152,7 @@ class TensorParallelExecutor:
             self.group, self._store = make_group(0, self.spec)
             self.shard = load_shard(0, self.spec, self.group)
             self._kv = AllRanksKV(self)
+            self.draft_head = None if self.shard.draft_head is None else MirroredDraftHead(self, self.shard.draft_head)
             self._await("ready", deadline)
         except BaseException:
             self.shutdown()
@@ -270,6 +272,59 @@ class AllRanksKV:
         self._executor.write_kv(block_ids, data)
 
 
+class _Hidden:
+    """Hidden states of a draft call on rank 0, and the handle the workers keep theirs under."""
+
+    def __init__(self, handle: int, tensor):
+        self.handle, self.tensor = handle, tensor
+
+
+class MirroredDraftHead:
+    """The MTP head under tensor parallelism (engine/mtp_drafter.DraftHead): split across the ranks like the target's
+    layers, so every rank runs every draft call. Rank 0's calls run here; each is sent to the workers first, on the
+    step socket, naming hidden states by handle (0: the step's own, then one per call), so the workers' stay where
+    they are. logits is a collective (the vocab-parallel head's all-gather) that returns rank 0's result."""
+
+    def __init__(self, executor: TensorParallelExecutor, head):
+        self._executor, self._head = executor, head
+        self.block_size = head.block_size
+        self._handles = count(1)
+
+    @staticmethod
+    def _src(hidden) -> tuple[int, Any]:
+        return (hidden.handle, hidden.tensor) if isinstance(hidden, _Hidden) else (0, hidden)
+
+    def take(self, hidden, rows: np.ndarray) -> _Hidden:
+        (src, tensor), dst = self._src(hidden), next(self._handles)
+        msg = json.dumps({"src": src, "dst": dst, "rows": np.asarray(rows).tolist()}).encode()
+        return _Hidden(dst, self._executor._on_all_ranks([b"draft-take", msg], lambda: self._head.take(tensor, rows)))
+
+    def run(self, step: StepInput, hidden) -> _Hidden:
+        (src, tensor), dst = self._src(hidden), next(self._handles)
+        msg = json.dumps({"src": src, "dst": dst}).encode()
+        return _Hidden(dst, self._executor._on_all_ranks([b"draft-run", msg, *step.to_frames()],
+                                                        lambda: self._head.run(step, tensor)))
+
+    def logits(self, hidden) -> np.ndarray:
+        src, tensor = self._src(hidden)
+        msg = json.dumps({"src": src}).encode()
+        return self._executor._on_all_ranks([b"draft-logits", msg], lambda: self._head.logits(tensor))
+
+
+def run_draft_call(head, kind: bytes, frames: list, hidden: dict) -> None:
+    """A worker's side of one MirroredDraftHead call: the same call on its own part of the head."""
+    msg = json.loads(frames[0].bytes)
+    src = hidden[msg["src"]]
+    if kind == b"draft-take":
+        hidden[msg["dst"]] = head.take(src, np.asarray(msg["rows"], dtype=np.int64))
+    elif kind == b"draft-run":
+        hidden[msg["dst"]] = head.run(StepInput.from_frames([f.buffer for f in frames[1:]]), src)
+    elif kind == b"draft-logits":
+        head.logits(src)  # joins the all-gather; rank 0 samples the drafts
+    else:
+        raise ValueError(f"unknown draft call from the driver: {kind[:32]!r}")
+
+
 def _how(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
@@ -334,13 +389,17 @@ def worker_main(argv: list[str] | None = None) -> int:
         group, _store = make_group(args.rank, spec)
         shard = load_shard(args.rank, spec, group)
         batch = PersistentBatch(spec.block_size)
+        hidden: dict = {}
         report("ready")
         while True:
             if not steps.poll(1000):
                 continue  # idle; the driver's death ends this process (PR_SET_PDEATHSIG)
             kind, *frames = steps.recv_multipart(copy=False)
             if kind.bytes == b"step":
-                shard.execute(batch.apply([f.buffer for f in frames]))
+                # the step's hidden states: handle 0 of the draft calls that follow it
+                hidden = {0: shard.execute(batch.apply([f.buffer for f in frames]))[0]}
+            elif kind.bytes.startswith(b"draft-"):
+                run_draft_call(shard.draft_head, kind.bytes, frames, hidden)
             elif kind.bytes == b"kv-read":
                 shard.read_kv(json.loads(frames[0].bytes))
             elif kind.bytes == b"kv-write":

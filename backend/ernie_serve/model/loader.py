@@ -29,7 +29,7 @@ import paddle
 from ..quantization.layers import QuantLinear, QuantMoEExperts
 from ..quantization.plan import QuantPlan
 from .checkpoint_map import (Assembler, Target, fill_from_checkpoint, fill_mtp, note_checkpoint_layout,
-                             static_kv_scales)
+                             static_kv_scales, tensor_directory)
 from .config import ErnieModelConfig
 from .ernie import ErnieForCausalLM
 from .kv_cache import KVCacheQuant
@@ -109,20 +109,36 @@ def _kv_cache_quant(scales: dict[tuple[int, str], np.ndarray], cfg: ErnieModelCo
     return KVCacheQuant([mine(s) for s in static[0]], [mine(s) for s in static[1]])
 
 
-def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str) -> "ErnieMTP":
-    """The MTP head from its checkpoint tensors (`model.mtp_weights`, or a separate MTP checkpoint's)."""
+def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str,
+             layout: ParallelLayout = SINGLE_RANK, presharded: bool = False) -> "ErnieMTP":
+    """The MTP head from its checkpoint tensors (`model.mtp_weights`, or a separate MTP checkpoint's); `layout`:
+    this tensor-parallel rank's part of it (`presharded`: the tensors are a rank directory's, already cut)."""
     from .mtp import ErnieMTP
 
     paddle.nn.initializer.set_global_initializer(paddle.nn.initializer.Constant(0.0),
                                                  paddle.nn.initializer.Constant(0.0))
     try:
-        mtp = ErnieMTP(cfg)
+        mtp = ErnieMTP(cfg, layout)
     finally:
         paddle.nn.initializer.set_global_initializer(None, None)
     mtp.eval()
     for p in mtp.parameters():
         p.stop_gradient = True
-    fill_mtp(Assembler(_targets(mtp)), tensors, cfg, source)
+    fill_mtp(Assembler(_targets(mtp), layout, cfg, presharded), tensors, cfg, source)
     return mtp
+
+
+def load_mtp_head(model: ErnieForCausalLM, model_dir: str | Path, source: str | None) -> "ErnieMTP":
+    """The target's MTP head, on the target's layout: from the checkpoint's own mtp_* tensors (source None) or
+    from a separate MTP checkpoint (speculative_config.model)."""
+    from .checkpoint_map import read_mtp_checkpoint
+
+    if source:
+        weights, presharded = read_mtp_checkpoint(source, model.config), False
+    else:
+        weights, presharded = model.mtp_weights, tensor_directory(Path(model_dir), model.layout)[1]
+    head = load_mtp(model.config, weights, source or str(model_dir), model.layout, presharded)
+    model.mtp_weights = {}  # loaded into the head; the float copies are not needed twice
+    return head
 
 

@@ -21,16 +21,19 @@ from .config import ErnieModelConfig
 from .ernie import DecoderLayer, ErnieForCausalLM
 from .kv_cache import PagedKVCache
 from .layers import Linear, RMSNorm
+from .parallel import SINGLE_RANK, ParallelLayout
 
 
 class ErnieMTP(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig):
+    def __init__(self, cfg: ErnieModelConfig, layout: ParallelLayout = SINGLE_RANK):
+        """`layout`: under tensor parallelism the block is split as the target's layers are (its K/V in the rank's
+        own cache layer); the norms and linear_proj are replicated, the embedding and head are the target's."""
         super().__init__()
         self.cache_layer = cfg.num_hidden_layers
         self.emb_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.linear_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
-        self.block = DecoderLayer(cfg, self.cache_layer, moe=False)
+        self.block = DecoderLayer(cfg, self.cache_layer, moe=False, layout=layout)
 
     def forward(self, target: ErnieForCausalLM, next_ids: paddle.Tensor, hidden: paddle.Tensor,
                 positions: paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache | None) -> paddle.Tensor:

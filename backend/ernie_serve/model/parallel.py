@@ -123,6 +123,8 @@ class ParallelLayout:
             return 0, _indices(self.split(cfg.vocab_size))
         if param == "lm_head.weight":
             return 1, _indices(self.split(cfg.vocab_size))
+        if param.startswith("block."):  # the MTP head's decoder layer (model/mtp.py) splits as a layer does
+            param = f"layers.{cfg.num_hidden_layers}.{param[len('block.'):]}"
         m = _LAYER_PARAM.match(param)
         if m is None:
             return None
