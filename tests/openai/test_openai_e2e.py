@@ -353,6 +353,10 @@ def test_invalid_field_is_400(client):
     with pytest.raises(openai.BadRequestError) as e:  # refused by Triton's tokenizer model
         client.completions.create(model="ernie-tiny", prompt="word " * 3000, max_tokens=2)
     assert _err(e.value)["param"] == "prompt" and "max_model_len" in _err(e.value)["message"]
+    for field in ("max_tokens", "max_completion_tokens"):  # beyond what the context leaves (vLLM / OpenAI: 400)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="ernie-tiny", messages=CHAT, **{field: 10**6})
+        assert _err(e.value)["param"] == "max_tokens" and "max_model_len is" in _err(e.value)["message"], e.value
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=2, stream=False,
                                        stream_options={"include_usage": True})

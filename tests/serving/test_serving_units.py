@@ -122,6 +122,19 @@ def test_preprocessor_rejects_long_prompts_and_unknown_parsers(tokenizer):
     assert payload["sampling"]["max_tokens"] == 4 and payload["meta"]["echo"] == "hello"
 
 
+
+def test_max_tokens_beyond_what_the_context_leaves_is_refused_naming_both_numbers(tokenizer):
+    pre = Preprocessor(tokenizer, max_model_len=16)
+    n = len(tokenizer.encode("hello", add_special_tokens=True))
+    pre.encode(parse_request({"text_input": s("hello"), "max_tokens": i32(16 - n)}))  # exactly fits
+    for fields in ({"max_tokens": i32(16 - n + 1)}, {"sampling_parameters": s('{"max_completion_tokens": 1000000}')}):
+        with pytest.raises(InvalidInput, match=rf"max_tokens: \d+ tokens after the prompt's {n} need \d+ "
+                                               rf"positions, but max_model_len is 16: ask for at most {16 - n}"):
+            pre.encode(parse_request({"text_input": s("hello"), **fields}))
+    _, payload = pre.encode(parse_request({"text_input": s("hello there my friend")}))  # the default 16: no error
+    assert payload["sampling"]["max_tokens"] == 16
+
+
 def test_skip_parsers_turns_the_configured_parsers_off_for_one_request(tokenizer):
 
     pre = Preprocessor(tokenizer, 512, reasoning_parser="ernie-x1", tool_call_parser="ernie-x1")

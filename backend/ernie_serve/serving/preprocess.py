@@ -81,6 +81,12 @@ class Preprocessor:
         if len(ids) >= self.max_model_len:
             raise InvalidInput(field, f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                                       "it must leave room for at least one generated token")
+        wanted = req.params.max_tokens
+        if req.max_tokens_given and wanted is not None and len(ids) + wanted > self.max_model_len:
+            raise InvalidInput("max_tokens", f"{wanted} tokens after the prompt's {len(ids)} need "
+                                             f"{len(ids) + wanted} positions, but max_model_len is "
+                                             f"{self.max_model_len}: ask for at most "
+                                             f"{self.max_model_len - len(ids)} tokens")
         enable_thinking = req.chat_template_kwargs.get("enable_thinking") if req.is_chat else None
         enable_thinking = enable_thinking if isinstance(enable_thinking, bool) else None
         params = self._constrained(req, ids, reasoning, tool, enable_thinking)

@@ -53,6 +53,9 @@ class GenerateRequest:
     guided_field: str | None = None
     tool_choice: str | dict | None = None  # OpenAI's; "required" / a named function constrain the output
     parallel_tool_calls: bool | None = None
+    # the client asked for max_tokens (or max_completion_tokens): beyond the context it is a 400, where the
+    # default (16) just stops at max_model_len
+    max_tokens_given: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -228,7 +231,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
                            chat_template_kwargs=kwargs, stream=flags["stream"],
                            exclude_input_in_output=flags["exclude_input_in_output"],
                            skip_parsers=flags["skip_parsers"], guided_field=guided_field,
-                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **overrides)
+                           tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                           max_tokens_given=sampling.get("max_tokens") is not None, **overrides)
 
 
 def _take_guided(sampling: dict[str, Any]) -> str | None:
