@@ -38,27 +38,27 @@ static inline float dot(const float *a, const float *b, int n) {
 /* p[r][j] = q_r . k_j * scale for the `rows` pairs (qp: their query vectors) and keys j < nk of a block. */
 static void block_scores(const float *const *qp, int rows, const float *kb, int64_t key_stride, int nk, int hd,
                          float scale, float *p, int ldp) {
-#ifdef __AVX512F__
+#ifdef ERNIE_VF16
     if (hd % 16 == 0) {  /* RT x KT dot products at a time: each q and k vector loaded once per tile */
         for (int r0 = 0; r0 < rows; r0 += RT)
             for (int j0 = 0; j0 < nk; j0 += KT) {
                 const float *qr[RT], *kr[KT];
                 for (int i = 0; i < RT; i++) qr[i] = qp[r0 + i < rows ? r0 + i : rows - 1];
                 for (int i = 0; i < KT; i++) kr[i] = kb + (j0 + i < nk ? j0 + i : nk - 1) * key_stride;
-                __m512 acc[RT][KT];
+                vf16 acc[RT][KT];
                 for (int a = 0; a < RT; a++)
-                    for (int b = 0; b < KT; b++) acc[a][b] = _mm512_setzero_ps();
+                    for (int b = 0; b < KT; b++) acc[a][b] = vf16_zero();
                 for (int d = 0; d < hd; d += 16) {
-                    __m512 kv[KT];
-                    for (int b = 0; b < KT; b++) kv[b] = _mm512_loadu_ps(kr[b] + d);
+                    vf16 kv[KT];
+                    for (int b = 0; b < KT; b++) kv[b] = vf16_load(kr[b] + d);
                     for (int a = 0; a < RT; a++) {
-                        __m512 qv = _mm512_loadu_ps(qr[a] + d);
-                        for (int b = 0; b < KT; b++) acc[a][b] = _mm512_fmadd_ps(qv, kv[b], acc[a][b]);
+                        vf16 qv = vf16_load(qr[a] + d);
+                        for (int b = 0; b < KT; b++) acc[a][b] = vf16_fmadd(qv, kv[b], acc[a][b]);
                     }
                 }
                 for (int a = 0; a < RT && r0 + a < rows; a++)
                     for (int b = 0; b < KT && j0 + b < nk; b++)
-                        p[(r0 + a) * ldp + j0 + b] = _mm512_reduce_add_ps(acc[a][b]) * scale;
+                        p[(r0 + a) * ldp + j0 + b] = vf16_reduce_add(acc[a][b]) * scale;
             }
         return;
     }
@@ -70,20 +70,20 @@ static void block_scores(const float *const *qp, int rows, const float *kb, int6
 /* acc[r] += sum_j p[r][j] * v_j over keys j < nk (p is zero past what row r sees). */
 static void block_values(const float *p, int ldp, int rows, const float *vb, int64_t key_stride, int nk, int hd,
                          float *acc) {
-#ifdef __AVX512F__
+#ifdef ERNIE_VF16
     if (hd % 16 == 0) {  /* a tile of RT accumulators stays in registers across the block's keys */
         for (int r0 = 0; r0 < rows; r0 += RT) {
             const int nr = rows - r0 < RT ? rows - r0 : RT;
             for (int d = 0; d < hd; d += 16) {
-                __m512 a[RT];
-                for (int i = 0; i < RT; i++) a[i] = i < nr ? _mm512_loadu_ps(acc + (int64_t)(r0 + i) * hd + d)
-                                                           : _mm512_setzero_ps();
+                vf16 a[RT];
+                for (int i = 0; i < RT; i++) a[i] = i < nr ? vf16_load(acc + (int64_t)(r0 + i) * hd + d)
+                                                           : vf16_zero();
                 for (int j = 0; j < nk; j++) {
-                    __m512 v = _mm512_loadu_ps(vb + j * key_stride + d);
+                    vf16 v = vf16_load(vb + j * key_stride + d);
                     for (int i = 0; i < RT; i++)
-                        a[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[(r0 + (i < nr ? i : 0)) * ldp + j]), v, a[i]);
+                        a[i] = vf16_fmadd(vf16_set1(p[(r0 + (i < nr ? i : 0)) * ldp + j]), v, a[i]);
                 }
-                for (int i = 0; i < nr; i++) _mm512_storeu_ps(acc + (int64_t)(r0 + i) * hd + d, a[i]);
+                for (int i = 0; i < nr; i++) vf16_store(acc + (int64_t)(r0 + i) * hd + d, a[i]);
             }
         }
         return;

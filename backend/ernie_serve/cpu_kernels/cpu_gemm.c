@@ -17,42 +17,44 @@
 #include "threads.h"
 #include "vec_math.h"
 
-#define ROWS 8   /* rows per register block */
 #define COLS 32  /* columns per thread task: two 16-float vectors */
-
 #ifdef __AVX512F__
-#include <immintrin.h>
+#define ROWS 8   /* rows per register block: 16 accumulators of AVX-512's 32 registers */
+#else
+#define ROWS 3   /* AVX2's 16 registers: 6 vf16 accumulators (12 halves) and a weight row (4 halves) */
+#endif
 
+#ifdef ERNIE_VF16
 /* Row k of a column block as two vectors of 16 floats. */
-static inline void row_of_32(const float *w, int k, __m512 *w0, __m512 *w1) {
-    *w0 = _mm512_loadu_ps(w + (int64_t)k * COLS);
-    *w1 = _mm512_loadu_ps(w + (int64_t)k * COLS + 16);
+static inline void row_of_32(const float *w, int k, vf16 *w0, vf16 *w1) {
+    *w0 = vf16_load(w + (int64_t)k * COLS);
+    *w1 = vf16_load(w + (int64_t)k * COLS + 16);
 }
 
 /* One block of `mb` rows (a compile-time constant in each instance, so the accumulators stay in registers)
  * and the COLS columns whose weights are the contiguous [K, COLS] run at w -> y[m * ldy + j]. */
 #define BLOCK(NAME, mb)                                                                                     \
 static void NAME(const float *x, int K, const float *w, int64_t ldy, float *y) {                            \
-    __m512 a0[mb], a1[mb];                                                                                  \
-    for (int m = 0; m < mb; m++) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }              \
+    vf16 a0[mb], a1[mb];                                                                                    \
+    for (int m = 0; m < mb; m++) { a0[m] = vf16_zero(); a1[m] = vf16_zero(); }                              \
     for (int k = 0; k < K; k++) {                                                                           \
-        __m512 w0, w1;                                                                                      \
+        vf16 w0, w1;                                                                                        \
         row_of_32(w, k, &w0, &w1);                                                                          \
         for (int m = 0; m < mb; m++) {                                                                      \
-            __m512 xv = _mm512_set1_ps(x[(int64_t)m * K + k]);                                              \
-            a0[m] = _mm512_fmadd_ps(xv, w0, a0[m]);                                                         \
-            a1[m] = _mm512_fmadd_ps(xv, w1, a1[m]);                                                         \
+            vf16 xv = vf16_set1(x[(int64_t)m * K + k]);                                                     \
+            a0[m] = vf16_fmadd(xv, w0, a0[m]);                                                              \
+            a1[m] = vf16_fmadd(xv, w1, a1[m]);                                                              \
         }                                                                                                   \
     }                                                                                                       \
     for (int m = 0; m < mb; m++) {                                                                          \
-        _mm512_storeu_ps(y + m * ldy, a0[m]);                                                               \
-        _mm512_storeu_ps(y + m * ldy + 16, a1[m]);                                                          \
+        vf16_store(y + m * ldy, a0[m]);                                                                     \
+        vf16_store(y + m * ldy + 16, a1[m]);                                                                \
     }                                                                                                       \
 }
 typedef void (*block_fn)(const float *, int, const float *, int64_t, float *);
 BLOCK(block_1, 1) BLOCK(block_2, 2) BLOCK(block_3, 3) BLOCK(block_4, 4)
 BLOCK(block_5, 5) BLOCK(block_6, 6) BLOCK(block_7, 7) BLOCK(block_8, 8)
-static const block_fn blocks[ROWS + 1] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
+static const block_fn blocks[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
 #endif
 
 /* Columns [n0, n1) plainly (a last block narrower than COLS). */
@@ -67,7 +69,7 @@ static void columns_plain(const float *x, int M, int K, const float *w, int N, f
 
 /* Rows [0, M) of x times column block b (a full one) -> y[m * ldy + j], j < COLS. */
 static void column_block(const float *x, int M, int K, const float *w, int64_t ldy, float *y, int b) {
-#ifdef __AVX512F__
+#ifdef ERNIE_VF16
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         int mb = M - m0 < ROWS ? M - m0 : ROWS;
         blocks[mb](x + (int64_t)m0 * K, K, w + (int64_t)b * K * COLS, ldy, y + m0 * ldy);

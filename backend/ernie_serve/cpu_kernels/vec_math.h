@@ -3,29 +3,29 @@
  * Why: without -ffast-math the compiler calls libm's scalar expf per element (~2.5 ns with two threads here),
  * which made SwiGLU over a 1616-token prefill (2.3 M exps a layer) cost more than its memory traffic. This is
  * Cephes' expf: range reduction by ln 2 split in two, a degree-6 polynomial, 2^n applied by vscalefps
- * (1-2 ulp; inputs below -103.97, -inf included, give 0, as softmax's masked keys and first block need).
+ * (1-2 ulp; inputs below -103.97, -inf included, give 0, as softmax's masked keys and first block need), on
+ * vec16.h's vectors (AVX-512, or AVX2 + FMA).
  */
 #ifndef ERNIE_VEC_MATH_H
 #define ERNIE_VEC_MATH_H
 #include <math.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
+#include "vec16.h"
 
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.972084f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+#ifdef ERNIE_VF16
+static inline vf16 exp16(vf16 x) {
+    x = vf16_max(vf16_min(x, vf16_set1(88.3762626647949f)), vf16_set1(-103.972084f));
+    vf16 n = vf16_round(vf16_mul(x, vf16_set1(1.44269504088896341f)));
+    vf16 r = vf16_fnmadd(n, vf16_set1(0.693359375f), x);
+    r = vf16_fnmadd(n, vf16_set1(-2.12194440e-4f), r);
+    vf16 p = vf16_set1(1.9875691500e-4f);
+    p = vf16_fmadd(p, r, vf16_set1(1.3981999507e-3f));
+    p = vf16_fmadd(p, r, vf16_set1(8.3334519073e-3f));
+    p = vf16_fmadd(p, r, vf16_set1(4.1665795894e-2f));
+    p = vf16_fmadd(p, r, vf16_set1(1.6666665459e-1f));
+    p = vf16_fmadd(p, r, vf16_set1(5.0000001201e-1f));
+    p = vf16_add(vf16_fmadd(p, vf16_mul(r, r), r), vf16_set1(1.0f));
+    return vf16_scale2(p, n);
 }
 #endif
 
@@ -33,21 +33,23 @@ static inline __m512 exp16(__m512 x) {
 static inline float exp_shifted_sum(float *p, int n, float shift) {
     float sum = 0.0f;
     int j = 0;
-#ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps(), m = _mm512_set1_ps(shift);
+#ifdef ERNIE_VF16
+    vf16 acc = vf16_zero(), m = vf16_set1(shift);
     for (; j + 16 <= n; j += 16) {
-        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), m));
-        _mm512_storeu_ps(p + j, e);
-        acc = _mm512_add_ps(acc, e);
+        vf16 e = exp16(vf16_sub(vf16_load(p + j), m));
+        vf16_store(p + j, e);
+        acc = vf16_add(acc, e);
     }
-    if (j < n) {
+#ifdef __AVX512F__
+    if (j < n) {  /* the tail in one masked vector */
         __mmask16 k = (__mmask16)((1u << (n - j)) - 1);
         __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + j), m));
         _mm512_mask_storeu_ps(p + j, k, e);
         acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
         j = n;
     }
-    sum = _mm512_reduce_add_ps(acc);
+#endif
+    sum = vf16_reduce_add(acc);
 #endif
     for (; j < n; j++) { p[j] = expf(p[j] - shift); sum += p[j]; }
     return sum;
@@ -56,12 +58,12 @@ static inline float exp_shifted_sum(float *p, int n, float shift) {
 /* out[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u for i < n. */
 static inline void silu_mul_row(const float *g, const float *u, float *out, int n) {
     int i = 0;
-#ifdef __AVX512F__
-    const __m512 one = _mm512_set1_ps(1.0f);
+#ifdef ERNIE_VF16
+    const vf16 one = vf16_set1(1.0f);
     for (; i + 16 <= n; i += 16) {
-        __m512 gv = _mm512_loadu_ps(g + i);
-        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        vf16 gv = vf16_load(g + i);
+        vf16 s = vf16_div(gv, vf16_add(one, exp16(vf16_sub(vf16_zero(), gv))));
+        vf16_store(out + i, vf16_mul(s, vf16_load(u + i)));
     }
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
