@@ -122,12 +122,33 @@ def _tokens(llm: LLM) -> list[list[int]]:
                                                          use_tqdm=False)]
 
 
+NEAR_TIE = 0.05  # logprob gap under which int8-activation rounding flips (above) may swap the top two tokens
+
+
+def _assert_same_greedy_tokens_but_near_ties(llm: LLM, ref: LLM, kind: str) -> None:
+    """Greedy tokens equal the reference's, except that a sequence may take the reference's second choice where
+    that one's logprob is within NEAR_TIE of the first (the sequences are not compared past that point)."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outs = [llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False) for llm in (llm, ref)]
+    for got, want in zip(*outs):
+        g, w = got.outputs[0], want.outputs[0]
+        i = next((k for k, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), None)
+        if i is None:
+            assert g.token_ids == w.token_ids, kind
+            continue
+        chosen = w.logprobs[i]
+        assert g.token_ids[i] in chosen, (kind, i, g.token_ids[i], chosen)
+        gap = chosen[w.token_ids[i]].logprob - chosen[g.token_ids[i]].logprob
+        assert gap <= NEAR_TIE, (kind, i, gap)
+
+
 def test_a_prequantized_w4a8_checkpoint_gives_one_rank_s_logits_and_tokens_on_two(w4a8_checkpoints, tiny_model_dir):
     """The same quantized weights on every layout (split in quantized form, or read from rank directories).
     Logits agree up to int8-activation rounding flips: a rank's partial sums, added in another order, and its
     wint8 dense layers taking their shard of each row at 16-bit precision (cpu_qgemm.c scales a row by its own
     max), can move a w4a8 activation across a rounding boundary (rows of the three-token step, measured), which
-    moves the logits by far less than the quantization error itself."""
+    moves the logits by far less than the quantization error itself, but enough to swap two tokens whose logprobs
+    are 0.02 apart (the embedded model built 2026-12-05: PROMPTS[0]'s fifth token, 1303 vs 3675)."""
     root = w4a8_checkpoints
     fp32 = _logits(LLM(model=str(tiny_model_dir), **ENGINE), PROMPTS[0], [7, 8, 9])
     llms = {"tp1": LLM(model=str(root / "w4a8"), **ENGINE),
@@ -135,11 +156,11 @@ def test_a_prequantized_w4a8_checkpoint_gives_one_rank_s_logits_and_tokens_on_tw
             "ep2": LLM(model=str(root / "w4a8"), tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE),
             "tp2_presharded": LLM(model=str(root / "w4a8_split"), tensor_parallel_size=2, **ENGINE)}
     try:
-        ref, want = _logits(llms["tp1"], PROMPTS[0], [7, 8, 9]), _tokens(llms["tp1"])
+        ref = _logits(llms["tp1"], PROMPTS[0], [7, 8, 9])
         for kind, llm in llms.items():
             for got, expected, f in zip(_logits(llm, PROMPTS[0], [7, 8, 9]), ref, fp32):
                 assert np.abs(got - expected).mean() <= 0.2 * np.abs(expected - f).mean(), kind
-            assert _tokens(llm) == want, kind
+            _assert_same_greedy_tokens_but_near_ties(llm, llms["tp1"], kind)
     finally:
         for llm in llms.values():
             llm.engine.close()
