@@ -30,7 +30,7 @@ PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runn
 
 
 def measure(model: str | None, running: int, workload: str, steps: int, seed: int = 0) -> dict:
-    from ernie_serve import LLM, SamplingParams
+    from ernie_serve import LLM, RequestOutputKind, SamplingParams
 
     llm = LLM(model=model, max_num_seqs=running, max_num_batched_tokens=max(2048, 2 * running),
               max_model_len=2048, disable_progress_bar=True)
@@ -42,7 +42,8 @@ def measure(model: str | None, running: int, workload: str, steps: int, seed: in
         clock.wrap(owner, attr, attr)
     rng = np.random.default_rng(seed)
     vocab = min(engine.model_config.vocab_size, 1000)
-    params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)
+    # outputs as the serving front asks for them (engine_model.py): each step's delta
+    params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     added = 0
 
     def add(n: int, prompt_len: int) -> None:

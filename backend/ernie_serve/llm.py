@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
-from .outputs import RequestOutput
+from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
 
@@ -66,7 +66,9 @@ class LLM:
         for i, (text, ids, p) in enumerate(items):
             rid = f"offline-{next(self._ids)}"
             order[rid] = i
-            self.engine.add_request(rid, list(ids), p, prompt=text)
+            # only finished outputs are read here: no per-step output, and text decoded once where no stop
+            # string needs it earlier
+            self.engine.add_request(rid, list(ids), replace(p, output_kind=RequestOutputKind.FINAL_ONLY), prompt=text)
         bar = tqdm(total=len(items), desc="Generating", unit="req",
                    disable=not use_tqdm or self.config.disable_progress_bar)
         try:

@@ -1,8 +1,23 @@
 """What generation returns: RequestOutput / CompletionOutput / Logprob, shaped like vLLM's."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class RequestOutputKind(str, enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names). The front that consumes outputs picks it:
+
+    cumulative: everything so far (text, token_ids, logprobs), every step; the default.
+    delta: only what this step added (text, token_ids and logprobs are the deltas), every step; a streaming
+        server's front, which would otherwise be handed an O(length) copy per request per step.
+    final_only: one output, when the request finishes, with everything; the offline LLM. A request with no stop
+        strings is then detokenized once at the end instead of every step.
+    """
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass

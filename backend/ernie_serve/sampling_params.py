@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from .outputs import RequestOutputKind
+
 MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 5  # FD_MAX_STOP_SEQS_NUM
 GREEDY_EPSILON = 1e-5
@@ -109,6 +111,8 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     # token id -> added to its logit before the penalties (vLLM's order); JSON's string keys are accepted
     logit_bias: dict[int, float] | None = None
+    # what each RequestOutput carries (outputs.RequestOutputKind); set by the front that reads the outputs
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,6 +155,11 @@ class SamplingParams:
             self.logit_bias = _logit_bias(self.logit_bias)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             setattr(self, name, _flag(name, getattr(self, name)))
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {', '.join(k.value for k in RequestOutputKind)}, "
+                             f"got {_show(self.output_kind)}") from None
         if self.guided_decoding is not None:
             self.guided_decoding = GuidedDecodingParams.from_value(self.guided_decoding)
             if self.ignore_eos:

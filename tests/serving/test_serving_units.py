@@ -11,7 +11,7 @@ import pytest
 
 from ernie_serve.config import EngineConfig
 from ernie_serve.engine.async_engine import EngineDeadError, EngineOverloadedError
-from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from ernie_serve.serving.control import AbortListener, send_abort
 from ernie_serve.serving.engine_model import SHUT_DOWN, EngineModel
 from ernie_serve.serving.errors import InBandError, InvalidInput, in_band_error
@@ -295,6 +295,7 @@ class FakeEngine:
     def add_request(self, rid, ids, params, callback):
         if self.error:
             raise self.error
+        assert params.output_kind is RequestOutputKind.DELTA  # what the outputs below are shaped as
         self.callbacks[rid] = (ids, callback)
 
     def emit(self, rid, text, finished=False, reason=None):
@@ -392,18 +393,17 @@ def logprob_inputs(stream: bool, k: int):
 
 
 def emit_with_logprobs(engine, rid, steps, sink=None):
-    """steps: one list of (sampled id, {id: logprob}) per engine step; CompletionOutput.logprobs is cumulative.
-    With a sink, each step's response goes out before the next step (a consumer that keeps up)."""
+    """steps: one list of (sampled id, {id: logprob}) per engine step; outputs are deltas (RequestOutputKind.DELTA:
+    token_ids and logprobs are the step's). With a sink, each step's response goes out before the next step (a
+    consumer that keeps up)."""
     ids, cb = engine.callbacks[rid]
-    tokens, logprobs = [], []
     for n, step in enumerate(steps):
-        for tid, cands in step:
-            tokens.append(tid)
-            logprobs.append({t: Logprob(v, r + 1) for r, (t, v) in enumerate(sorted(cands.items(), key=lambda kv: -kv[1]))})
+        tokens = [tid for tid, _ in step]
+        logprobs = [{t: Logprob(v, r + 1) for r, (t, v) in enumerate(sorted(cands.items(), key=lambda kv: -kv[1]))}
+                    for _, cands in step]
         last = n == len(steps) - 1
-        comp = CompletionOutput(0, "", list(tokens), finish_reason="length" if last else None,
-                                logprobs=[dict(d) for d in logprobs], text_delta="t",
-                                token_ids_delta=[t for t, _ in step])
+        comp = CompletionOutput(0, "t", tokens, finish_reason="length" if last else None,
+                                logprobs=logprobs, text_delta="t", token_ids_delta=list(tokens))
         cb(RequestOutput(rid, None, ids, [comp], last, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2)), None)
         if sink is not None:
             sink.wait_sent(n + 1)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..model.config import ErnieModelConfig
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .guided import GrammarCompiler
@@ -291,10 +291,12 @@ class LLMEngine:
         group = self.requests.get(request_id)
         if group is None:
             return None
+        deltas = {}
         for req in group:
             if not req.is_finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._make_output(request_id, group, {r.request_id: ([], "") for r in group})
+            deltas[req.request_id] = ([], self.texts[req.request_id].finish_deferred(req))
+        return self._make_output(request_id, group, deltas)
 
     # ---------------------------------------------------------------- prefill/decode disaggregation
     def export_kv(self, request_id: str) -> KVTransfer:
@@ -374,57 +376,83 @@ class LLMEngine:
                 if req.num_computed_tokens == req.num_tokens - 1 and not req.spec_token_ids}
 
     def _outputs(self, updates: list[RequestUpdate], now: float) -> list[RequestOutput]:
-        """New text (stop strings are matched here, on text) and one RequestOutput per changed request.
+        """New text (stop strings are matched here, on text) and one RequestOutput per changed request (for a
+        final-only request, only once it has finished).
 
         A failure while handling one request's output (its detokenizer, say) fails that request alone.
         """
-        changed: dict[str, dict[str, tuple[list[int], str]]] = {}
+        outputs: list[RequestOutput] = []
+        groups: dict[str, dict[str, tuple[list[int], str]]] = {}  # n > 1: their sequences' deltas, by parent
         for u in updates:
-            req = u.request
+            req, new_ids = u.request, u.new_token_ids
+            if new_ids:
+                self.num_generation_tokens += len(new_ids)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+            state = self.texts[req.request_id]
             text = ""
-            if u.new_token_ids and req.first_token_time is None:
-                req.first_token_time = now
-            self.num_generation_tokens += len(u.new_token_ids)
             try:
-                text, stop = self.texts[req.request_id].append(
-                    u.new_token_ids, final=req.is_finished,
-                    check_stops=req.num_output_tokens >= req.sampling_params.min_tokens)
-                if stop is not None:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+                if not state.deferred:
+                    text, stop = state.append(new_ids, final=req.is_finished,
+                                              check_stops=req.num_output_tokens >= req.sampling_params.min_tokens)
+                    if stop is not None:
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+                elif req.is_finished:
+                    text = state.finish_deferred(req)
             except Exception as e:  # noqa: BLE001 - pinned on this request: it fails, the engine goes on
                 log.exception("output processing failed for request %s", req.request_id)
                 req.error = f"output processing failed: {type(e).__name__}: {e}"
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             if req.hold_kv and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
                 self.held_kv[req.request_id] = req
-            changed.setdefault(req.external_id, {})[req.request_id] = (u.new_token_ids, text)
-        outputs = []
-        for ext_id, deltas in changed.items():
+            if req.parent_id is None:
+                out = self._make_output(req.request_id, [req], {req.request_id: (new_ids, text)})
+                if out is not None:
+                    outputs.append(out)
+            else:
+                groups.setdefault(req.parent_id, {})[req.request_id] = (new_ids, text)
+        for ext_id, deltas in groups.items():
             group = self.requests[ext_id]
             if any(r.status is RequestStatus.FINISHED_ERROR for r in group):  # n > 1: one failed, all end
                 for r in group:
                     if not r.is_finished:
                         self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._make_output(ext_id, group, deltas))
+            out = self._make_output(ext_id, group, deltas)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    def _make_output(self, ext_id: str, group: list[Request], deltas: dict) -> RequestOutput:
+    def _make_output(self, ext_id: str, group: list[Request], deltas: dict) -> RequestOutput | None:
+        """The group's output as its output_kind asks (None: a final-only request still running)."""
+        leader = group[0]
+        finished = leader.is_finished if len(group) == 1 else all(r.is_finished for r in group)
+        kind = leader.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
         comps = []
         for req in group:
             state = self.texts[req.request_id]
             new_ids, new_text = deltas.get(req.request_id, _NO_DELTA)
             logprobs = cumulative = None
             if req.sampling_params.logprobs is not None:
-                logprobs, cumulative = state.logprobs_so_far(req)
+                if delta:
+                    logprobs, cumulative = state.new_logprobs(req), state.cumulative_logprob
+                else:
+                    logprobs, cumulative = state.logprobs_so_far(req)
+            if delta:  # the step's own new-id list (built fresh each step), not a copy of every id so far
+                text, ids, new_ids = new_text, new_ids or [], new_ids or []
+            else:
+                text, ids, new_ids = state.text, list(req.output_token_ids), list(new_ids)
             comps.append(CompletionOutput(
-                index=req.index, text=state.text, token_ids=list(req.output_token_ids),
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason, logprobs=logprobs,
-                cumulative_logprob=cumulative, text_delta=new_text, token_ids_delta=list(new_ids)))
-        leader = group[0]
-        finished = leader.is_finished if len(group) == 1 else all(r.is_finished for r in group)
-        preemptions = leader.num_preemptions if len(group) == 1 else sum(r.num_preemptions for r in group)
-        metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
-                                 time.monotonic() if finished else None, preemptions)
+                index=req.index, text=text, token_ids=ids, finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason, logprobs=logprobs, cumulative_logprob=cumulative,
+                text_delta=new_text, token_ids_delta=new_ids))
+        metrics = None
+        if finished or not delta:  # a delta stream's consumers read the metrics once, at the end
+            preemptions = leader.num_preemptions if len(group) == 1 else sum(r.num_preemptions for r in group)
+            metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
+                                     time.monotonic() if finished else None, preemptions)
         error = leader.error if len(group) == 1 else next((r.error for r in group if r.error is not None), None)
         out = RequestOutput(ext_id, None, leader.prompt_token_ids, comps, finished,
                             max(leader.num_cached_tokens, 0), metrics, error=error)

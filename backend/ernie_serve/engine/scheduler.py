@@ -165,30 +165,35 @@ class Scheduler:
     def update_from_output(self, so: SchedulerOutput, out: "ModelRunnerOutput") -> list[RequestUpdate]:
         """Apply one step's results; returns the requests that sampled (forked children included)."""
         updates = []
+        errors, all_sampled, all_logprobs = out.errors, out.sampled, out.logprobs
         for s in so.scheduled:
             req = s.request
-            error = out.errors.get(req.request_id)
+            error = errors.get(req.request_id) if errors else None
             if error is not None:
                 for r in [req, *req.forks]:
                     self._fail(r, error)
                 updates.append(RequestUpdate(req, []))
                 continue
-            sampled = out.sampled.get(req.request_id)
+            sampled = all_sampled.get(req.request_id)
             if sampled is None:  # a prefill chunk that does not reach the end of the prompt yet
                 req.num_computed_tokens += s.num_tokens
                 self.kv.cache_computed_blocks(req)
                 continue
-            drafts = req.spec_token_ids[: s.num_spec_tokens]
             accepted = 0
-            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-                accepted += 1
-            if drafts:
+            if s.num_spec_tokens:
+                drafts = req.spec_token_ids[: s.num_spec_tokens]
+                while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+                    accepted += 1
                 self.spec.num_drafts += 1
                 self.spec.num_draft_tokens += len(drafts)
                 self.spec.num_accepted_tokens += accepted
-            req.spec_token_ids, req.spec_token_probs = [], None
-            forks, req.forks = (req.forks if not req.output_token_ids else []), []
-            new = self.append_tokens(req, sampled[: accepted + 1], out.logprobs[req.request_id])
+                sampled = sampled[: accepted + 1]
+            if req.spec_token_ids:
+                req.spec_token_ids, req.spec_token_probs = [], None
+            forks = []
+            if req.forks:
+                forks, req.forks = (req.forks if not req.output_token_ids else []), []
+            new = self.append_tokens(req, sampled, all_logprobs[req.request_id])
             # Every token but the newest has its KV now. Rejected drafts (and tokens cut off by a stop)
             # were written to the cache too; they are not part of the sequence, and later tokens overwrite them.
             req.num_computed_tokens = req.num_tokens - 1

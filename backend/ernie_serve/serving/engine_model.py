@@ -44,7 +44,7 @@ import numpy as np
 
 from ..config import EngineConfig
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
-from ..outputs import RequestOutput
+from ..outputs import RequestOutput, RequestOutputKind
 from ..sampling_params import SamplingParams
 from .control import AbortListener
 from .errors import InvalidInput, ServingError, Unavailable, error_code, in_band_error
@@ -86,7 +86,7 @@ class _Live:
     num_logprobs: int | None = None  # SamplingParams.logprobs: None = no logprobs output
     errors_in_band: bool = False  # end with a FINAL response carrying the error (module docstring)
     index: int = 0
-    logprobs_sent: int = 0
+    num_output_tokens: int = 0  # generated so far, as of the steps taken into token_ids
     ending: Ending | None = None  # set when the request is aborted
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -115,16 +115,16 @@ def _finite(x: float) -> float:
 
 
 def new_logprob_entries(live: _Live, comp) -> list[dict]:
-    """The logprobs of the tokens generated since the last call, best `num_logprobs` alternatives each.
+    """The logprobs of a step's new tokens, best `num_logprobs` alternatives each.
 
-    CompletionOutput.logprobs holds every token so far ({token_id: Logprob}, the sampled token always
-    in it, ranked or not); the token strings are added by the detokenizer, which has the tokenizer.
+    The engine's outputs are deltas here (RequestOutputKind.DELTA): CompletionOutput.logprobs holds the step's
+    tokens' ({token_id: Logprob}, the sampled token always in it, ranked or not); the token strings are added
+    by the detokenizer, which has the tokenizer.
     """
     if live.num_logprobs is None or not comp.logprobs:
         return []
-    start, live.logprobs_sent = live.logprobs_sent, len(comp.logprobs)
     entries = []
-    for tid, cands in zip(comp.token_ids[start:], comp.logprobs[start:]):
+    for tid, cands in zip(comp.token_ids, comp.logprobs):
         sampled = cands.get(tid)
         top = sorted(cands.items(), key=lambda kv: -kv[1].logprob)[: live.num_logprobs]
         entries.append({"token_id": int(tid), "logprob": _finite(sampled.logprob) if sampled else -9999.0,
@@ -185,6 +185,7 @@ class EngineModel:
                 params = SamplingParams.from_dict(req.get("sampling") or {})
             except (ValueError, TypeError) as e:
                 raise InvalidInput("sampling_parameters", str(e)) from None
+            params.output_kind = RequestOutputKind.DELTA  # each step's tokens once: no per-step copy of them all
             key = f"{request_id or 'req'}-{uuid.uuid4().hex[:12]}"
             meta = dict(req.get("meta") or {})
             meta["abort_address"] = self.aborts.public_address
@@ -243,10 +244,11 @@ class EngineModel:
     # ------------------------------------------------------------------ engine thread
     def _on_output(self, live: _Live, out: RequestOutput, err: Exception | None) -> None:
         comp = out.outputs[0]
+        num_output_tokens = live.num_output_tokens + len(comp.token_ids_delta)
         if out.finished:
             self._finish(live)
             if self.metrics is not None:
-                self.metrics.request_finished(comp.finish_reason, len(comp.token_ids), out.metrics)
+                self.metrics.request_finished(comp.finish_reason, num_output_tokens, out.metrics)
         if err is not None:
             self._send_pending_now(live)  # tokens a stream_interval was holding go out before the error
             self._end_with_error(live, out, *self._failure(err))
@@ -261,6 +263,7 @@ class EngineModel:
             return
         logprobs = new_logprob_entries(live, comp)
         with self._lock:
+            live.num_output_tokens = num_output_tokens
             live.token_ids.extend(comp.token_ids_delta)
             live.text.append(comp.text_delta)
             live.logprobs.extend(logprobs)
@@ -283,18 +286,20 @@ class EngineModel:
         with self._lock:
             ids, text, logprobs, out = live.token_ids, "".join(live.text), live.logprobs, live.last_output
             live.token_ids, live.text, live.logprobs, live.queued = [], [], [], False
-        return self._tensors(live, out, ids, text, logprobs)
+            num_output_tokens = live.num_output_tokens
+        return self._tensors(live, out, ids, text, logprobs, num_output_tokens)
 
     def _end_with_error(self, live: _Live, out: RequestOutput, code: str, message: str) -> None:
         """The request's FINAL as an error: in band for the ensemble (module docstring), else an error response."""
         if not live.errors_in_band:
             self._outbox.put((live.sink, None, (code, message)))
             return
-        outputs, _ = self._tensors(live, out, [], "", [], finish_reason=in_band_error(code, message))
+        outputs, _ = self._tensors(live, out, [], "", [], live.num_output_tokens,
+                                   finish_reason=in_band_error(code, message))
         self._outbox.put((live.sink, (outputs, True), None))
 
-    def _tensors(self, live: _Live, out: RequestOutput, token_ids: list[int], text: str,
-                 logprobs: list[dict], finish_reason: str | None = None) -> tuple[dict, bool]:
+    def _tensors(self, live: _Live, out: RequestOutput, token_ids: list[int], text: str, logprobs: list[dict],
+                 num_output_tokens: int, finish_reason: str | None = None) -> tuple[dict, bool]:
         first = live.index == 0
         comp = out.outputs[0]
         outputs = {
@@ -304,7 +309,7 @@ class EngineModel:
             "text_delta": _str_tensor(text),
             "engine_finish_reason": _str_tensor(finish_reason or (comp.finish_reason or "" if out.finished else "")),
             "num_input_tokens": _scalar(len(out.prompt_token_ids)),
-            "num_output_tokens": _scalar(len(comp.token_ids)),
+            "num_output_tokens": _scalar(num_output_tokens),
             "num_cached_tokens": _scalar(out.num_cached_tokens),
             # The detokenizer builds its per-request state from the first response only.
             "request_meta": _str_tensor(live.meta if first else ""),
