@@ -178,7 +178,7 @@ def test_16_concurrent_streams_complete_with_distinct_outputs(triton_server, off
     lock = threading.Lock()
 
     def callback(result, error):
-        assert error is None, error
+        assert error is None, error.message() if error is not None else ""
         rid = result.get_response().id
         final = result.get_response().parameters["triton_final_response"].bool_param
         with lock:
@@ -219,13 +219,13 @@ def test_cancel_mid_stream_frees_every_kv_block(triton_server):
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     seen: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: seen.put((result, error)))
-    long_prompt = " ".join(["many words make a long prompt"] * 20)
-    client.async_stream_infer("ernie", build_inputs(text=long_prompt, max_tokens=400, temperature=0,
+    long_prompt = " ".join(["many words make a long prompt"] * 20)  # 201 tokens: 311 are left of max_model_len
+    client.async_stream_infer("ernie", build_inputs(text=long_prompt, max_tokens=300, temperature=0,
                                                     sampling_parameters={"ignore_eos": True}),
                               request_id="to-cancel")
     for _ in range(5):
         result, error = seen.get(timeout=60)
-        assert error is None, error
+        assert error is None, error.message() if error is not None else ""
     assert scrape_once_blocks_are_held(triton_server)["ernie:kv_cache_free_blocks"] < total
     client.stop_stream(cancel_requests=True)
     client.close()
@@ -242,8 +242,8 @@ def test_cancel_mid_stream_frees_every_kv_block(triton_server):
     while time.monotonic() < deadline and ensemble_requests_done(triton_server) == done_before:
         time.sleep(0.2)
     assert ensemble_requests_done(triton_server) == done_before + 1
-    # far fewer than 400 tokens were generated: the engine really stopped
-    assert now["ernie:generation_tokens_total"] - before["ernie:generation_tokens_total"] < 300
+    # far fewer than the 300 tokens asked for were generated: the engine really stopped
+    assert now["ernie:generation_tokens_total"] - before["ernie:generation_tokens_total"] < 200
 
 
 BAD_INPUTS = [
@@ -299,7 +299,7 @@ def test_genai_perf_tensorrtllm_payload(triton_server):
     texts = []
     while True:
         result, error = q.get(timeout=60)
-        assert error is None, error
+        assert error is None, error.message() if error is not None else ""
         if result.get_response().outputs:
             texts.append(parse_result(result).text)
         if result.get_response().parameters["triton_final_response"].bool_param:
