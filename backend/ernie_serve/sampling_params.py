@@ -113,6 +113,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # what each RequestOutput carries (outputs.RequestOutputKind); set by the front that reads the outputs
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # whether the engine's outputs carry text (vLLM's): a front that decodes the ids itself turns it off, and the
+    # engine's step thread then does no detokenizing for the request; stop strings need it (matched on the text)
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -153,8 +156,10 @@ class SamplingParams:
         self.stop_token_ids = _integers("stop_token_ids", self.stop_token_ids, 0, INT32_MAX)
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             setattr(self, name, _flag(name, getattr(self, name)))
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: they are matched on the output's text")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

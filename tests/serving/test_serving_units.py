@@ -290,6 +290,7 @@ class FakeEngine:
         self.error = error
         self.step_listeners = []
         self.callbacks = {}
+        self.params = {}
         self.is_healthy = True
 
     def add_request(self, rid, ids, params, callback):
@@ -297,10 +298,15 @@ class FakeEngine:
             raise self.error
         assert params.output_kind is RequestOutputKind.DELTA  # what the outputs below are shaped as
         self.callbacks[rid] = (ids, callback)
+        self.params[rid] = params
 
-    def emit(self, rid, text, finished=False, reason=None):
+    def emit(self, rid, text, finished=False, reason=None, token_ids=(9,)):
+        """One step of `token_ids` whose text is `text`; as the engine does, the text is left out when the request
+        asked for none (the detokenizer stage then decodes the ids)."""
         ids, cb = self.callbacks[rid]
-        comp = CompletionOutput(0, text, [9], finish_reason=reason, text_delta=text, token_ids_delta=[9])
+        text = text if self.params[rid].detokenize else ""
+        comp = CompletionOutput(0, text, list(token_ids), finish_reason=reason, text_delta=text,
+                                token_ids_delta=list(token_ids))
         cb(RequestOutput(rid, None, ids, [comp], finished, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2)), None)
 
     def abort(self, rid):
@@ -350,9 +356,38 @@ class Sink:
         return self.cancel
 
 
-def engine_inputs(stream=True):
+def engine_inputs(stream=True, stop=("<END>",)):
+    """A request for ernie_moe. With stop strings (the default here) the engine detokenizes it and ernie_moe's
+    responses carry its text; without, they carry token ids for the detokenizer stage to decode."""
+    sampling = {"max_tokens": 4, "stop": list(stop)}
     return {"input_ids": np.array([[1, 2, 3]], np.int32),
-            "request_json": s(json.dumps({"sampling": {"max_tokens": 4}, "stream": stream, "meta": {}}))}
+            "request_json": s(json.dumps({"sampling": sampling, "stream": stream, "meta": {}}))}
+
+
+def test_without_stop_strings_the_engine_sends_ids_and_the_detokenizer_decodes_them(tokenizer):
+    """The engine's step thread does no detokenizing for such a request: ernie_moe asks for no text and tells the
+    detokenizer stage (request_meta's decode_ids) to decode the ids, which gives the engine's own text."""
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    plain, stopping = Sink(), Sink()
+    model.submit(engine_inputs(True, stop=()), plain, "p")
+    model.submit(engine_inputs(True), stopping, "s")
+    p, q = list(engine.callbacks)
+    assert not engine.params[p].detokenize and engine.params[q].detokenize
+    words = tokenizer.encode("Hello there, a café ☕ and 你好.", add_special_tokens=False)
+    for k, tok in enumerate(words):
+        last = k == len(words) - 1
+        engine.emit(p, "ignored", finished=last, reason="length" if last else None, token_ids=[tok])
+        plain.wait_sent(k + 1)
+    assert plain.done.wait(2)
+    first = plain.sent[0][0]
+    assert json.loads(first["request_meta"][0, 0])["decode_ids"] == {"skip_special_tokens": True}
+    assert all(o["text_delta"][0, 0] == b"" for o, _ in plain.sent)
+    post = Postprocessor(tokenizer)
+    text = "".join(text_of(post.process(o)) for o, _ in plain.sent)
+    assert text == tokenizer.decode(words)
+    assert post.num_states == 0
+    model.shutdown()
 
 
 @pytest.mark.parametrize("error,code", [(EngineOverloadedError("overloaded: 3 waiting"), "UNAVAILABLE"),
@@ -534,7 +569,7 @@ def test_ensemble_requests_end_with_their_error_in_band_and_the_detokenizer_rais
     model.submit({"input_ids": np.array([ids], np.int32), "request_json": s(json.dumps(payload))}, via_ensemble, "e")
     model.submit(engine_inputs(True), direct, "d")
     for rid in list(engine.callbacks):
-        engine.emit(rid, "x")
+        engine.emit(rid, "x", token_ids=tokenizer.encode("x", add_special_tokens=False))
     model.drain(0.01)
     assert via_ensemble.done.wait(2) and direct.done.wait(2)
     assert direct.errors == [(SHUT_DOWN.code, SHUT_DOWN.message)]

@@ -18,7 +18,7 @@ class TextState:
         p = req.sampling_params
         self.stops = p.stop
         self.include_stop = p.include_stop_str_in_output
-        self.detok = None if tokenizer is None else IncrementalDetokenizer(
+        self.detok = None if tokenizer is None or not p.detokenize else IncrementalDetokenizer(
             tokenizer, prompt_ids=req.prompt_token_ids[-8:], skip_special_tokens=p.skip_special_tokens)
         self._text: list[str] = []  # decided text, as returned to the user, in pieces (joined when read)
         self._pending = ""  # decoded but possibly the start of a stop string

@@ -143,16 +143,24 @@ class Sampler:
         if edits is not None:
             edits.apply(work)
         apply_grammar_masks(work, batch)
-        dead = ~np.isfinite(work.max(axis=1)) if work.size else np.zeros(0, bool)
+        params = batch.params
+        greedy = batch.greedy_rows
+        argmax = None
+        if greedy.all() and work.size:  # one pass over the logits: a row's max is the logit its argmax points at
+            argmax = np.argmax(work, axis=1).astype(np.int64)
+            row_max = work[np.arange(work.shape[0]), argmax]
+        else:
+            row_max = work.max(axis=1) if work.size else np.zeros(0, np.float32)
+        dead = ~np.isfinite(row_max)  # all -inf, or a NaN (argmax and max both take the NaN)
         errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
         if errors:
             work = work.copy() if work is raw else work
             work[dead] = 0.0  # sampled only to keep the batch's shape
+            if argmax is not None:
+                argmax[dead] = 0  # the argmax of a row of zeros
 
-        params = batch.params
-        greedy = batch.greedy_rows
         if greedy.all():
-            token_ids = np.argmax(work, axis=1).astype(np.int64)
+            token_ids = argmax if argmax is not None else np.argmax(work, axis=1).astype(np.int64)
         else:
             token_ids = np.empty(len(params), dtype=np.int64)
             token_ids[greedy] = np.argmax(work[greedy], axis=1)

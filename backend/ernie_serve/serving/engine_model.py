@@ -186,9 +186,14 @@ class EngineModel:
             except (ValueError, TypeError) as e:
                 raise InvalidInput("sampling_parameters", str(e)) from None
             params.output_kind = RequestOutputKind.DELTA  # each step's tokens once: no per-step copy of them all
+            # The detokenizer stage decodes the ids (its own process, off the engine's step thread) unless stop
+            # strings need the text in the engine, where a stop is matched and held back.
+            params.detokenize = bool(params.stop)
             key = f"{request_id or 'req'}-{uuid.uuid4().hex[:12]}"
             meta = dict(req.get("meta") or {})
             meta["abort_address"] = self.aborts.public_address
+            if not params.detokenize:
+                meta["decode_ids"] = {"skip_special_tokens": params.skip_special_tokens}
             live = _Live(key, sink, bool(req.get("stream", meta.get("stream", False))),
                          json.dumps(meta, ensure_ascii=False), ids, params.logprobs,
                          errors_in_band=meta.get("errors_in_band") is True)

@@ -1,9 +1,10 @@
 """ernie_detokenizer's logic: ernie_moe's per-step responses -> client-facing output tensors.
 
-The engine already detokenizes incrementally (its text deltas keep SentencePiece spaces and hold
-back or cut stop strings), so what is left per request is the chat parser state: reasoning /
-content / tool-call splitting, which must see the deltas of one request in order. Triton delivers
-them in order to a model with one instance and no dynamic batching; response_index checks it.
+Requests with stop strings are detokenized by the engine (its text deltas hold back and cut a stop string);
+the others arrive as token ids only (request_meta's "decode_ids") and are detokenized here, incrementally, in
+this process rather than on the engine's step thread. Then the chat parser state: reasoning / content /
+tool-call splitting. Both must see one request's responses in order. Triton delivers them in order to a model
+with one instance and no dynamic batching; response_index checks it.
 
 State lives in this process, keyed by the request key that ernie_moe puts on every response. It is
 dropped on the final response, on cancellation, and after `ttl` seconds without a response (a
@@ -30,6 +31,7 @@ import numpy as np
 
 from ..chat import finish_reason_for
 from ..parsers import ChatOutputParser, DeltaMessage
+from ..tokenizer.detokenizer import CONTEXT_IDS, IncrementalDetokenizer
 from .control import send_abort
 from .errors import InvalidInput, ServingError, raise_in_band_error
 
@@ -49,6 +51,7 @@ class OrderError(ServingError):
 class _State:
     meta: dict[str, Any]
     parser: ChatOutputParser | None
+    detok: IncrementalDetokenizer | None = None  # the request's text is decoded here (meta "decode_ids")
     next_index: int = 1
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -206,11 +209,21 @@ class Postprocessor:
         if meta.get("reasoning_parser") or (meta.get("tool_call_parser") and meta.get("tools")):
             parser = ChatOutputParser(self.tokenizer, meta.get("reasoning_parser"), meta.get("tool_call_parser"),
                                       _ids(inputs, "prompt_ids"), meta.get("tools"), meta.get("enable_thinking"))
-        return _State(meta, parser)
+        decode = meta.get("decode_ids")
+        detok = None
+        if isinstance(decode, dict):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=_ids(inputs, "prompt_ids")[-CONTEXT_IDS:],
+                                           skip_special_tokens=bool(decode.get("skip_special_tokens", True)))
+        return _State(meta, parser, detok)
 
     def _outputs(self, state: _State, inputs: dict[str, np.ndarray], engine_reason: str | None) -> dict:
-        text = _str(inputs, "text_delta")
         token_ids = _ids(inputs, "token_ids")
+        if state.detok is not None:
+            text = state.detok.step(token_ids)
+            if engine_reason is not None:
+                text += state.detok.flush()
+        else:
+            text = _str(inputs, "text_delta")
         reasoning, content, calls = "", text, []
         if state.parser is not None:
             delta = state.parser.feed(text, token_ids, final=engine_reason is not None) or DeltaMessage()
