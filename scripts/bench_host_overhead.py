@@ -29,11 +29,11 @@ PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runn
           ("engine", "_outputs"))
 
 
-def measure(model: str | None, running: int, workload: str, steps: int, seed: int = 0) -> dict:
+def measure(model: str | None, running: int, workload: str, steps: int, asynchronous: bool, seed: int = 0) -> dict:
     from ernie_serve import LLM, RequestOutputKind, SamplingParams
 
     llm = LLM(model=model, max_num_seqs=running, max_num_batched_tokens=max(2048, 2 * running),
-              max_model_len=2048, disable_progress_bar=True)
+              max_model_len=2048, disable_progress_bar=True, async_scheduling=asynchronous)
     engine = llm.engine
     clock = CallTimer()
     clock.wrap(engine.runner.executor, "execute", "forward")
@@ -68,8 +68,9 @@ def measure(model: str | None, running: int, workload: str, steps: int, seed: in
         engine.step()
     wall = time.perf_counter() - t0
     per_step = {k: 1e3 * v / steps for k, v in clock.spent.items()}
-    host = 1e3 * wall / steps - per_step["forward"]
+    host = 1e3 * wall / steps - per_step["forward"]  # with async scheduling: what the forward does not hide
     result = {"model": model or "tiny", "running": running, "workload": workload, "steps": steps,
+              "scheduling": "async" if asynchronous else "sync",
               "step_ms": 1e3 * wall / steps, "forward_ms": per_step["forward"], "host_ms": host,
               "phases_ms": {k: v for k, v in per_step.items() if k != "forward"},
               "running_at_end": len(engine.scheduler.running)}
@@ -84,6 +85,9 @@ def main() -> None:
                     choices=["decode-heavy", "prefill-heavy"])
     ap.add_argument("--models", nargs="+", default=["tiny", "bench"], choices=["tiny", "bench"])
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--scheduling", nargs="+", default=["sync", "async"], choices=["sync", "async"],
+                    help="async: --async-scheduling, the next step runs while this one's outputs are made; its "
+                         "host ms is the host time the forward does not hide")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_host_overhead.json")
     args = ap.parse_args()
 
@@ -93,13 +97,15 @@ def main() -> None:
     if "bench" in args.models:
         from bench_offline import bench_checkpoint
         models["bench"] = str(bench_checkpoint())
-    cases = [(m, n, w) for m in args.models for n in args.running for w in args.workloads]
-    results = [measure(models[m], n, w, args.steps) for m, n, w in tqdm(cases, desc="host overhead", unit="case")]
-    print(f"\n{'model':6} {'running':>7} {'workload':14} {'step ms':>8} {'forward':>8} {'host ms':>8} {'host %':>7}  "
-          "schedule / update / sampler / outputs (ms)")
+    cases = [(m, n, w, a) for m in args.models for n in args.running for w in args.workloads for a in args.scheduling]
+    results = [measure(models[m], n, w, args.steps, a == "async")
+               for m, n, w, a in tqdm(cases, desc="host overhead", unit="case")]
+    print(f"\n{'model':6} {'running':>7} {'workload':14} {'sched':5} {'step ms':>8} {'forward':>8} {'host ms':>8} "
+          f"{'host %':>7}  schedule / update / sampler / outputs (ms)")
     for r in results:
         p = r["phases_ms"]
         print(f"{r['model'] if r['model'] == 'tiny' else 'bench':6} {r['running']:>7} {r['workload']:14} "
+              f"{r['scheduling']:5} "
               f"{r['step_ms']:8.2f} {r['forward_ms']:8.2f} {r['host_ms']:8.2f} "
               f"{100 * r['host_ms'] / r['step_ms']:6.0f}%  "
               f"{p['schedule']:.2f} / {p['update_from_output']:.2f} / {p['sampler']:.2f} / {p['_outputs']:.2f}")

@@ -67,6 +67,9 @@ class EngineConfig:
     # or on the CPU under TRITON_INTERPRET=1; "auto": kernels when a GPU is visible, else reference
     execution_backend: str = "auto"
     use_cudagraph: bool = False  # decode steps replayed from CUDA graphs (kernels backend on a GPU)
+    # vLLM's --async-scheduling: step n+1 is scheduled and started before step n's outputs are made, so output
+    # processing overlaps the forward (same tokens; a request that stops on a string computes one token more)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):

@@ -2,10 +2,12 @@
 engine/async_engine.py puts it behind a thread-safe front."""
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,10 +22,10 @@ from ..tokenizer import ErnieTokenizer
 from .guided import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, ModelRunnerOutput
 from .output_processor import TextState
 from .request import Request, RequestStatus
-from .scheduler import RequestUpdate, Scheduler
+from .scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from .spec_decode import draft_limit, make_proposer
 
 if TYPE_CHECKING:
@@ -107,6 +109,12 @@ class LLMEngine:
         self.texts: dict[str, TextState] = {}
         self.held_kv: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export
         self._seed_counter = itertools.count()
+        # async_scheduling: one thread runs each step's forward and sampling, the step in flight is _inflight
+        self._forward: ThreadPoolExecutor | None = None
+        self._inflight: tuple[SchedulerOutput, Future] | None = None
+        if config.async_scheduling:
+            self._forward = ThreadPoolExecutor(1, thread_name_prefix="ernie-forward",
+                                               initializer=self._setup_forward_thread)
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -183,8 +191,18 @@ class LLMEngine:
         _log_weight_memory(executor.model, " on rank 0")
         return executor
 
+    def _setup_forward_thread(self) -> None:
+        """The forward thread's CPU kernels take the engine's thread count (OpenMP's setting is per thread)."""
+        if self.cpu_threads:
+            from .._env import setup_model_process
+
+            setup_model_process(self.cpu_threads)
+
     def close(self) -> None:
         """Stop the worker ranks, if any (they also die with this process)."""
+        if self._forward is not None:
+            self.wait_for_step()
+            self._forward.shutdown(wait=True)
         shutdown = getattr(self.runner.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -304,6 +322,7 @@ class LLMEngine:
         request = self.held_kv.pop(request_id, None)
         if request is None:
             raise ValueError(f"request {request_id!r} holds no KV (add it with hold_kv=True and let it finish)")
+        self.wait_for_step()  # the cache is read below
         n = self.kv.num_blocks_for(request.num_computed_tokens)
         data = self.runner.cache.read_blocks(request.block_ids[:n])
         transfer = KVTransfer(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
@@ -330,6 +349,7 @@ class LLMEngine:
         group = self.make_request_group(transfer.request_id, transfer.prompt_token_ids, sampling_params)
         if transfer.request_id in self.requests:
             raise ValueError(f"request_id {transfer.request_id!r} is already in use")
+        self.wait_for_step()  # blocks are handed out below: none may still be written by a step in flight
         (req,) = group.requests
         if not self.scheduler.add_running(req, transfer.num_computed_tokens):
             raise EngineCapacityError(f"no room for {transfer.data.shape[2]} transferred KV blocks "
@@ -348,17 +368,32 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> update -> outputs. With async_scheduling the next step is scheduled and started
+        before this one's outputs are made, so output processing (and whatever the caller does with the outputs)
+        overlaps the next forward; see _step_async."""
+        if self._forward is not None:
+            return self._step_async()
+        so = self._schedule()
+        if so is None:
+            return []
+        updates = self._update(so, self.runner.execute(so))
+        return self._outputs(updates, time.monotonic())
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The next step's plan (None when nothing runs; its KV swaps and copies are applied then)."""
         so = self.scheduler.schedule()
         if so.is_empty:
             if so.kv_ops:
                 self.runner.apply_kv_ops(so.kv_ops)
-            return []
+            return None
         now = time.monotonic()
         for s in so.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
             s.request.num_computed_tokens_total += s.num_tokens
-        result = self.runner.execute(so)
+        return so
+
+    def _update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         self.num_steps += 1
         updates = self.scheduler.update_from_output(so, result)
         if self.proposer is not None:
@@ -366,7 +401,37 @@ class LLMEngine:
         elif self.runner.drafter is not None:
             drafts = self.runner.propose_drafts()
             self.scheduler.set_drafts(drafts.token_ids, drafts.probs)
+        return updates
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Finish the step in flight, start the next, then make the finished step's outputs while it runs.
+
+        Same tokens as the synchronous loop: step n+1 is scheduled after step n's tokens are applied, as there.
+        A request that ends while step n+1 runs (a stop string found in step n's text, an abort between steps)
+        has its step n+1 token dropped (update_from_output skips finished requests). Its blocks go back to the
+        pool then, but no one else can take them before step n+1 has finished: blocks are handed out only by
+        schedule() and add_prefilled_request, which both come after wait_for_step()."""
+        inflight = self._inflight
+        if inflight is None:
+            so = self._schedule()
+            if so is None:
+                return []
+            inflight = self._launch(so)
+        so, future = inflight
+        self._inflight = None
+        updates = self._update(so, future.result())
+        following = self._schedule()
+        if following is not None:
+            self._inflight = self._launch(following)
         return self._outputs(updates, time.monotonic())
+
+    def _launch(self, so: SchedulerOutput) -> tuple[SchedulerOutput, Future]:
+        return so, self._forward.submit(self.runner.run, self.runner.prepare(so))
+
+    def wait_for_step(self) -> None:
+        """Until the step in flight (async scheduling) has finished running; its result stays for step()."""
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight[1]])
 
     def _propose_drafts(self) -> dict[Request, list[int]]:
         """Drafts for every running request that is decoding (prompt fully computed)."""

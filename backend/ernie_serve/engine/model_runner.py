@@ -28,6 +28,16 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step, and why
 
 
+@dataclass
+class PreparedStep:
+    """A step ready to run: its StepInput, the sampled rows' SamplingBatch (None: nothing samples) and the request
+    id owning each sampled row, and for the MTP drafter where each request's tokens sit in it."""
+    step: StepInput
+    batch: SamplingBatch | None
+    owners: list[str]
+    draft_rows: list[StepRow] | None
+
+
 class StepExecutor(Protocol):
     """Runs a StepInput on the whole model: engine/model_shard.ModelShard (the reference backend, one rank),
     engine/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
@@ -70,6 +80,11 @@ class ModelRunner:
         self.executor.execute(StepInput(kv_ops=ops))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.run(self.prepare(so))
+
+    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+        """Everything the step reads from its Requests, taken now: run() may then go on in another thread while
+        the engine updates those Requests (async scheduling)."""
         order = sorted(so.scheduled, key=lambda s: s.num_tokens > MAX_BATCHED_QUERY)
         ids: list[int] = []
         starts, q_lens, keys, tables = [], [], [], []
@@ -120,13 +135,18 @@ class ModelRunner:
                                                         np.array(q_lens, dtype=np.int64), MAX_BATCHED_QUERY)
         step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta, np.asarray(rows, dtype=np.int64),
                                     so.kv_ops, np.asarray(keys, dtype=np.int64))
-        hidden, logits = self.executor.execute(step)
-        self._last_step = (hidden, _step_rows(order, meta)) if self.drafter is not None else None
+        return PreparedStep(step, batch.build() if rows else None, owners,
+                            _step_rows(order, meta) if self.drafter is not None else None)
+
+    def run(self, prepared: PreparedStep) -> ModelRunnerOutput:
+        """The forward and the sampling of a prepared step; reads no Request."""
+        hidden, logits = self.executor.execute(prepared.step)
+        self._last_step = (hidden, prepared.draft_rows) if self.drafter is not None else None
         out = ModelRunnerOutput()
-        if not rows:
+        if prepared.batch is None:
             return out
-        result = self.sampler(logits, batch.build())
-        sampled, logprobs = out.sampled, out.logprobs
+        result = self.sampler(logits, prepared.batch)
+        owners, sampled, logprobs = prepared.owners, out.sampled, out.logprobs
         for rid, tok, lp in zip(owners, result.token_ids.tolist(), result.logprobs):
             if rid in sampled:  # a request verifying drafts samples several rows
                 sampled[rid].append(tok)

@@ -168,6 +168,8 @@ class Scheduler:
         errors, all_sampled, all_logprobs = out.errors, out.sampled, out.logprobs
         for s in so.scheduled:
             req = s.request
+            if req.is_finished:  # ended while the step ran (async scheduling: a stop string, an abort)
+                continue
             error = errors.get(req.request_id) if errors else None
             if error is not None:
                 for r in [req, *req.forks]:

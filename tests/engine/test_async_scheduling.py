@@ -1,0 +1,83 @@
+"""async_scheduling: step n+1 is scheduled and started before step n's outputs are made; the tokens are the same."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ernie_serve.sampling_params import SamplingParams
+from engine_helpers import assert_no_leaks, make_engine, run
+
+PROMPTS = [np.random.default_rng(i).integers(30, 4000, size=n).tolist() for i, n in enumerate((23, 5, 140, 1, 77, 60))]
+PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=20),
+          SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["e", " t"]),
+          SamplingParams(temperature=1.0, seed=9, max_tokens=12, n=2, repetition_penalty=1.3)]
+SETTINGS = {
+    "default": {},
+    "chunked_small_budget": dict(max_num_batched_tokens=16, max_num_seqs=4),
+    "tiny_pool_preemption": dict(num_gpu_blocks_override=24, max_model_len=256),
+    "prefix_cache_off": dict(enable_prefix_caching=False),
+    "mtp": dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+    "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+}
+
+
+def _requests():
+    """Staggered arrivals, the same prompts twice (prefix-cache hits), every kind of params."""
+    return [(2 * i, f"r{i}", PROMPTS[i % len(PROMPTS)], PARAMS[i % len(PARAMS)]) for i in range(2 * len(PROMPTS))]
+
+
+def _summary(done):
+    return {rid: [(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob) for c in out.outputs]
+            for rid, out in done.items()}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_the_same_outputs_with_and_without_async_scheduling(tiny_model_dir, setting):
+    kw = SETTINGS[setting]
+    results = {}
+    for asynchronous in (False, True):
+        eng = make_engine(tiny_model_dir, async_scheduling=asynchronous, **kw)
+        try:
+            results[asynchronous] = _summary(run(eng, _requests()))
+            eng.wait_for_step()
+            assert_no_leaks(eng)
+            if setting == "tiny_pool_preemption":
+                assert eng.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
+        finally:
+            eng.close()
+    assert results[True] == results[False]
+
+
+def test_requests_aborted_while_a_step_runs_free_their_blocks_and_the_others_go_on(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, async_scheduling=True)
+    ref = make_engine(tiny_model_dir)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        want = run(ref, [(0, "keep", PROMPTS[2], greedy)])["keep"].outputs[0].token_ids
+        for rid, prompt in (("keep", PROMPTS[2]), ("drop1", PROMPTS[0]), ("drop2", PROMPTS[4])):
+            eng.add_request(rid, prompt, greedy)
+        finals = {}
+        for step in range(200):
+            if step == 5:
+                assert eng._inflight is not None  # a step is running while the aborts come in
+                for rid in ("drop1", "drop2"):
+                    out = eng.abort_request(rid)
+                    assert out.finished and out.outputs[0].finish_reason == "abort"
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            if not eng.has_unfinished_requests():
+                break
+        assert set(finals) == {"keep"} and finals["keep"].outputs[0].token_ids == want
+        eng.wait_for_step()
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+        ref.close()
+
+
+def test_async_scheduling_is_a_flag_of_the_server():
+    from ernie_serve.cli.serve import build_parser
+
+    assert "--async-scheduling" in build_parser().format_help()
