@@ -1,4 +1,4 @@
-/* Weight-only int8 / int4 GEMM as integer dot products (AVX-512 VNNI), for the CPU serving path.
+/* Weight-only int8 / int4 GEMM as integer dot products (AVX-512 VNNI, or AVX2), for the CPU serving path.
  *
  *   y[M, N] = (x[M, K] @ W[K, N]) * scale[N]      W int8 or int4 codes, x float32
  *
@@ -230,12 +230,57 @@ QBLOCKS(qb8_l2_, 8, 2)
 QBLOCKS(qb4_l1_, 4, 1)
 QBLOCKS(qb4_l2_, 4, 2)
 #define HAVE_VNNI 1
+
+#elif defined(__AVX2__)
+#include <immintrin.h>
+/* AVX2 has no vpdpbusd; vpmaddubsw + vpmaddwd do the same 4-byte dot products exactly as long as each product pair
+ * fits int16, which holds for nibbles (2 x 15 x 127). So int4 codes go as they are and an int8 code is split into
+ * its two nibbles, the high one's sum shifted by 4: the integer results equal vpdpbusd's (and qblock_plain's). */
+static inline __m256i dot4_nibbles(__m256i w, __m256i b) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, b), _mm256_set1_epi16(1));
+}
+
+static inline __m256i broadcast4_256(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One row and level at a time (4 accumulators of 8 columns); the block's weights stay in cache across them. */
+static void qblock_avx2(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile) {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int m = 0; m < mb; m++) {
+        int32_t acc[MAX_LEVELS * COLS];
+        for (int l = 0; l < a->levels; l++) {
+            const int8_t *q = a->q + ((int64_t)(m0 + m) * a->levels + l) * a->Kp;
+            __m256i c[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                            _mm256_setzero_si256()};
+            const uint8_t *wg = w;
+            for (int64_t g = 0; g < G; g++, wg += 4 * COLS) {
+                const __m256i b0 = broadcast4_256(q + (bits == 8 ? 4 : 8) * g);
+                const __m256i b1 = bits == 8 ? b0 : broadcast4_256(q + 8 * g + 4);
+                for (int i = 0; i < 4; i++) {  /* columns 8i .. 8i + 7 */
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(wg + 32 * i));
+                    const __m256i lo = _mm256_and_si256(v, low4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                    const __m256i dlo = dot4_nibbles(lo, b0), dhi = dot4_nibbles(hi, b1);
+                    c[i] = _mm256_add_epi32(c[i], _mm256_add_epi32(dlo, bits == 8 ? _mm256_slli_epi32(dhi, 4) : dhi));
+                }
+            }
+            for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(acc + l * COLS + 8 * i), c[i]);
+        }
+        finish_tile(a, m0 + m, acc, tile + m * COLS);
+    }
+}
+#define HAVE_AVX2_QBLOCK 1
 #endif
 
 static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile) {
 #ifdef HAVE_VNNI
     const qblock_fn *fns = bits == 8 ? (a->levels == 1 ? qb8_l1_s : qb8_l2_s) : (a->levels == 1 ? qb4_l1_s : qb4_l2_s);
     fns[mb](a, m0, G, w, tile);
+#elif defined(HAVE_AVX2_QBLOCK)
+    qblock_avx2(a, m0, mb, G, w, bits, tile);
 #else
     qblock_plain(a, m0, mb, G, w, bits, tile);
 #endif
