@@ -7,8 +7,9 @@ and the rest, with the rest broken down by phase. Prints a table, writes out/ben
 
     .venv/bin/python scripts/bench_host_overhead.py [--running 64 256] [--steps 100] [--models tiny bench]
 
-The serving-path half of the issue (served/offline tok/s and CPU per token per process) is measured by
-scripts/bench_serving.py; this script is the engine's half.
+Then the serving half (scripts/served_throughput.py): the same greedy streams through Triton's gRPC stream, its
+HTTP generate_stream and the OpenAI shim of a real tritonserver, against the offline LLM, with the CPU each
+serving process spends a token (--served-streams 0 skips it).
 """
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ def main() -> None:
     ap.add_argument("--scheduling", nargs="+", default=["sync", "async"], choices=["sync", "async"],
                     help="async: --async-scheduling, the next step runs while this one's outputs are made; its "
                          "host ms is the host time the forward does not hide")
+    ap.add_argument("--served-streams", type=int, nargs="+", default=[64, 256],
+                    help="concurrent streams of the serving half (0: skip it)")
+    ap.add_argument("--served-tokens", type=int, default=128, help="tokens each served stream generates")
+    ap.add_argument("--paths", nargs="+", default=["grpc", "http", "shim"], choices=["grpc", "http", "shim"])
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_host_overhead.json")
     args = ap.parse_args()
 
@@ -109,9 +114,46 @@ def main() -> None:
               f"{r['step_ms']:8.2f} {r['forward_ms']:8.2f} {r['host_ms']:8.2f} "
               f"{100 * r['host_ms'] / r['step_ms']:6.0f}%  "
               f"{p['schedule']:.2f} / {p['update_from_output']:.2f} / {p['sampler']:.2f} / {p['_outputs']:.2f}")
+    served = [] if args.served_streams == [0] else serving_half(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"results": results}, indent=2))
+    args.out.write_text(json.dumps({"results": results, "served": served}, indent=2))
     print(f"\nwrote {args.out}")
+
+
+def serving_half(args) -> list[dict]:
+    """Served vs offline tok/s and CPU ms a token per process, for each stream count and scheduling mode."""
+    from dataclasses import asdict
+
+    from ernie_serve import LLM
+    from ernie_serve.serving.launcher import TritonServer, free_port
+    from served_throughput import offline, served, wait_for_shim
+
+    rows = []
+    for streams in args.served_streams:
+        settings = {"max_num_seqs": streams, "max_model_len": 512, "max_num_batched_tokens": max(2048, 2 * streams)}
+        for mode in args.scheduling:
+            asynchronous = mode == "async"
+            llm = LLM(model=None, disable_progress_bar=True, async_scheduling=asynchronous, **settings)
+            ref = offline(llm, streams, args.served_tokens)
+            llm.engine.close()
+            del llm
+            rows.append(dict(asdict(ref), scheduling=mode, vs_offline=1.0))
+            server = TritonServer({k: str(v) for k, v in dict(settings, async_scheduling=asynchronous).items()},
+                                  http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                                  openai_port=free_port())
+            with server:
+                wait_for_shim(server)
+                for path in args.paths:
+                    run = served(server, path, streams, args.served_tokens)
+                    rows.append(dict(asdict(run), scheduling=mode, vs_offline=run.tok_per_s / ref.tok_per_s))
+    print(f"\n{'streams':>7} {'sched':5} {'path':8} {'tok/s':>8} {'vs offline':>10}  CPU ms a token by process")
+    for r in rows:
+        cpu = r["cpu_ms_per_token"]
+        serving = sum(v for k, v in cpu.items() if not k.startswith("client") and r["path"] != "offline")
+        detail = ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
+        print(f"{r['streams']:>7} {r['scheduling']:5} {r['path']:8} {r['tokens'] / r['seconds']:8.0f} "
+              f"{r['vs_offline']:9.2f}x  {f'serving sum {serving:.3f}: ' if serving else ''}{detail}")
+    return rows
 
 
 if __name__ == "__main__":
