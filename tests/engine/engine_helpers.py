@@ -1,6 +1,8 @@
 """Drive an LLMEngine by hand: staggered arrivals, leak checks."""
 from __future__ import annotations
 
+import pytest
+
 from ernie_serve.config import EngineConfig
 from ernie_serve.engine.llm_engine import LLMEngine
 from ernie_serve.sampling_params import SamplingParams
@@ -35,3 +37,16 @@ def assert_no_leaks(engine: LLMEngine) -> None:
     pool = engine.kv.pool
     assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
     assert all(c == 0 for c in pool.ref_cnt)
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_model_dir):
+    """One engine for a module's tests (import it with no_leaks_after_each_test, which checks it after each)."""
+    return make_engine(tiny_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks_after_each_test(shared_engine):
+    yield
+    assert not shared_engine.has_unfinished_requests()
+    assert_no_leaks(shared_engine)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from ernie_serve.sampling_params import SamplingParams
+from engine_helpers import no_leaks_after_each_test, shared_engine  # noqa: F401 (fixtures)
 from engine_helpers import GREEDY, assert_no_leaks, make_engine, run
 
 
@@ -13,15 +14,8 @@ def _ids(seed: int, n: int = 20) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return make_engine(tiny_model_dir)
-
-
-@pytest.fixture(autouse=True)
-def _no_leaks(engine):
-    yield
-    assert not engine.has_unfinished_requests()
-    assert_no_leaks(engine)
+def engine(shared_engine):
+    return shared_engine
 
 
 def test_seeded_sampling_reproduces_regardless_of_batch(engine):

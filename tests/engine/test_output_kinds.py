@@ -8,21 +8,14 @@ import pytest
 
 from ernie_serve.outputs import RequestOutputKind
 from ernie_serve.sampling_params import SamplingParams
-from engine_helpers import assert_no_leaks, make_engine
+from engine_helpers import no_leaks_after_each_test, shared_engine  # noqa: F401 (fixtures)
 
 KINDS = list(RequestOutputKind)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return make_engine(tiny_model_dir)
-
-
-@pytest.fixture(autouse=True)
-def _no_leaks(engine):
-    yield
-    assert not engine.has_unfinished_requests()
-    assert_no_leaks(engine)
+def engine(shared_engine):
+    return shared_engine
 
 
 def _prompt(seed: int) -> list[int]:
