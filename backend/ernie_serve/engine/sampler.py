@@ -599,8 +599,13 @@ def _logprob_dicts(rows: np.ndarray, params: list[SamplingParams], token_ids: np
 
 
 def _as_float32_matrix(logits: "np.ndarray | paddle.Tensor") -> np.ndarray:
+    """The logits as a NumPy matrix; a CPU tensor's own memory where DLPack gives it (the sampler never writes to
+    it): copying [256, 32000] float32 logits cost ~3 ms a step."""
     if not isinstance(logits, np.ndarray) and hasattr(logits, "numpy"):
-        logits = logits.numpy()
+        try:
+            logits = np.from_dlpack(logits)
+        except (TypeError, RuntimeError, BufferError, AttributeError, ValueError):
+            logits = logits.numpy()
     arr = np.asarray(logits, dtype=np.float32)
     if arr.ndim != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {arr.shape}")
