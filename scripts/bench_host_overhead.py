@@ -43,8 +43,10 @@ def measure(model: str | None, running: int, workload: str, steps: int, asynchro
         clock.wrap(owner, attr, attr)
     rng = np.random.default_rng(seed)
     vocab = min(engine.model_config.vocab_size, 1000)
-    # outputs as the serving front asks for them (engine_model.py): each step's delta
-    params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    # as the serving front asks for a request without stop strings (engine_model.py): each step's delta, token ids
+    # only (the detokenizer stage decodes them)
+    params = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+                            detokenize=False)
     added = 0
 
     def add(n: int, prompt_len: int) -> None:

@@ -15,6 +15,7 @@ keeps freed memory for reuse instead (its resident size then stays at its peak, 
 """
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 
@@ -46,3 +47,13 @@ def _keep_freed_memory() -> None:
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive after start-up (the model, its weights' Python wrappers, the tokenizer: ~130k
+    objects for the tiny model) out of the garbage collector's reach, as vLLM does after loading. Otherwise each
+    full collection walks them all again while the engine makes a few objects a request a step: measured at 256
+    running on the tiny model, host time a step 5.0-5.2 ms with the collector as it is, 4.2-4.3 ms after freezing
+    (/tmp one-off run of 60 steps each, the same process setup). Cycles made later are still collected."""
+    gc.collect()
+    gc.freeze()

@@ -118,6 +118,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        from .._env import freeze_startup_objects
+
+        freeze_startup_objects()
         log.info("engine ready: %s, %d KV blocks of %d tokens (%d on the CPU tier), max_num_seqs=%d, "
                  "max_num_batched_tokens=%d, prefix caching %s, %d CPU threads", model_dir, num_blocks,
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
