@@ -95,6 +95,8 @@ def main() -> None:
                     help="concurrent streams of the serving half (0: skip it)")
     ap.add_argument("--served-tokens", type=int, default=128, help="tokens each served stream generates")
     ap.add_argument("--paths", nargs="+", default=["grpc", "http", "shim"], choices=["grpc", "http", "shim"])
+    ap.add_argument("--stream-intervals", type=int, nargs="+", default=[1],
+                    help="the server's --stream-interval values to run the serving half with")
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "bench_host_overhead.json")
     args = ap.parse_args()
 
@@ -139,21 +141,25 @@ def serving_half(args) -> list[dict]:
             ref = offline(llm, streams, args.served_tokens)
             llm.engine.close()
             del llm
-            rows.append(dict(asdict(ref), scheduling=mode, vs_offline=1.0))
-            server = TritonServer({k: str(v) for k, v in dict(settings, async_scheduling=asynchronous).items()},
-                                  http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                                  openai_port=free_port())
-            with server:
-                wait_for_shim(server)
-                for path in args.paths:
-                    run = served(server, path, streams, args.served_tokens)
-                    rows.append(dict(asdict(run), scheduling=mode, vs_offline=run.tok_per_s / ref.tok_per_s))
-    print(f"\n{'streams':>7} {'sched':5} {'path':8} {'tok/s':>8} {'vs offline':>10}  CPU ms a token by process")
+            rows.append(dict(asdict(ref), scheduling=mode, stream_interval=None, vs_offline=1.0))
+            for interval in args.stream_intervals:
+                flags = dict(settings, async_scheduling=asynchronous, stream_interval=interval)
+                server = TritonServer({k: str(v) for k, v in flags.items()}, http_port=free_port(),
+                                      grpc_port=free_port(), metrics_port=free_port(), openai_port=free_port())
+                with server:
+                    wait_for_shim(server)
+                    for path in args.paths:
+                        run = served(server, path, streams, args.served_tokens)
+                        rows.append(dict(asdict(run), scheduling=mode, stream_interval=interval,
+                                         vs_offline=run.tok_per_s / ref.tok_per_s))
+    print(f"\n{'streams':>7} {'sched':5} {'path':8} {'interval':>8} {'tok/s':>8} {'vs offline':>10}  "
+          "CPU ms a token by process")
     for r in rows:
         cpu = r["cpu_ms_per_token"]
         serving = sum(v for k, v in cpu.items() if not k.startswith("client") and r["path"] != "offline")
         detail = ", ".join(f"{k} {v:.3f}" for k, v in cpu.items())
-        print(f"{r['streams']:>7} {r['scheduling']:5} {r['path']:8} {r['tokens'] / r['seconds']:8.0f} "
+        print(f"{r['streams']:>7} {r['scheduling']:5} {r['path']:8} {r['stream_interval'] or '':>8} "
+              f"{r['tokens'] / r['seconds']:8.0f} "
               f"{r['vs_offline']:9.2f}x  {f'serving sum {serving:.3f}: ' if serving else ''}{detail}")
     return rows
 
