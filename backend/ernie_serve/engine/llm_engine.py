@@ -460,7 +460,9 @@ class LLMEngine:
             state = self.texts[req.request_id]
             text = ""
             try:
-                if not state.deferred:
+                if state.detok is None:  # token ids only (skip_tokenizer_init, detokenize=False)
+                    pass
+                elif not state.deferred:
                     text, stop = state.append(new_ids, final=req.is_finished,
                                               check_stops=req.num_output_tokens >= req.sampling_params.min_tokens)
                     if stop is not None:
@@ -512,10 +514,8 @@ class LLMEngine:
                 text, ids, new_ids = new_text, new_ids or [], new_ids or []
             else:
                 text, ids, new_ids = state.text, list(req.output_token_ids), list(new_ids)
-            comps.append(CompletionOutput(
-                index=req.index, text=text, token_ids=ids, finish_reason=req.finish_reason,
-                stop_reason=req.stop_reason, logprobs=logprobs, cumulative_logprob=cumulative,
-                text_delta=new_text, token_ids_delta=new_ids))
+            comps.append(CompletionOutput(req.index, text, ids, req.finish_reason, req.stop_reason, logprobs,
+                                          cumulative, new_text, new_ids))
         metrics = None
         if finished or not delta:  # a delta stream's consumers read the metrics once, at the end
             preemptions = leader.num_preemptions if len(group) == 1 else sum(r.num_preemptions for r in group)

@@ -234,15 +234,17 @@ class Scheduler:
         token, and a token it rejects fails the request. Returns the tokens kept."""
         p = req.sampling_params
         added: list[int] = []
+        outputs, everything = req.output_token_ids, req.all_token_ids  # Request.append_output, inlined (hot)
         for tok, lp in zip(tokens, logprobs):
-            req.append_output(tok)
+            outputs.append(tok)
+            everything.append(tok)
             added.append(tok)
             if req.guided is not None and not req.guided.accept(tok):
                 self._fail(req, f"guided decoding: token {tok} does not fit the grammar: {req.guided.error}")
                 break
             if lp is not None:
                 req.logprobs.append(lp)
-            n = req.num_output_tokens
+            n = len(outputs)
             if n >= p.min_tokens:
                 if not p.ignore_eos and tok in req.eos_token_ids:
                     self.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -250,7 +252,7 @@ class Scheduler:
                 if tok in p.stop_token_ids:
                     self.finish(req, RequestStatus.FINISHED_STOPPED, tok)
                     break
-            if n >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            if n >= req.max_tokens or len(everything) >= self.config.max_model_len:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
                 break
         return added
