@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from ernie_serve import LLM, SamplingParams  # noqa: E402
 from ernie_serve.demo.tiny_model import CONFIGS, random_weights  # noqa: E402
-from ernie_serve.engine.step_input import StepInput  # noqa: E402
+from ernie_serve.step_contract import StepInput  # noqa: E402
 from ernie_serve.model.checkpoint_writer import write_checkpoint  # noqa: E402
 
 PEAK_BW = {"H200": 4.8e12, "H100": 3.35e12}

@@ -11,7 +11,7 @@ import pytest
 from ernie_serve import LLM, SamplingParams
 from ernie_serve.cpu_kernels import build, cpu_layer
 from ernie_serve.demo.tiny_model import random_weights
-from ernie_serve.engine.step_input import StepInput
+from ernie_serve.step_contract import StepInput
 from ernie_serve.model.checkpoint_writer import write_checkpoint
 from ernie_serve.model.cpu_layers import CpuDecoderStack
 from ernie_serve.quantization.layers import QuantLinear

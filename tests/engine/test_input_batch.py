@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ernie_serve.engine.input_batch import InputBatch
-from ernie_serve.engine.step_input import MAX_BATCHED_QUERY
+from ernie_serve.step_contract import MAX_BATCHED_QUERY
 from ernie_serve.model.attention_metadata import AttentionMetadata
 
 

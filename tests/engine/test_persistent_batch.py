@@ -8,9 +8,8 @@ from itertools import count
 import numpy as np
 import pytest
 
-from ernie_serve.engine.kv_cache_manager import KVOp
 from ernie_serve.engine.persistent_batch import PersistentBatch, StepDelta, StepDeltaEncoder
-from ernie_serve.engine.step_input import MAX_BATCHED_QUERY, StepInput
+from ernie_serve.step_contract import MAX_BATCHED_QUERY, KVOp, StepInput
 from ernie_serve.model.attention_metadata import AttentionMetadata
 
 BS = 16

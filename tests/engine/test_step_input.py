@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ernie_serve.engine.kv_cache_manager import KVOp
-from ernie_serve.engine.step_input import StepInput
+from ernie_serve.step_contract import KVOp, StepInput
 from ernie_serve.model.attention import AttentionMetadata
 
 

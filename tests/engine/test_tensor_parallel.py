@@ -20,7 +20,7 @@ from ernie_serve.config import EngineConfig
 from ernie_serve.demo.tiny_model import random_weights
 from ernie_serve.engine.async_engine import AsyncEngine, EngineDeadError
 from ernie_serve.engine.llm_engine import LLMEngine
-from ernie_serve.engine.step_input import StepInput
+from ernie_serve.step_contract import StepInput
 from ernie_serve.model.attention import AttentionMetadata
 from ernie_serve.model.checkpoint_writer import pt_to_paddle, write_checkpoint
 from ernie_serve.model.config import ErnieModelConfig

@@ -7,7 +7,7 @@ import numpy as np
 
 from ernie_serve import LLM, SamplingParams
 from ernie_serve.demo.tiny_model import random_weights
-from ernie_serve.engine.step_input import StepInput
+from ernie_serve.step_contract import StepInput
 from ernie_serve.model.checkpoint_writer import write_checkpoint
 
 _ARCH = {"architectures": ["Ernie4_5_MoeForCausalLM"], "max_position_embeddings": 1024}

@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ernie_serve.engine.kv_cache_manager import KVOp
-from ernie_serve.engine.step_input import StepInput
+from ernie_serve.step_contract import KVOp, StepInput
 from ernie_serve.kernels_backend.cuda_graphs import CudaGraphRunner, bucket_for, graph_batch_sizes, is_decode_only
 from ernie_serve.kernels_backend.framework import Graph
 from kb_helpers import engine, greedy, prompts

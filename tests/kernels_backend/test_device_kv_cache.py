@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ernie_serve.engine.kv_cache_manager import KVOp, apply_kv_ops
+from ernie_serve.step_contract import KVOp, apply_kv_ops
 from ernie_serve.kernels_backend.framework import make_tensor_ops
 from ernie_serve.kernels_backend.kv_cache import DeviceKVCache
 from ernie_serve.model.kv_cache import KVCacheQuant, PagedKVCache

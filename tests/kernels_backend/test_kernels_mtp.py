@@ -11,7 +11,7 @@ import pytest
 from ernie_serve import SamplingParams
 from ernie_serve.demo.tiny_model import random_mtp_weights, random_weights
 from ernie_serve.paths import demo_data_dir
-from ernie_serve.engine.step_input import StepInput
+from ernie_serve.step_contract import StepInput
 from ernie_serve.kernels_backend.cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from ernie_serve.model.checkpoint_writer import write_checkpoint
 from kb_helpers import GREEDY, QUANT, SHAPES, engine, greedy, prefill_step, prompts

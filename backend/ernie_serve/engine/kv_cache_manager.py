@@ -13,26 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..step_contract import KVOp
 from .request import Request
-
-
-@dataclass(frozen=True)
-class KVOp:
-    kind: str  # "swap_out" (device -> host), "swap_in" (host -> device), "copy" (device -> device)
-    src: int
-    dst: int
-
-
-def apply_kv_ops(ops: list[KVOp], cache, host_cache) -> None:
-    """Carry out recorded block moves, in order, on a cache with whole-block read_blocks / write_blocks (either
-    backend's) and the CPU tier's host array [num_host_blocks, layers, 2, block_size, kv_heads, head_dim]."""
-    for op in ops:
-        if op.kind == "swap_out":
-            host_cache[op.dst] = cache.read_blocks([op.src])[:, :, 0]
-        elif op.kind == "swap_in":
-            cache.write_blocks([op.dst], host_cache[op.src][:, :, None])
-        else:
-            cache.write_blocks([op.dst], cache.read_blocks([op.src]))
 
 
 @dataclass

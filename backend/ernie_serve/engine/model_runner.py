@@ -6,18 +6,17 @@ sampled rows' logits, so sampling, penalties and guided decoding never depend on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from ..step_contract import MAX_BATCHED_QUERY, KVOp, StepExecutor, StepInput
 from .guided import GrammarRows
 from .input_batch import InputBatch
-from .kv_cache_manager import KVOp
 from .request import Request
 from .sampler import Sampler, SamplingBatch
 from .scheduler import ScheduledRequest, SchedulerOutput
 from .spec_decode import Drafts, StepRow
-from .step_input import MAX_BATCHED_QUERY, StepInput
 
 
 @dataclass
@@ -36,20 +35,6 @@ class PreparedStep:
     batch: SamplingBatch | None
     owners: list[str]
     draft_rows: list[StepRow] | None
-
-
-class StepExecutor(Protocol):
-    """Runs a StepInput on the whole model: engine/model_shard.ModelShard (the reference backend, one rank),
-    engine/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
-    backend). `cache` is the engine's view of the KV pool (num_blocks, and read_blocks /
-    write_blocks of whole blocks with all the model's KV heads, across the ranks under tensor parallelism).
-    execute returns (the step's final hidden states, the sampled rows' logits as a Paddle tensor or NumPy).
-    `draft_head` (engine/mtp_drafter.DraftHead) is its MTP head, or None."""
-
-    cache: Any
-    draft_head: Any
-
-    def execute(self, step: StepInput) -> tuple[Any, Any]: ...
 
 
 _NO_DRAFTS: list[int] = []

@@ -15,8 +15,7 @@ from ..model.ernie import ErnieForCausalLM
 from ..model.host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
-from .kv_cache_manager import KVOp, apply_kv_ops
-from .step_input import StepInput
+from ..step_contract import KVOp, StepInput, apply_kv_ops
 
 
 class ModelShard:

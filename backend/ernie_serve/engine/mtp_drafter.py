@@ -26,9 +26,10 @@ import numpy as np
 from ..model.attention import AttentionMetadata
 from ..sampling_params import GREEDY_EPSILON
 from .request import Request
-from .sampler import DeviceLogits, draw, row_filters, sampling_distribution
+from ..step_contract import DeviceLogits
+from .sampler import draw, row_filters, sampling_distribution
 from .spec_decode import Drafts, StepRow, draft_limit
-from .step_input import StepInput
+from ..step_contract import StepInput
 
 
 class DraftHead(Protocol):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model.attention_metadata import AttentionMetadata
-from .kv_cache_manager import KVOp
-from .step_input import MAX_BATCHED_QUERY, StepInput, kv_ops_from_json, kv_ops_to_json, pack_frames, unpack_frames
+from ..step_contract import (MAX_BATCHED_QUERY, KVOp, StepInput, kv_ops_from_json, kv_ops_to_json, pack_frames,
+                             unpack_frames)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _ARRAYS = ("token_ids", "sample_rows", "row_keys", "starts", "query_lens", "replaced", "num_new_blocks",

@@ -16,11 +16,12 @@ intersection; that is what lets the rejection method find it without sorting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from ..sampling_params import GREEDY_EPSILON, SamplingParams
+from ..step_contract import DeviceLogits, LogitEdits, TopLogprobs
 from .guided import GrammarRows, grammar_masks
 
 if TYPE_CHECKING:
@@ -67,63 +68,6 @@ class SamplerOutput:
     # rows that could not be sampled, with the reason; their token is meaningless and their request fails
     # alone (the other rows of the batch are sampled as usual)
     errors: dict[int, str] = field(default_factory=dict)
-
-
-class DeviceLogits:
-    """The sampled rows' logits left on the device that computed them (the kernels backend returns these), with
-    what the sampler asks of them there, so that only token ids (and asked-for logprobs) cross to the host. Row
-    max values come back too: a row whose largest logit is not finite (all -inf, or a NaN) has no token left, as on
-    the host."""
-
-    @property
-    def vocab_size(self) -> int:
-        raise NotImplementedError
-
-    def numpy(self) -> np.ndarray:
-        """The logits [R, vocab] as float32 on the host."""
-        raise NotImplementedError
-
-    def edit(self, edits: "LogitEdits") -> None:
-        """Apply the batch's penalties and masks in place, as LogitEdits.apply does on the host."""
-        raise NotImplementedError
-
-    def argmax(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's argmax (first index of its largest logit) and largest logit."""
-        raise NotImplementedError
-
-    def add_rows(self, rows: np.ndarray, bias: np.ndarray) -> None:
-        """logits[rows] += bias (host [len(rows), vocab] float32: the grammar masks), in place."""
-        raise NotImplementedError
-
-    def top_logprobs(self, rows: np.ndarray, token_ids: np.ndarray, n: int) -> "TopLogprobs":
-        """TopLogprobs of the given rows from the logits as they were before any edit."""
-        raise NotImplementedError
-
-    def sample(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-               min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens of Sampler's "base" method (see the module doc) from the uniforms u, one a row (ignored on greedy
-        rows, which take the argmax), with the filters as row_filters gives them, and each row's largest logit."""
-        raise NotImplementedError
-
-    def sample_rejection(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-                         min_p: np.ndarray, uniforms: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens of Sampler's "rejection" method (_sample_rejection): each round draws, for the rows still
-        rejecting, one uniform each from uniforms(rows); greedy rows take the argmax. And each row's largest logit."""
-        raise NotImplementedError
-
-    def draft(self, rows: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-              min_p: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, list[Any]]:
-        """A draft model's tokens for `rows` (raw logits, no edits): each drawn in token order at uniform u from q,
-        the row's temperature / top-k / top-p / min-p distribution (sampling_distribution, then draw), and each
-        row's q as a [1, V] row left on the device, for verify to take back a step later."""
-        raise NotImplementedError
-
-    def verify(self, rows: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-               min_p: np.ndarray, draft_tokens: np.ndarray, draft_probs: list[Any], u_accept: np.ndarray,
-               u_residual: np.ndarray) -> np.ndarray:
-        """verify_sampled_drafts' rule on `rows` of these (edited) logits: keep draft d where
-        u_accept * q(d) < p(d), else draw from max(0, p - q) at u_residual. q: draft's rows (or host arrays)."""
-        raise NotImplementedError
 
 
 class Sampler:
@@ -249,29 +193,6 @@ def row_filters(params: list[SamplingParams], rows: np.ndarray,
     top_k[(top_k <= 0) | (top_k >= vocab)] = 0
     top_p[top_p >= 1.0] = 1.0
     return top_k, top_p, min_p
-
-
-@dataclass
-class LogitEdits:
-    """The logit bias, penalties and token masks of a batch as per-(row, token) edits, so the host and a device
-    apply the same ones to whichever copy of the logits they hold: v' = -inf where masked, else
-    (w / rep if w > 0 else w * rep) - sub with w = v + bias.
-
-    vLLM's semantics and order: the request's logit_bias, then the repetition penalty rep over prompt + output
-    tokens (1 where it does not apply), then sub = frequency * count + presence over output tokens, then the
-    bad-words and min_tokens masks."""
-    rows: np.ndarray  # [N] int64, each (row, token) once
-    tokens: np.ndarray  # [N] int64
-    bias: np.ndarray  # [N] float32
-    repetition: np.ndarray  # [N] float32
-    subtract: np.ndarray  # [N] float32
-    masked: np.ndarray  # [N] bool
-
-    def apply(self, logits: np.ndarray) -> None:
-        """In place on host logits [R, V]."""
-        v = logits[self.rows, self.tokens] + self.bias
-        v = np.where(v > 0, v / self.repetition, v * self.repetition) - self.subtract
-        logits[self.rows, self.tokens] = np.where(self.masked, -np.inf, v)
 
 
 def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
@@ -545,16 +466,6 @@ def _softmax(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
     np.exp(x, out=x)
     x /= x.sum(axis=1, keepdims=True)
     return x
-
-
-@dataclass
-class TopLogprobs:
-    """The logprob figures of the rows that asked for them, from the raw (unpenalized) log-softmax; small enough to
-    cross from a device."""
-    sampled: np.ndarray  # [R'] logprob of each row's sampled token
-    sampled_rank: np.ndarray  # [R'] 1 + the number of tokens strictly more likely
-    top_ids: np.ndarray  # [R', n] the n most likely tokens, most likely first
-    top: np.ndarray  # [R', n] their logprobs
 
 
 def _logprob_rows(params: list[SamplingParams], vocab: int) -> tuple[np.ndarray, int]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
-from .kv_cache_manager import KVCacheManager, KVOp
+from ..step_contract import KVOp
+from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .spec_decode import SpecStats
 

@@ -71,7 +71,7 @@ from ..model.loader import load_model, load_mtp_head
 from ..model.parallel import ParallelLayout
 from .model_shard import ModelShard
 from .persistent_batch import PersistentBatch, StepDeltaEncoder
-from .step_input import StepInput
+from ..step_contract import StepInput
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_SECONDS = 600.0  # model loading included

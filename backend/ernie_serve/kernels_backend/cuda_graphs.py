@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..engine.step_input import StepInput
+from ..step_contract import StepInput
 from .framework import Graph
 
 log = logging.getLogger(__name__)

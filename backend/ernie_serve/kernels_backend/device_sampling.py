@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..engine.sampler import DeviceLogits, LogitEdits, TopLogprobs
+from ..step_contract import DeviceLogits, LogitEdits, TopLogprobs
 from .framework import TensorOps
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from ..engine.step_input import StepInput
+from ..step_contract import StepInput
 from ..model.config import ErnieModelConfig
 from .framework import TensorOps, make_tensor_ops
 from .kv_cache import DeviceKVCache

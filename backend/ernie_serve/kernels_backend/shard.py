@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.kv_cache_manager import KVOp, apply_kv_ops
 from .device_sampling import KernelLogits
-from ..engine.step_input import StepInput
+from ..step_contract import KVOp, StepInput, apply_kv_ops
 from .cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from .framework import TensorOps
 from .kv_cache import DeviceKVCache

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine.step_input import StepInput
+from ..step_contract import StepInput
 from .framework import TensorOps
 from .model import StepTensors
 
