@@ -11,9 +11,9 @@ import pytest
 
 from ernie_serve.config import EngineConfig
 from ernie_serve.engine.kv_cache_manager import KVCacheManager
-from ernie_serve.engine.model_runner import ModelRunnerOutput
 from ernie_serve.engine.request import Request, RequestStatus
-from ernie_serve.engine.scheduler import Scheduler, SchedulerOutput
+from ernie_serve.engine.scheduler import Scheduler
+from ernie_serve.engine.step_plan import ModelRunnerOutput, SchedulerOutput
 from ernie_serve.sampling_params import SamplingParams
 
 EOS = 2

@@ -22,10 +22,11 @@ from ..tokenizer import ErnieTokenizer
 from .guided import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
-from .model_runner import ModelRunner, ModelRunnerOutput
+from .model_runner import ModelRunner
 from .output_processor import TextState
 from .request import Request, RequestStatus
-from .scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .step_plan import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from .spec_decode import draft_limit, make_proposer
 
 if TYPE_CHECKING:

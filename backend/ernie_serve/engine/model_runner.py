@@ -5,7 +5,7 @@ sampled rows' logits, so sampling, penalties and guided decoding never depend on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,16 +15,8 @@ from .guided import GrammarRows
 from .input_batch import InputBatch
 from .request import Request
 from .sampler import Sampler, SamplingBatch
-from .scheduler import ScheduledRequest, SchedulerOutput
 from .spec_decode import Drafts, StepRow
-
-
-@dataclass
-class ModelRunnerOutput:
-    # Per request id: the sampled token for each sampling position (1, or 1 + drafts when verifying).
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict | None]] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step, and why
+from .step_plan import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass

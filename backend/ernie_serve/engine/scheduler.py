@@ -15,52 +15,12 @@ reason decided outside it (an abort, a stop string matched on text, a failure).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
-from ..step_contract import KVOp
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .spec_decode import SpecStats
-
-if TYPE_CHECKING:
-    from .model_runner import ModelRunnerOutput
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed this step (including speculative drafts)
-    num_spec_tokens: int = 0
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens, so it produces a token."""
-        r = self.request
-        return r.num_computed_tokens + self.num_tokens - self.num_spec_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    kv_ops: list[KVOp] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class RequestUpdate:
-    """What one step added to a request that sampled: its new tokens (their logprobs are on the request)."""
-    request: Request
-    new_token_ids: list[int]
+from .step_plan import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -163,7 +123,7 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
     # ------------------------------------------------------------ after the forward pass
-    def update_from_output(self, so: SchedulerOutput, out: "ModelRunnerOutput") -> list[RequestUpdate]:
+    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results; returns the requests that sampled (forked children included)."""
         updates = []
         errors, all_sampled, all_logprobs = out.errors, out.sampled, out.logprobs
