@@ -298,15 +298,11 @@ class LLMEngine:
     def add_request_group(self, group: RequestGroup) -> None:
         if group.request_id in self.requests:
             raise ValueError(f"request_id {group.request_id!r} is already in use")
-        leader = group.requests[0]
-        leader.forks = group.requests[1:]
-        for child in leader.forks:
-            child.status = RequestStatus.WAITING_FOR_FORK
         self.requests[group.request_id] = group.requests
         for req, text in zip(group.requests, group.texts):
             self.texts[req.request_id] = text
-        self.scheduler.add(leader)
-        self.num_prompt_tokens += leader.num_prompt_tokens
+        self.scheduler.add_group(group.requests)
+        self.num_prompt_tokens += group.requests[0].num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool. Returns its final output."""
@@ -364,7 +360,7 @@ class LLMEngine:
         self.runner.cache.write_blocks(req.block_ids, transfer.data)
         tokens = transfer.output_token_ids
         new = self.scheduler.append_tokens(req, tokens, [None] * len(tokens))
-        out = self._outputs([RequestUpdate(req, new)], time.monotonic())
+        out = self._outputs([RequestUpdate(req, new)])
         return out[0] if req.is_finished else None
 
     def has_unfinished_requests(self) -> bool:
@@ -381,7 +377,7 @@ class LLMEngine:
         if so is None:
             return []
         updates = self._update(so, self.runner.execute(so))
-        return self._outputs(updates, time.monotonic())
+        return self._outputs(updates)
 
     def _schedule(self) -> SchedulerOutput | None:
         """The next step's plan (None when nothing runs; its KV swaps and copies are applied then)."""
@@ -390,11 +386,6 @@ class LLMEngine:
             if so.kv_ops:
                 self.runner.apply_kv_ops(so.kv_ops)
             return None
-        now = time.monotonic()
-        for s in so.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-            s.request.num_computed_tokens_total += s.num_tokens
         return so
 
     def _update(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
@@ -427,7 +418,7 @@ class LLMEngine:
         following = self._schedule()
         if following is not None:
             self._inflight = self._launch(following)
-        return self._outputs(updates, time.monotonic())
+        return self._outputs(updates)
 
     def _launch(self, so: SchedulerOutput) -> tuple[SchedulerOutput, Future]:
         return so, self._forward.submit(self.runner.run, self.runner.prepare(so))
@@ -444,7 +435,7 @@ class LLMEngine:
                 for req in self.scheduler.running
                 if req.num_computed_tokens == req.num_tokens - 1 and not req.spec_token_ids}
 
-    def _outputs(self, updates: list[RequestUpdate], now: float) -> list[RequestOutput]:
+    def _outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
         """New text (stop strings are matched here, on text) and one RequestOutput per changed request (for a
         final-only request, only once it has finished).
 
@@ -454,10 +445,7 @@ class LLMEngine:
         groups: dict[str, dict[str, tuple[list[int], str]]] = {}  # n > 1: their sequences' deltas, by parent
         for u in updates:
             req, new_ids = u.request, u.new_token_ids
-            if new_ids:
-                self.num_generation_tokens += len(new_ids)
-                if req.first_token_time is None:
-                    req.first_token_time = now
+            self.num_generation_tokens += len(new_ids)
             state = self.texts[req.request_id]
             text = ""
             try:
@@ -472,8 +460,7 @@ class LLMEngine:
                     text = state.finish_deferred(req)
             except Exception as e:  # noqa: BLE001 - pinned on this request: it fails, the engine goes on
                 log.exception("output processing failed for request %s", req.request_id)
-                req.error = f"output processing failed: {type(e).__name__}: {e}"
-                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                self.scheduler.fail(req, f"output processing failed: {type(e).__name__}: {e}")
             if req.hold_kv and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
                 self.held_kv[req.request_id] = req
             if req.parent_id is None:

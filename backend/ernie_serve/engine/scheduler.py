@@ -7,13 +7,16 @@ pool cannot hold a request's new tokens, the most recently admitted running requ
 later from prompt + output so far. Waiting requests are admitted only in steps without a
 preemption, prefix-cache hits first, up to max_num_seqs.
 
-The scheduler owns every request's queue state: `update_from_output` applies a step's results
-(computed tokens, draft acceptance, appended tokens, the token-level stop rules, n > 1 forks, freeing),
-as vLLM v1's Scheduler.update_from_output and nano-vllm's postprocess do; `finish` ends a request for a
-reason decided outside it (an abort, a stop string matched on text, a failure).
+The scheduler owns every request's queue state: `add_group` queues a request's n sequences (the others fork from
+the first), `schedule` records when each was first scheduled and how many tokens it ran, `update_from_output`
+applies a step's results (computed tokens, draft acceptance, appended tokens and the first token's time, the
+token-level stop rules, n > 1 forks, freeing), as vLLM v1's Scheduler.update_from_output and nano-vllm's
+postprocess do; `finish` and `fail` end a request for a reason decided outside it (an abort, a stop string
+matched on text, a failure).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from ..config import EngineConfig
@@ -34,6 +37,14 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def add_group(self, requests: list[Request]) -> None:
+        """A request's n sequences: the first is queued, the others wait for its prompt's KV (then fork)."""
+        leader = requests[0]
+        leader.forks = requests[1:]
+        for child in leader.forks:
+            child.status = RequestStatus.WAITING_FOR_FORK
+        self.add(leader)
 
     def add_running(self, req: Request, num_computed_tokens: int) -> bool:
         """A request whose first num_computed_tokens have KV computed elsewhere (prefill/decode
@@ -80,6 +91,11 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget, chunk_limit)
         out.kv_ops = self.kv.take_ops()
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+            s.request.num_computed_tokens_total += s.num_tokens
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, chunk_limit: int) -> None:
@@ -134,7 +150,7 @@ class Scheduler:
             error = errors.get(req.request_id) if errors else None
             if error is not None:
                 for r in [req, *req.forks]:
-                    self._fail(r, error)
+                    self.fail(r, error)
                 updates.append(RequestUpdate(req, []))
                 continue
             sampled = all_sampled.get(req.request_id)
@@ -166,7 +182,7 @@ class Scheduler:
             for child in forks:
                 child_error = out.errors.get(child.request_id)
                 if child_error is not None:
-                    self._fail(child, child_error)
+                    self.fail(child, child_error)
                     updates.append(RequestUpdate(child, []))
                     continue
                 self._start_fork(req, child)
@@ -195,13 +211,15 @@ class Scheduler:
         token, and a token it rejects fails the request. Returns the tokens kept."""
         p = req.sampling_params
         added: list[int] = []
+        if tokens and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         outputs, everything = req.output_token_ids, req.all_token_ids  # Request.append_output, inlined (hot)
         for tok, lp in zip(tokens, logprobs):
             outputs.append(tok)
             everything.append(tok)
             added.append(tok)
             if req.guided is not None and not req.guided.accept(tok):
-                self._fail(req, f"guided decoding: token {tok} does not fit the grammar: {req.guided.error}")
+                self.fail(req, f"guided decoding: token {tok} does not fit the grammar: {req.guided.error}")
                 break
             if lp is not None:
                 req.logprobs.append(lp)
@@ -218,7 +236,7 @@ class Scheduler:
                 break
         return added
 
-    def _fail(self, req: Request, error: str) -> None:
+    def fail(self, req: Request, error: str) -> None:
         """This request alone cannot go on: it ends with FINISHED_ERROR and the reason."""
         req.error = error
         self.finish(req, RequestStatus.FINISHED_ERROR)
