@@ -10,15 +10,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
+from .executor_factory import load_executor
 from .guided import GrammarCompiler
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
@@ -26,12 +26,8 @@ from .model_runner import ModelRunner
 from .output_processor import TextState
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
-from .step_plan import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from .spec_decode import draft_limit, make_proposer
-
-if TYPE_CHECKING:
-    from ..model.mtp import ErnieMTP
-    from .model_shard import ModelShard
+from .step_plan import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 
 log = logging.getLogger(__name__)
 _NO_DELTA: tuple[list[int], str] = ([], "")
@@ -70,15 +66,6 @@ def read_eos_token_ids(model_dir: Path, tokenizer: ErnieTokenizer | None, model_
     return ids
 
 
-def _log_weight_memory(model, where: str) -> None:
-    from ..quantization.layers import weight_memory_report
-
-    mem = weight_memory_report(model)
-    log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
-             "%.1f MiB)", where, mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
-             mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -88,14 +75,10 @@ class LLMEngine:
         self.model_config = ErnieModelConfig.from_pretrained(model_dir)
         self.eos_token_ids = read_eos_token_ids(model_dir, self.tokenizer, self.model_config)
         spec = config.speculative_config or {}
-        if config.execution_backend == "kernels":
-            executor = self._load_kernels()
-        elif config.tensor_parallel_size > 1:
-            executor = self._start_ranks()
-        else:
-            executor = self._load_single_rank(spec)
+        loaded = load_executor(config, model_dir, self.model_config, len(self.tokenizer) if self.tokenizer else None)
+        executor, num_host_blocks, self.cpu_threads = loaded.executor, loaded.num_host_blocks, loaded.cpu_threads
         self.model = executor.model
-        num_blocks, num_host_blocks = executor.cache.num_blocks, self._num_host_blocks
+        num_blocks = executor.cache.num_blocks
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(executor, config.block_size, config.sampling_class,
@@ -127,74 +110,6 @@ class LLMEngine:
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off", self.cpu_threads)
 
-    def _load_kernels(self):
-        """The triton-lang kernels backend (kernels_backend/): one device, weights in their serving formats."""
-        from ..kernels_backend.loading import load_kernels_shard
-
-        c = self.config
-        shard = load_kernels_shard(c, self.model_dir, self.model_config,
-                                   len(self.tokenizer) if self.tokenizer else self.model_config.vocab_size,
-                                   (c.swap_space or 0) * (1 << 30))
-        self._num_host_blocks = 0 if shard.host_cache is None else shard.host_cache.shape[0]
-        self.cpu_threads = 0
-        if shard.ops.name == "paddle" and not shard.ops.on_gpu:
-            from .._env import setup_model_process
-
-            self.cpu_threads = setup_model_process()
-        return shard
-
-    def _load_single_rank(self, spec: dict) -> ModelShard:
-        from .._env import setup_model_process
-        from ..model.loader import load_model
-        from .model_shard import ModelShard
-
-        c = self.config
-        self.cpu_threads = setup_model_process()
-        self._check_layout()
-        model = load_model(self.model_dir, num_output_ids=len(self.tokenizer) if self.tokenizer else None,
-                           show_progress=not c.disable_progress_bar, quantization=c.quantization)
-        self.model = model
-        _log_weight_memory(model, "")
-        mtp = self._load_mtp(spec) if spec.get("method") == "mtp" else None
-        layers = self.model_config.num_hidden_layers + (mtp is not None)  # the MTP head has its own cache layer
-        num_blocks, self._num_host_blocks = self._size_kv_pool(layers, model.kv_cache_quant is not None)
-        return ModelShard(model, num_blocks, c.block_size, self._num_host_blocks, mtp)
-
-    def _check_layout(self):
-        from ..model.parallel import ParallelLayout
-
-        self.layout = ParallelLayout(0, self.config.tensor_parallel_size, self.config.enable_expert_parallel)
-        self.layout.check(self.model_config)  # before any worker starts
-
-    def _start_ranks(self):
-        """Rank 0 here, ranks 1..N-1 in worker processes (engine/workers.py), each with its shard and KV pool."""
-        from .._env import setup_model_process
-        from ..model.checkpoint_map import tensor_directory
-        from ..quantization.plan import QuantPlan
-        from .workers import TensorParallelExecutor, threads_per_rank
-
-        c = self.config
-        self._check_layout()
-        tensor_directory(self.model_dir, self.layout)  # a pre-sharded checkpoint's rank count: before workers start
-        plan = QuantPlan.resolve(c.quantization, self.model_config.quantization_config)
-        self.cpu_threads = setup_model_process(threads_per_rank(c.tensor_parallel_size))
-        c8 = plan is not None and plan.kv_cache == "int8"
-        spec = c.speculative_config or {}
-        mtp = spec.get("method") == "mtp"
-        layers = self.model_config.num_hidden_layers + mtp  # the MTP head's cache layer, on every rank
-        num_blocks, self._num_host_blocks = self._size_kv_pool(layers, c8)
-        executor = TensorParallelExecutor(dict(
-            model_dir=str(self.model_dir), num_output_ids=len(self.tokenizer) if self.tokenizer else None,
-            quantization=c.quantization, num_blocks=num_blocks, block_size=c.block_size,
-            num_host_blocks=self._num_host_blocks, world_size=c.tensor_parallel_size,
-            expert_parallel=c.enable_expert_parallel, mtp_source=(spec.get("model") or "") if mtp else None))
-        if mtp:
-            log.info("MTP speculative decoding: %d draft token(s) per step from %s, the head split across %d ranks",
-                     spec.get("num_speculative_tokens", 1), spec.get("model") or "the checkpoint's MTP head",
-                     c.tensor_parallel_size)
-        _log_weight_memory(executor.model, " on rank 0")
-        return executor
-
     def _setup_forward_thread(self) -> None:
         """The forward thread's CPU kernels take the engine's thread count (OpenMP's setting is per thread)."""
         if self.cpu_threads:
@@ -210,34 +125,6 @@ class LLMEngine:
         shutdown = getattr(self.runner.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
-
-    def _load_mtp(self, spec: dict) -> ErnieMTP:
-        """The MTP head: from the checkpoint's own mtp_* tensors, or from speculative_config.model."""
-        from ..model.loader import load_mtp_head
-
-        source = spec.get("model")
-        head = load_mtp_head(self.model, self.model_dir, source)
-        log.info("MTP speculative decoding: %d draft token(s) per step from %s", spec.get("num_speculative_tokens", 1),
-                 source or "the checkpoint's MTP head")
-        return head
-
-    # ---------------------------------------------------------------- sizing
-    def _size_kv_pool(self, layers: int, c8: bool) -> tuple[int, int]:
-        """Device and CPU-tier blocks of one rank's pool (kv_cache_memory is per rank: a tensor-parallel
-        rank's blocks hold only its KV heads)."""
-        from ..model.kv_cache import PagedKVCache
-
-        c, m = self.config, self.model_config
-        shape = (layers, c.block_size, len(self.layout.kv_heads(m)), m.head_dim)
-        per_block = PagedKVCache.bytes_per_block(*shape, int8=c8)
-        if c.num_gpu_blocks_override:
-            num = c.num_gpu_blocks_override
-        else:
-            num = int((c.kv_cache_memory or DEFAULT_CPU_KV_BYTES) // per_block)
-        c.check_kv_pool(num, "raise kv_cache_memory")
-        # the CPU tier holds blocks as float32 whatever the device cache's format
-        host = int((c.swap_space or 0) * (1 << 30) // PagedKVCache.bytes_per_block(*shape))
-        return num, host
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
