@@ -19,6 +19,8 @@ SETTINGS = {
     "prefix_cache_off": dict(enable_prefix_caching=False),
     "mtp": dict(speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
     "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    # the forward thread drives the worker ranks' sockets, the engine thread the MTP head's mirrored calls
+    "tp2_mtp": dict(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
 }
 
 
