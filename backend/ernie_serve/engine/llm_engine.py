@@ -118,13 +118,17 @@ class LLMEngine:
             setup_model_process(self.cpu_threads)
 
     def close(self) -> None:
-        """Stop the worker ranks, if any (they also die with this process)."""
+        """Stop the forward thread and the worker ranks, if any (they also die with this process), and give the
+        objects frozen at start-up back to the garbage collector."""
         if self._forward is not None:
             self.wait_for_step()
             self._forward.shutdown(wait=True)
         shutdown = getattr(self.runner.executor, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        from .._env import unfreeze_startup_objects
+
+        unfreeze_startup_objects()
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
