@@ -2,12 +2,11 @@
 engine/async_engine.py puts it behind a thread-safe front."""
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,7 +316,7 @@ class LLMEngine:
     def wait_for_step(self) -> None:
         """Until the step in flight (async scheduling) has finished running; its result stays for step()."""
         if self._inflight is not None:
-            concurrent.futures.wait([self._inflight[1]])
+            wait([self._inflight[1]])
 
     def _propose_drafts(self) -> dict[Request, list[int]]:
         """Drafts for every running request that is decoding (prompt fully computed)."""
@@ -390,7 +389,8 @@ class LLMEngine:
                 else:
                     logprobs, cumulative = state.logprobs_so_far(req)
             if delta:  # the step's own new-id list (built fresh each step), not a copy of every id so far
-                text, ids, new_ids = new_text, new_ids or [], new_ids or []
+                text, ids = new_text, new_ids or []
+                new_ids = ids
             else:
                 text, ids, new_ids = state.text, list(req.output_token_ids), list(new_ids)
             comps.append(CompletionOutput(req.index, text, ids, req.finish_reason, req.stop_reason, logprobs,

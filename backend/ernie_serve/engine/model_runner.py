@@ -78,7 +78,7 @@ class ModelRunner:
             tables.append(r.block_ids)
             if n == 1 and not spec:
                 ids.append(r.all_token_ids[start])
-                if start + 1 == len(r.all_token_ids) and r.guided is None and not r.forks:
+                if r.guided is None and not r.forks and s.samples:
                     rows.append(offset)
                     batch.rows.append((r, _NO_DRAFTS, None))
                     owners.append(r.request_id)
@@ -87,7 +87,7 @@ class ModelRunner:
             else:
                 ids.extend(r.all_token_ids[start : start + n - spec])
                 ids.extend(r.spec_token_ids[:spec])
-            if start + n - spec == len(r.all_token_ids):  # the step reaches the request's end: it samples
+            if s.samples:
                 first = offset + n - spec - 1
                 if spec:
                     drafts = r.spec_token_ids[:spec]
