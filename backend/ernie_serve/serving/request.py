@@ -29,6 +29,9 @@ JSON_INPUTS = ("sampling_parameters", "messages", "tools", "chat_template_kwargs
 STRING_LIST_INPUTS = {"stop_words": "stop", "bad_words": "bad_words"}
 # request parameters (HTTP JSON keys that are not inputs, gRPC parameters) this layer reads
 PARSER_PARAMETERS = ("reasoning_parser", "tool_call_parser")
+# SamplingParams fields that ernie_moe sets for how it hands the engine's outputs on (RequestOutputKind.DELTA, and
+# detokenize only where stop strings need the text in the engine)
+SERVER_SET_SAMPLING_FIELDS = ("output_kind", "detokenize")
 # BOOL inputs that may also come as request parameters (HTTP JSON keys of an ensemble without the input)
 FLAG_PARAMETERS = ("skip_parsers",)
 # sampling_parameters keys that set SamplingParams.guided_decoding, vLLM's / FastDeploy's names -> its field
@@ -215,6 +218,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict[str, Any] | No
     if flags["return_log_probs"] and sampling.get("logprobs") is None:
         # TensorRT-LLM's switch: the sampled token's logprob only (sampling_parameters {"logprobs": k} adds top k).
         sampling["logprobs"] = 0
+    for name in SERVER_SET_SAMPLING_FIELDS:
+        if name in sampling:  # a request may not set them: refused, never silently overridden
+            raise InvalidInput(f"sampling_parameters.{name}", "is set by the server (ernie_moe streams each step's "
+                                                              "tokens and the detokenizer decodes them), not by a request")
     try:
         params = SamplingParams.from_dict(sampling)
     except ValueError as e:
