@@ -39,6 +39,30 @@ triton, tl = _load_triton()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _keep_integer_sums_in_their_dtype() -> None:
+    """triton 3.2's interpreter sums with np.sum, which widens int32 to int64 while the result stays typed int32,
+    so `.to(tl.int32)` is a no-op and a store writes 8 bytes an element into the int32 buffer: the last element
+    lands past its end (measured: moe_align's expert_ids, glibc "free(): invalid next size" a few steps later). A
+    GPU compiles the sum in int32; make the interpreter do the same."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    ops = getattr(interpreter, "ReduceOps", None)
+    if ops is None or getattr(ops.sum, "_keeps_dtype", False):
+        return
+
+    def sum_(self, input):
+        data = input.handle.data
+        return self.to_tensor(np.sum(data, axis=self.axis, keepdims=self.keep_dims, dtype=data.dtype), input.dtype)
+
+    sum_._keeps_dtype = True
+    ops.sum = sum_
+
+
+if INTERPRET:
+    _keep_integer_sums_in_their_dtype()
+
+
 def is_paddle(t: Any) -> bool:
     return type(t).__module__.startswith("paddle")
 

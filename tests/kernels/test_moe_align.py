@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from ernie_kernels import moe_align_block_size
 from ernie_kernels import reference as ref
@@ -24,3 +25,27 @@ def test_alignment_drops_ids_outside_the_local_experts(fw):
     assert int(fw.numpy(num_post)[0]) == 4
     np.testing.assert_array_equal(fw.numpy(sorted_ids)[:4], [0, 4, 3, 4])
     np.testing.assert_array_equal(fw.numpy(expert_ids)[:2], [0, 1])
+
+
+def test_alignment_writes_nothing_past_its_buffers(monkeypatch):
+    """Every output lives in a larger buffer whose tail must stay untouched: with one slot a block an expert,
+    expert_ids is filled to its last element, which the interpreter once overran (an int32 sum kept as int64)."""
+    torch = pytest.importorskip("torch")
+    import ernie_kernels.moe_align as align
+
+    tails = []
+
+    def guarded(like, shape, dtype, fill=None):
+        n = int(np.prod(shape))
+        buf = torch.full([n + 16], -7, dtype=getattr(torch, dtype))
+        if fill is not None:
+            buf[:n] = fill
+        tails.append(buf[n:])
+        return buf[:n].view(*[int(s) for s in shape])
+
+    monkeypatch.setattr(align, "new_tensor", guarded)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)  # every expert busy: all 6 blocks of 16 used
+    _, expert_ids, num_post = align.moe_align_block_size(ids, 6, 16)
+    assert int(num_post[0]) == 96
+    assert expert_ids.tolist() == [0, 1, 2, 3, 4, 5]
+    assert all((t == -7).all() for t in tails)
