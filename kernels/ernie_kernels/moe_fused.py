@@ -102,13 +102,15 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, ls_ptr, cs_ptr, zp_pt
 
 
 @triton.jit
-def _sum_slots_kernel(c_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_slots_kernel(c_ptr, ids_ptr, out_ptr, H, num_experts, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(TOPK):
-        acc += tl.load(c_ptr + (t * TOPK + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        eid = tl.load(ids_ptr + t * TOPK + j)
+        here = (eid >= 0) & (eid < num_experts)  # a slot routed to another rank's expert was never computed
+        acc += tl.load(c_ptr + (t * TOPK + j) * H + offs, mask=mask & here, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -150,7 +152,7 @@ def _gemm(a, w, w_scale, a_scale, out, topk_w, sorted_ids, expert_ids, num_post,
 
 def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any, method: str | None = None,
               up_gate_scale: Any = None, down_scale: Any = None, up_gate_act_scale: Any = None,
-              down_act_scale: Any = None, block_m: int | None = None) -> Any:
+              down_act_scale: Any = None, block_m: int | None = None, expert_start: int = 0) -> Any:
     """Routed experts for x [T, H] -> [T, H] in x's dtype; torch or Paddle tensors.
 
     up_gate [E, H, 2I] ([gate | up] on the last dim), down [E, I, H]: float (method None) or quantized
@@ -158,6 +160,9 @@ def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any,
     fp8 as float8_e4m3fn, wint2 codes uint8 [E, K//4, N]). *_scale: [E, N] per-channel, [E, ceil(K/128),
     ceil(N/128)] for fp8, or for wint2 a dict of formats.quantize_wint2's weight_scale / super_scales /
     code_scale / code_zp. *_act_scale: [E] static activation scales (w4a8). topk_ids [T, k], topk_weights [T, k].
+    expert_start: expert parallelism, where up_gate / down hold the experts [expert_start, expert_start + E) and
+    topk_ids are global: slots routed to any other expert add nothing here (their rank adds them; an all-reduce
+    sums the ranks).
     """
     if method not in QUANT_CODES:
         raise ValueError(f"fused_moe method must be one of {[m for m in QUANT_CODES if m]} or None, got {method!r}")
@@ -182,7 +187,8 @@ def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any,
     if t == 0:
         return new_tensor(x, [0, h], act)
     block_m = block_m or min(64, max(16, next_pow2(t * topk // e)))
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, e, block_m)
+    local_ids = contiguous(topk_ids - expert_start if expert_start else topk_ids)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(local_ids, e, block_m)
     num_slots = t * topk
     topk_w = contiguous(topk_weights).reshape([-1])
     mid = new_tensor(x, [num_slots, inter], act)
@@ -193,5 +199,5 @@ def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any,
           h, inter, num_slots, 1, method, False, act, block_m)
     out = new_tensor(x, [t, h], act)
     bh = min(1024, next_pow2(h))
-    _sum_slots_kernel[(t, triton.cdiv(h, bh))](slot_out, out, h, TOPK=topk, BLOCK_H=bh)
+    _sum_slots_kernel[(t, triton.cdiv(h, bh))](slot_out, local_ids, out, h, e, TOPK=topk, BLOCK_H=bh)
     return out

@@ -79,8 +79,9 @@ def fake_quant_act(x: np.ndarray, method: str | None, act_scale: float | None = 
 
 
 def fused_moe(x, up_gate, down, topk_ids, topk_weights, method=None, up_gate_scale=None, down_scale=None,
-              up_gate_act_scale=None, down_act_scale=None) -> np.ndarray:
-    """Per (token, slot) loop over dequantized experts, activations fake-quantized like the kernel."""
+              up_gate_act_scale=None, down_act_scale=None, expert_start=0) -> np.ndarray:
+    """Per (token, slot) loop over dequantized experts, activations fake-quantized like the kernel; slots routed
+    outside the held experts [expert_start, expert_start + E) add nothing."""
     t, h = x.shape
     inter = up_gate.shape[-1] // 2
     ug = dequant(up_gate, up_gate_scale, method)
@@ -88,7 +89,9 @@ def fused_moe(x, up_gate, down, topk_ids, topk_weights, method=None, up_gate_sca
     out = np.zeros((t, h), np.float32)
     for i in range(t):
         for j in range(topk_ids.shape[1]):
-            e = int(topk_ids[i, j])
+            e = int(topk_ids[i, j]) - expert_start
+            if not 0 <= e < up_gate.shape[0]:
+                continue
             a1 = None if up_gate_act_scale is None else up_gate_act_scale[e]
             hh = fake_quant_act(x[i:i + 1], method, a1) @ ug[e]
             g, u = hh[:, :inter], hh[:, inter:]

@@ -27,18 +27,22 @@ def _quantize(w, method):
     return F.quantize_weight_only(w, 8 if method == "wint8" else 4)
 
 
+def _problem(seed: int, method):
+    """Activations, the experts quantized by `method` (codes and scales) and a routing."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ug = (rng.standard_normal((E, H, 2 * I)) * 0.1).astype(np.float32)
+    dn = (rng.standard_normal((E, I, H)) * 0.1).astype(np.float32)
+    ids, wts = _routing(rng)
+    return x, _quantize(ug, method), _quantize(dn, method), ids, wts
+
+
 # fp32 operands in the interpreter; w4a8's int32 dot is exact. Tolerances cover summation order, plus for
 # the activation-quantizing methods a rare flip of one rounding decision between kernel and NumPy.
 @pytest.mark.parametrize("method,tol", [(None, 1e-4), ("wint8", 1e-4), ("wint4", 1e-4), ("block_wise_fp8", 2e-3),
                                         ("w4a8", 2e-3), ("wint2", 1e-4)])
 def test_fused_moe_matches_reference(fw, method, tol):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((T, H)).astype(np.float32)
-    ug = (rng.standard_normal((E, H, 2 * I)) * 0.1).astype(np.float32)
-    dn = (rng.standard_normal((E, I, H)) * 0.1).astype(np.float32)
-    ids, wts = _routing(rng)
-    qug, sug = _quantize(ug, method)
-    qdn, sdn = _quantize(dn, method)
+    x, (qug, sug), (qdn, sdn), ids, wts = _problem(0, method)
     a1 = a2 = None
     if method == "w4a8":
         a1 = np.full(E, F.calibrate_activation_scale(x), np.float32)
@@ -53,6 +57,26 @@ def test_fused_moe_matches_reference(fw, method, tol):
     expect = ref.fused_moe(x, qug, qdn, ids, wts, method, sug, sdn, a1, a2)
     assert tuple(y.shape) == (T, H)
     np.testing.assert_allclose(fw.numpy(y), expect, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("method", [None, "wint4"])
+def test_expert_parallel_ranks_sum_to_the_whole_moe(fw, method):
+    """Each rank holds half the experts and gets the global routing: its output is its experts' share (slots
+    routed to the other rank add nothing), and the two shares add up to the unsplit MoE."""
+    x, (qug, sug), (qdn, sdn), ids, wts = _problem(5, method)
+    whole = ref.fused_moe(x, qug, qdn, ids, wts, method, sug, sdn)
+    half = E // 2
+    total = np.zeros_like(whole)
+    for start in (0, half):
+        part = slice(start, start + half)
+        cut = (lambda a: None if a is None else fw.tensor(a[part]))
+        y = fw.numpy(fused_moe(fw.tensor(x), cut(qug), cut(qdn), fw.tensor(ids), fw.tensor(wts), method, cut(sug),
+                               cut(sdn), expert_start=start))
+        expect = ref.fused_moe(x, qug[part], qdn[part], ids, wts, method, None if sug is None else sug[part],
+                               None if sdn is None else sdn[part], expert_start=start)
+        np.testing.assert_allclose(y, expect, rtol=1e-4, atol=1e-4)
+        total += y
+    np.testing.assert_allclose(total, whole, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_moe_bf16_activations(fw):
