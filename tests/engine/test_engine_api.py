@@ -175,3 +175,24 @@ def test_kv_transfer_that_already_finishes_returns_its_final_output(tiny_model_d
     assert not decode.has_unfinished_requests()
     assert_no_leaks(decode)
     assert_no_leaks(prefill)
+
+
+def test_an_engine_dropped_without_close_is_freed_when_the_next_one_starts(tiny_model_dir):
+    """Start-up freezes what is alive for the collector (gc.freeze); an engine nobody closed is a frozen cycle (a
+    tensor-parallel one: its executor and its view of the KV pool refer to each other), so the next engine's
+    start-up unfreezes and collects first: the dropped one goes, and its worker process with it."""
+    import gc
+    import os
+    import weakref
+
+    first = make_engine(tiny_model_dir, tensor_parallel_size=2)
+    gone, (worker,) = weakref.ref(first), first.runner.executor.worker_pids
+    del first
+    second = make_engine(tiny_model_dir)
+    try:
+        assert gone() is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker, 0)
+        assert gc.get_freeze_count() > 0  # the second engine's objects are frozen again
+    finally:
+        second.close()
