@@ -216,22 +216,15 @@ class EngineConfig:
             if self.use_cudagraph:
                 refuse("use_cudagraph", "CUDA graphs replay the kernels backend's decode steps on a GPU; the "
                                         "reference backend has none (use execution_backend='kernels')")
-        else:
-            self._refuse_for_kernels()
+        elif self.use_cudagraph and self.tensor_parallel_size > 1:
+            refuse("use_cudagraph", f"CUDA graphs with tensor_parallel_size={self.tensor_parallel_size} are not "
+                                    "supported yet: capturing the ranks' collectives in a graph is unverified; serve "
+                                    "tensor-parallel engines without use_cudagraph")
         if self.kv_cache_ratio != 0.75:
             refuse("kv_cache_ratio", "it belongs to FastDeploy's V0 scheduler; this V1 scheduler shares one block "
                                      "pool between prefill and decode (only the default 0.75 is accepted)")
         if self.load_choices != "default_v1":
             refuse("load_choices", "there is one checkpoint loader; only 'default_v1' is supported")
-
-    def _refuse_for_kernels(self) -> None:
-        """What the kernels backend does not run yet (the reference backend does)."""
-        def refuse(what: str) -> None:
-            raise ValueError(f"execution_backend='kernels' does not support {what} yet; use "
-                             f"execution_backend='reference' for it")
-
-        if self.tensor_parallel_size > 1:
-            refuse(f"tensor_parallel_size={self.tensor_parallel_size} (one device per engine)")
 
     def check_kv_pool(self, num_blocks: int, remedy: str) -> None:
         """A KV pool must hold at least one max_model_len sequence; `remedy` says how to get more blocks."""

@@ -192,6 +192,32 @@ def test_w4a8_with_the_c8_cache_on_two_ranks_differs_from_one_only_by_rounding_f
         two.engine.close()
 
 
+def test_a_c8_cache_crosses_as_int8_codes_and_comes_back_on_the_same_ranks_unchanged(w4a8_checkpoints):
+    """P/D with the C8 cache (the seeds' W4A8C8 at TP4, here TP2 a side): the blocks cross as int8 codes with their
+    static scales (a quarter of float32's bytes); each decode rank stores its heads' codes as they came, so the
+    pair gives the mixed TP2 engine's own tokens."""
+    kw = dict(ENGINE, tensor_parallel_size=2)
+    prefill, decode = (LLM(model=str(w4a8_checkpoints / "w4a8c8"), **kw) for _ in range(2))
+    try:
+        want = _tokens(decode)[0]
+        rid = "c8"
+        prefill.engine.add_request(rid, PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                   hold_kv=True)
+        while prefill.engine.has_unfinished_requests():
+            prefill.engine.step()
+        from ernie_serve.engine.kv_transfer import KVTransfer
+
+        exported = prefill.engine.export_kv(rid)
+        assert exported.blocks.dtype == "int8" and exported.blocks.scale_kind == "static"
+        final = decode.engine.add_prefilled_request(KVTransfer.from_frames(exported.to_frames()), GREEDY)
+        while final is None:
+            final = next((o for o in decode.engine.step() if o.request_id == rid and o.finished), None)
+        assert list(final.outputs[0].token_ids) == list(want)
+    finally:
+        prefill.engine.close()
+        decode.engine.close()
+
+
 def test_online_quantization_under_tensor_parallelism_quantizes_each_rank_slice(tiny_model_dir):
     """--quantization wint8 at 2 ranks: each rank quantizes its slice, so the logits are not bit-equal to
     one rank's wint8, but as close to the fp32 model as one rank's quantization is. (The typical row: a
@@ -297,7 +323,7 @@ def _decode_transferred(src: LLM, dst: LLM, rid: str, prompt: list[int]) -> list
     while src.engine.has_unfinished_requests():
         src.engine.step()
     transfer = KVTransfer.from_frames(src.engine.export_kv(rid).to_frames())
-    assert transfer.data.shape[4] == src.engine.model_config.num_key_value_heads  # all heads, whatever the ranks
+    assert transfer.blocks.shape[4] == src.engine.model_config.num_key_value_heads  # all heads, whatever the ranks
     final = dst.engine.add_prefilled_request(transfer, GREEDY)
     while final is None:
         final = next((o for o in dst.engine.step() if o.request_id == rid and o.finished), None)

@@ -90,3 +90,22 @@ def prefill_step(lengths: list[int], vocab: int, block_size: int = 16) -> StepIn
 def step_logits(llm: LLM, step: StepInput) -> np.ndarray:
     _, logits = llm.engine.runner.executor.execute(step)
     return logits if isinstance(logits, np.ndarray) else logits.numpy()
+
+
+def prefill_then_decode(prefill: LLM, decode: LLM, ids: list[int], params: SamplingParams) -> list[int]:
+    """Disaggregation's engine half: `prefill` computes the prompt's KV and exports it (across the wire format),
+    `decode` continues the request from it. Returns the decode engine's tokens; both pools end empty."""
+    from ernie_serve.engine.kv_transfer import KVTransfer
+
+    p, d = prefill.engine, decode.engine
+    p.add_request("t", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), hold_kv=True)
+    while p.has_unfinished_requests():
+        p.step()
+    transfer = KVTransfer.from_frames(p.export_kv("t").to_frames())
+    assert p.kv.pool.num_free == p.kv.pool.num_blocks  # the held blocks were released
+    d.add_prefilled_request(transfer, params)
+    outs = []
+    while d.has_unfinished_requests():
+        outs += [o for o in d.step() if o.finished]
+    assert d.kv.pool.num_free == d.kv.pool.num_blocks
+    return outs[0].outputs[0].token_ids

@@ -10,7 +10,7 @@ import pytest
 from ernie_serve import SamplingParams
 from ernie_serve.sampling_params import GuidedDecodingParams
 from ernie_serve.chat import render_chat_prompt
-from kb_helpers import GREEDY, SHAPES, engine, greedy, prefill_step, prompts, step_logits, write
+from kb_helpers import SHAPES, engine, greedy, prefill_step, prefill_then_decode, prompts, step_logits, write
 
 LOGIT_TOL = 2e-4  # max |kernels - reference| / max |reference| per step (fp32 both sides)
 
@@ -111,21 +111,8 @@ def test_steps_sample_on_the_device_unless_they_need_the_logits_on_the_host(fram
 def test_prefill_decode_disaggregation_hands_kv_to_a_kernels_decode_engine(tiny_model_dir, prefill_backend):
     # splitwise_role's engine half: a prefill engine holds a finished request's KV, exports it (host float32 blocks,
     # the same format from either backend, across the wire format), a kernels decode engine continues it
-    from ernie_serve.engine.kv_transfer import KVTransfer
-
     ids = prompts(4096, (45,))[0]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = greedy(engine(tiny_model_dir, "kernels"), [ids], params)[0]
-    prefill = engine(tiny_model_dir, prefill_backend).engine
-    prefill.add_request("t", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), hold_kv=True)
-    while prefill.has_unfinished_requests():
-        prefill.step()
-    transfer = KVTransfer.from_frames(prefill.export_kv("t").to_frames())
-    assert prefill.kv.pool.num_free == prefill.kv.pool.num_blocks  # the held blocks were released
-    decode = engine(tiny_model_dir, "kernels", enable_prefix_caching=False).engine
-    decode.add_prefilled_request(transfer, params)
-    outs = []
-    while decode.has_unfinished_requests():
-        outs += [o for o in decode.step() if o.finished]
-    assert outs[0].outputs[0].token_ids == want
-    assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
+    decode = engine(tiny_model_dir, "kernels", enable_prefix_caching=False)
+    assert prefill_then_decode(engine(tiny_model_dir, prefill_backend), decode, ids, params) == want

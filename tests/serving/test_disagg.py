@@ -175,12 +175,13 @@ def test_a_dead_prefill_server_fails_its_requests_with_an_error_naming_it(tiny_m
 
 def test_a_transfer_that_does_not_fit_the_decode_cache_is_refused_naming_why(servers):
     from ernie_serve.engine.kv_transfer import KVTransfer
+    from ernie_serve.kv_blocks import KVBlocks
 
     _, decode, _ = servers
     cache = decode.engine.engine.runner.cache
     wrong = np.zeros((cache.num_layers + 1, 2, 1, 16, cache.num_kv_heads, cache.head_dim), np.float32)
     q: queue.Queue = queue.Queue()
-    decode.engine.add_prefilled(KVTransfer("misfit", [5] * 17, [], 16, 16, wrong), SamplingParams(max_tokens=2),
+    decode.engine.add_prefilled(KVTransfer("misfit", [5] * 17, [], 16, 16, KVBlocks(wrong)), SamplingParams(max_tokens=2),
                                 lambda out, err: q.put((out, err)))
     out, err = _final(q)
     assert isinstance(err, RequestFailedError) and "must serve the same model" in str(err)

@@ -1,8 +1,9 @@
 """Builds the step executor an engine drives (step_contract.StepExecutor), for the backend and layout the config
 names, and says what the engine needs from it: the executor, its CPU tier's block count and the CPU threads the
 model runs on. One function a backend, each returning everything it decided (nothing is handed back through
-attributes set on the engine): the kernels backend (kernels_backend/: one device), the reference backend on one
-rank (engine/model_shard.py) or on several (engine/workers.py: rank 0 here, the others in worker processes)."""
+attributes set on the engine): the kernels backend on one device (kernels_backend/), the reference backend on one
+rank (engine/model_shard.py), or either backend on several ranks (engine/workers.py: rank 0 here, the others in
+worker processes)."""
 from __future__ import annotations
 
 import logging
@@ -26,10 +27,10 @@ class LoadedExecutor:
 def load_executor(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
                   num_output_ids: int | None) -> LoadedExecutor:
     """num_output_ids: the tokenizer's size (None: the checkpoint's vocabulary, skip_tokenizer_init)."""
-    if config.execution_backend == "kernels":
-        return _kernels(config, model_dir, model_cfg, num_output_ids)
     if config.tensor_parallel_size > 1:
         return _tensor_parallel(config, model_dir, model_cfg, num_output_ids)
+    if config.execution_backend == "kernels":
+        return _kernels(config, model_dir, model_cfg, num_output_ids)
     return _single_rank(config, model_dir, model_cfg, num_output_ids)
 
 
@@ -74,30 +75,46 @@ def _single_rank(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelCon
 def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
                      num_output_ids: int | None) -> LoadedExecutor:
     """Rank 0 here, ranks 1..N-1 in worker processes (engine/workers.py), each with its shard and KV pool."""
+    from dataclasses import asdict
+
     from .._env import setup_model_process
     from ..model.checkpoint_map import tensor_directory
     from ..quantization.plan import QuantPlan
-    from .workers import TensorParallelExecutor, threads_per_rank
+    from .workers import ShardSpec, TensorParallelExecutor, threads_per_rank
 
     c = config
     layout = _checked_layout(c, model_cfg)
     tensor_directory(model_dir, layout)  # a pre-sharded checkpoint's rank count: before workers start
-    plan = QuantPlan.resolve(c.quantization, model_cfg.quantization_config)
-    threads = setup_model_process(threads_per_rank(c.tensor_parallel_size))
-    c8 = plan is not None and plan.kv_cache == "int8"
     spec = c.speculative_config or {}
     mtp = spec.get("method") == "mtp"
-    layers = model_cfg.num_hidden_layers + mtp  # the MTP head's cache layer, on every rank
-    num_blocks, num_host_blocks = _kv_pool_blocks(c, model_cfg, layout, layers, c8)
-    executor = TensorParallelExecutor(dict(
-        model_dir=str(model_dir), num_output_ids=num_output_ids, quantization=c.quantization, num_blocks=num_blocks,
-        block_size=c.block_size, num_host_blocks=num_host_blocks, world_size=c.tensor_parallel_size,
-        expert_parallel=c.enable_expert_parallel, mtp_source=(spec.get("model") or "") if mtp else None))
+    fields = dict(model_dir=str(model_dir), num_output_ids=num_output_ids, quantization=c.quantization,
+                  block_size=c.block_size, world_size=c.tensor_parallel_size, expert_parallel=c.enable_expert_parallel,
+                  mtp_source=(spec.get("model") or "") if mtp else None)
+    if c.execution_backend == "kernels":
+        from ..kernels_backend.framework import default_framework, gpu_visible
+
+        # each rank sizes its own pool (kernels_backend/loading.py) and the ranks agree on the smallest
+        fields.update(num_blocks=0, num_host_blocks=0, backend="kernels", framework=default_framework(),
+                      on_gpu=gpu_visible(), engine_config=asdict(c))
+    else:
+        plan = QuantPlan.resolve(c.quantization, model_cfg.quantization_config)
+        c8 = plan is not None and plan.kv_cache == "int8"
+        layers = model_cfg.num_hidden_layers + mtp  # the MTP head's cache layer, on every rank
+        fields["num_blocks"], fields["num_host_blocks"] = _kv_pool_blocks(c, model_cfg, layout, layers, c8)
+    threads = 0
+    if ShardSpec(**fields, store_port=0, group_id=0).paddle_on_cpu:
+        threads = setup_model_process(threads_per_rank(c.tensor_parallel_size))
+    executor = TensorParallelExecutor(fields)
     if mtp:
         log.info("MTP speculative decoding: %d draft token(s) per step from %s, the head split across %d ranks",
                  spec.get("num_speculative_tokens", 1), spec.get("model") or "the checkpoint's MTP head",
                  c.tensor_parallel_size)
-    _log_weight_memory(executor.model, " on rank 0")
+    shard = executor.shard
+    if c.execution_backend == "kernels":
+        num_host_blocks = 0 if shard.host_cache is None else shard.host_cache.shape[0]
+    else:
+        num_host_blocks = fields["num_host_blocks"]
+        _log_weight_memory(executor.model, " on rank 0")
     return LoadedExecutor(executor, num_host_blocks, threads)
 
 

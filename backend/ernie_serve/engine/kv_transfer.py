@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import numpy as np
+from ..kv_blocks import KVBlocks
 
 
 @dataclass
@@ -20,19 +20,18 @@ class KVTransfer:
     output_token_ids: list[int]  # tokens the prefill side already produced (normally the first one)
     num_computed_tokens: int
     block_size: int
-    data: np.ndarray  # [layers, 2, num_blocks, block_size, kv_heads, head_dim], float32
+    blocks: KVBlocks  # every KV head, in the prefill cache's own format (float32 / bfloat16 / int8 + scales)
 
-    def to_frames(self) -> list[bytes]:
+    def to_frames(self) -> list:
         meta = {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
                 "output_token_ids": self.output_token_ids, "num_computed_tokens": self.num_computed_tokens,
-                "block_size": self.block_size, "shape": list(self.data.shape), "dtype": str(self.data.dtype)}
-        return [json.dumps(meta).encode(), np.ascontiguousarray(self.data).tobytes()]
+                "block_size": self.block_size, "kv": self.blocks.header()}
+        return [json.dumps(meta).encode(), *self.blocks.buffers()]
 
     @classmethod
-    def from_frames(cls, frames: list[bytes]) -> "KVTransfer":
-        meta = json.loads(frames[0])
-        data = np.frombuffer(frames[1], dtype=meta.pop("dtype")).reshape(meta.pop("shape"))
-        return cls(data=data, **meta)
+    def from_frames(cls, frames: list) -> "KVTransfer":
+        meta = json.loads(bytes(frames[0]))
+        return cls(blocks=KVBlocks.from_wire(meta.pop("kv"), frames[1:]), **meta)
 
 
 def send_kv(socket, transfer: KVTransfer) -> None:

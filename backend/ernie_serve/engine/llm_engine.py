@@ -214,9 +214,9 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} holds no KV (add it with hold_kv=True and let it finish)")
         self.wait_for_step()  # the cache is read below
         n = self.kv.num_blocks_for(request.num_computed_tokens)
-        data = self.runner.cache.read_blocks(request.block_ids[:n])
+        blocks = self.runner.cache.export_blocks(request.block_ids[:n])
         transfer = KVTransfer(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                              request.num_computed_tokens, self.config.block_size, data)
+                              request.num_computed_tokens, self.config.block_size, blocks)
         self.scheduler.release_held(request)
         return transfer
 
@@ -230,8 +230,8 @@ class LLMEngine:
         cache = self.runner.cache
         want = (cache.num_layers, 2, self.kv.num_blocks_for(transfer.num_computed_tokens), transfer.block_size,
                 cache.num_kv_heads, cache.head_dim)
-        if tuple(transfer.data.shape) != want:
-            raise ValueError(f"KV transfer of shape {list(transfer.data.shape)} does not fit this engine's cache "
+        if transfer.blocks.shape != want:
+            raise ValueError(f"KV transfer of shape {list(transfer.blocks.shape)} does not fit this engine's cache "
                              f"(expected {list(want)}): the prefill and decode servers must serve the same model "
                              f"and speculative_config")
         if sampling_params.n != 1:
@@ -242,12 +242,12 @@ class LLMEngine:
         self.wait_for_step()  # blocks are handed out below: none may still be written by a step in flight
         (req,) = group.requests
         if not self.scheduler.add_running(req, transfer.num_computed_tokens):
-            raise EngineCapacityError(f"no room for {transfer.data.shape[2]} transferred KV blocks "
+            raise EngineCapacityError(f"no room for {transfer.blocks.shape[2]} transferred KV blocks "
                                       f"({self.kv.num_free_blocks} free)")
         self.requests[transfer.request_id] = group.requests
         self.texts[transfer.request_id] = group.texts[0]
         self.num_prompt_tokens += req.num_prompt_tokens
-        self.runner.cache.write_blocks(req.block_ids, transfer.data)
+        self.runner.cache.import_blocks(req.block_ids, transfer.blocks)
         tokens = transfer.output_token_ids
         new = self.scheduler.append_tokens(req, tokens, [None] * len(tokens))
         out = self._outputs([RequestUpdate(req, new)])

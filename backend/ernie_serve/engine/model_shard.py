@@ -6,10 +6,10 @@ collectives keep them in step. A single-rank engine calls its one ModelShard dir
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import paddle
+
+from ..kv_blocks import KVBlocks
 
 from ..model.ernie import ErnieForCausalLM
 from ..model.host_tensor import to_paddle
@@ -36,25 +36,20 @@ class ModelShard:
 
     # Whole blocks with every KV head of the model, whatever this rank holds: the prefill/decode transfer's format,
     # so a prefill and a decode server may run different tensor-parallel sizes.
-    def read_kv(self, block_ids: list[int]) -> np.ndarray:
-        """[layers, 2, n, block_size, model's KV heads, head_dim]. Under tensor parallelism a collective: every
+    def export_kv(self, block_ids: list[int]) -> KVBlocks:
+        """Whole blocks with every KV head, as the cache stores them. Under tensor parallelism a collective: every
         rank calls it with the same ids, and each gets the ranks' heads gathered."""
-        local = self.cache.read_blocks(block_ids)
-        layout, cfg = self.model.layout, self.model.config
-        if not layout.is_parallel:
-            return local
-        parts: list[paddle.Tensor] = []
-        paddle.distributed.all_gather(parts, to_paddle(local), group=layout.group)
-        full = np.empty(local.shape[:4] + (cfg.num_key_value_heads, local.shape[5]), np.float32)
-        for rank, part in enumerate(parts):
-            heads = replace(layout, rank=rank).kv_heads(cfg)
-            full[..., heads.start:heads.stop, :] = part.numpy()
-        return full
+        layout = self.model.layout
+        return layout.gather_kv_blocks(self.cache.export_blocks(block_ids), self._all_gather_host, self.model.config)
 
-    def write_kv(self, block_ids: list[int], data: np.ndarray) -> None:
-        """The inverse of read_kv: each rank keeps the heads it holds (no collective)."""
-        heads = self.model.layout.kv_heads(self.model.config)
-        self.cache.write_blocks(block_ids, np.ascontiguousarray(data[..., heads.start:heads.stop, :]))
+    def _all_gather_host(self, a: np.ndarray) -> list[np.ndarray]:
+        parts: list[paddle.Tensor] = []
+        paddle.distributed.all_gather(parts, to_paddle(a), group=self.model.layout.group)
+        return [p.numpy() for p in parts]
+
+    def import_kv(self, block_ids: list[int], blocks: KVBlocks) -> None:
+        """The inverse of export_kv: each rank keeps the heads it holds (no collective)."""
+        self.cache.import_blocks(block_ids, self.model.layout.own_kv_blocks(blocks, self.model.config))
 
     def apply_kv_ops(self, ops: list[KVOp]) -> None:
         """Swaps and copies, in the order the block pool recorded them."""

@@ -3,8 +3,8 @@
     driver (engine process)                         worker k (python -m ernie_serve.engine.workers)
     scheduler -> ModelRunner -> StepInput
                    StepDeltaEncoder ------pyzmq-----> PersistentBatch -> StepInput
-                   ModelShard(rank 0).execute         ModelShard(rank k).execute
-                       \\______ paddle.distributed collectives (gloo) ______/
+                   shard(rank 0).execute              shard(rank k).execute
+                       \\______ collectives (gloo on CPU, NCCL on GPU) ______/
                    logits (all-gathered) -> sampler
 
 Why this shape. vLLM v1 and FastDeploy both keep the scheduler in one process and run the model in
@@ -25,19 +25,19 @@ which the driver runs too), against ~0.04 ms to pack and unpack the whole step: 
 16 KB cross localhost in microseconds, that is CPU spent for nothing; it pays off with long contexts,
 big batches, or ranks on other hosts.
 
-Besides steps ("step" + the delta), the driver sends "kv-read" (block ids: every rank reads its heads of those
-blocks and joins one all-gather, so rank 0 holds the whole blocks a prefill server exports) and "kv-write" (ids
-and whole blocks: each rank keeps its heads), on the same socket, so they fall in order between steps.
+Besides steps ("step" + the delta), the driver sends "kv-export" (block ids: every rank exports its heads of those
+blocks, as its cache stores them, and joins one all-gather, so rank 0 holds the whole blocks a prefill server
+exports) and "kv-import" (ids and whole blocks: each rank keeps its heads), on the same socket, so they fall in
+order between steps.
 
 Rank 0 runs in the driver's process on the StepInput itself (vLLM and FastDeploy use a separate process
 for every rank), so a single-rank engine has no IPC at all and a tensor-parallel one moves no logits
 between processes: the lm_head's all-gather delivers them to rank 0, where the sampler runs unchanged.
 
-The process group is this engine's own (a TCPStore on a free port, a gloo ProcessGroup under a fresh
-id), not paddle.distributed.init_parallel_env's global one: that one is created once per process
-(measured: a second init in the same process fails), so an engine built with it could never be
-rebuilt in its process. The collectives are paddle.distributed's, called with that group. NCCL is
-the same call with a GPU process group; this build's engine runs on the CPU, so the group is gloo.
+A shard is either backend's: the reference backend's ModelShard (Paddle on the CPU, model/parallel.py's
+collectives) or the kernels backend's KernelShard (triton-lang kernels on one GPU a rank, or in triton's CPU
+interpreter; kernels_backend/collectives.py over Paddle or torch). The process group is this engine's own
+(process_groups.py: a TCPStore on a free port, gloo on the CPU, NCCL on GPUs), never a framework's global one.
 
 Failures. Workers die with the driver (PR_SET_PDEATHSIG). A worker that dies or fails mid-step breaks
 the step's collective on rank 0 (gloo raises at once on a closed connection); the executor then names
@@ -67,11 +67,11 @@ import numpy as np
 import zmq
 
 from .._env import setup_model_process
-from ..model.loader import load_model, load_mtp_head
+from ..kv_blocks import KVBlocks
 from ..model.parallel import ParallelLayout
-from .model_shard import ModelShard
+from ..process_groups import paddle_group, torch_group
 from .persistent_batch import PersistentBatch, StepDeltaEncoder
-from ..step_contract import StepInput
+from ..step_contract import StepExecutor, StepInput
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_SECONDS = 600.0  # model loading included
@@ -97,6 +97,17 @@ class ShardSpec:
     store_port: int
     group_id: int
     mtp_source: str | None = None  # None: no MTP head; "": the checkpoint's own; else speculative_config.model
+    # the kernels backend's ranks: the tensor framework and the engine's config (its KV pool is sized per rank,
+    # then agreed: num_blocks / num_host_blocks above are the reference backend's)
+    backend: str = "reference"
+    framework: str = "paddle"
+    on_gpu: bool = False
+    engine_config: dict | None = None
+
+    @property
+    def paddle_on_cpu(self) -> bool:
+        """Whether the rank computes with Paddle on the CPU (its thread count and allocator settings matter)."""
+        return self.backend == "reference" or (self.framework == "paddle" and not self.on_gpu)
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -104,23 +115,45 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // world_size)
 
 
-def make_group(rank: int, spec: ShardSpec):
-    """This engine's own gloo process group (rank 0 hosts its TCPStore)."""
-    from paddle.base import core
-    from paddle.distributed.communication.group import Group
+class RankShard:
+    """What one rank runs, made in order: the tensor ops on the rank's own device (kernels backend), then the
+    process group (every rank joins it before any loads weights), then the shard."""
 
-    os.environ.setdefault("PADDLE_TRAINER_ID", str(rank))  # the C++ process group reads it as the global rank
-    store = core.TCPStore("127.0.0.1", spec.store_port, rank == 0, spec.world_size, timeout=int(STARTUP_TIMEOUT_SECONDS))
-    pg = core.ProcessGroupGloo.create(store, rank, spec.world_size, spec.group_id)
-    return Group(rank, spec.group_id, list(range(spec.world_size)), pg=pg, name=f"ernie_tp_{spec.group_id}"), store
+    def __init__(self, rank: int, spec: ShardSpec):
+        self.rank, self.spec = rank, spec
+        self.ops = None
+        if spec.backend == "kernels":
+            from ..kernels_backend.framework import make_tensor_ops
 
+            self.ops = make_tensor_ops(spec.framework, device_index=rank)
 
-def load_shard(rank: int, spec: ShardSpec, group) -> ModelShard:
-    layout = ParallelLayout(rank, spec.world_size, spec.expert_parallel, group)
-    model = load_model(spec.model_dir, spec.num_output_ids, show_progress=False, quantization=spec.quantization,
-                       layout=layout)
-    mtp = None if spec.mtp_source is None else load_mtp_head(model, spec.model_dir, spec.mtp_source or None)
-    return ModelShard(model, spec.num_blocks, spec.block_size, spec.num_host_blocks, mtp)
+    def make_group(self):
+        """This engine's own process group (rank 0 hosts its TCPStore): (group, store)."""
+        s = self.spec
+        if s.backend == "kernels" and s.framework == "torch":
+            return torch_group(self.rank, s.world_size, s.store_port, s.on_gpu)
+        return paddle_group(self.rank, s.world_size, s.store_port, s.group_id, s.on_gpu)
+
+    def load(self, group) -> StepExecutor:
+        s = self.spec
+        layout = ParallelLayout(self.rank, s.world_size, s.expert_parallel, group)
+        if s.backend == "kernels":
+            from ..config import EngineConfig
+            from ..kernels_backend.loading import load_kernels_shard
+            from ..model.config import ErnieModelConfig
+
+            config = EngineConfig(**s.engine_config)
+            model_cfg = ErnieModelConfig.from_pretrained(s.model_dir)
+            host_bytes = (config.swap_space or 0) * (1 << 30)
+            return load_kernels_shard(config, Path(s.model_dir), model_cfg, s.num_output_ids or model_cfg.vocab_size,
+                                      host_bytes, layout, self.ops)
+        from ..model.loader import load_model, load_mtp_head
+        from .model_shard import ModelShard
+
+        model = load_model(s.model_dir, s.num_output_ids, show_progress=False, quantization=s.quantization,
+                           layout=layout)
+        mtp = None if s.mtp_source is None else load_mtp_head(model, s.model_dir, s.mtp_source or None)
+        return ModelShard(model, s.num_blocks, s.block_size, s.num_host_blocks, mtp)
 
 
 class TensorParallelExecutor:
@@ -149,15 +182,16 @@ class TensorParallelExecutor:
         try:
             deadline = time.monotonic() + startup_timeout
             self._await("hello", deadline)  # every worker is up and about to join the group
-            self.group, self._store = make_group(0, self.spec)
-            self.shard = load_shard(0, self.spec, self.group)
+            rank0 = RankShard(0, self.spec)
+            self.group, self._store = rank0.make_group()
+            self.shard = rank0.load(self.group)
             self._kv = AllRanksKV(self)
             self.draft_head = None if self.shard.draft_head is None else MirroredDraftHead(self, self.shard.draft_head)
             self._await("ready", deadline)
         except BaseException:
             self.shutdown()
             raise
-        log.info("tensor parallel: %d ranks (workers %s), %s", self.spec.world_size,
+        log.info("tensor parallel: %d %s ranks (workers %s), %s", self.spec.world_size, self.spec.backend,
                  ", ".join(str(p.pid) for p in self._procs),
                  "expert parallel" if self.spec.expert_parallel else "experts split by intermediate size")
 
@@ -170,16 +204,15 @@ class TensorParallelExecutor:
         """The engine's view of the KV: whole blocks with every KV head, read and written across the ranks."""
         return self._kv
 
-    def read_kv(self, block_ids: list[int]):
-        """Every rank's heads of these blocks (ModelShard.read_kv, a collective the workers join)."""
+    def export_kv(self, block_ids: list[int]) -> KVBlocks:
+        """Every rank's heads of these blocks (the shard's export_kv, a collective the workers join)."""
         ids = json.dumps([int(b) for b in block_ids]).encode()
-        return self._on_all_ranks([b"kv-read", ids], lambda: self.shard.read_kv(block_ids))
+        return self._on_all_ranks([b"kv-export", ids], lambda: self.shard.export_kv(block_ids))
 
-    def write_kv(self, block_ids: list[int], data) -> None:
-        """Each rank writes the heads it holds of these whole blocks."""
-        data = np.ascontiguousarray(data, dtype=np.float32)
-        header = json.dumps({"ids": [int(b) for b in block_ids], "shape": list(data.shape)}).encode()
-        self._on_all_ranks([b"kv-write", header, data], lambda: self.shard.write_kv(block_ids, data))
+    def import_kv(self, block_ids: list[int], blocks: KVBlocks) -> None:
+        """Each rank stores the heads it holds of these whole blocks."""
+        ids = json.dumps([int(b) for b in block_ids]).encode()
+        self._on_all_ranks([b"kv-import", ids, *blocks.to_frames()], lambda: self.shard.import_kv(block_ids, blocks))
 
     @property
     def worker_pids(self) -> list[int]:
@@ -201,7 +234,7 @@ class TensorParallelExecutor:
             return run_on_rank0()
         except Exception as e:
             # The ranks are out of step now, whatever happened: no further step can run.
-            if isinstance(e, zmq.ZMQError) or "gloo" in str(e):
+            if isinstance(e, zmq.ZMQError) or any(w in str(e).lower() for w in ("gloo", "nccl")):
                 self._fail(f"a collective of the step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
             self.failure = f"tensor-parallel rank 0 failed: {type(e).__name__}: {e}"
             self.shutdown()
@@ -256,7 +289,7 @@ class TensorParallelExecutor:
 
 class AllRanksKV:
     """What the engine reads as `executor.cache` under tensor parallelism: the pool's shape with the model's KV
-    heads, and whole-block reads / writes that span the ranks (prefill/decode transfer)."""
+    heads, and whole-block exports / imports that span the ranks (prefill/decode transfer)."""
 
     def __init__(self, executor: TensorParallelExecutor):
         local, cfg = executor.shard.cache, executor.shard.model.config
@@ -265,11 +298,11 @@ class AllRanksKV:
         self.num_kv_heads, self.head_dim = cfg.num_key_value_heads, local.head_dim
         self.rank0 = local  # rank 0's own PagedKVCache (its share of the heads)
 
-    def read_blocks(self, block_ids: list[int]):
-        return self._executor.read_kv(block_ids)
+    def export_blocks(self, block_ids: list[int]) -> KVBlocks:
+        return self._executor.export_kv(block_ids)
 
-    def write_blocks(self, block_ids: list[int], data) -> None:
-        self._executor.write_kv(block_ids, data)
+    def import_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None:
+        self._executor.import_kv(block_ids, blocks)
 
 
 class _Hidden:
@@ -384,10 +417,12 @@ def worker_main(argv: list[str] | None = None) -> int:
         control.send(json.dumps({"kind": kind, "rank": args.rank, **extra}).encode())
 
     try:
-        setup_model_process(threads_per_rank(spec.world_size))
+        if spec.paddle_on_cpu:
+            setup_model_process(threads_per_rank(spec.world_size))
+        me = RankShard(args.rank, spec)
         report("hello")
-        group, _store = make_group(args.rank, spec)
-        shard = load_shard(args.rank, spec, group)
+        group, _store = me.make_group()
+        shard = me.load(group)
         batch = PersistentBatch(spec.block_size)
         hidden: dict = {}
         report("ready")
@@ -400,12 +435,10 @@ def worker_main(argv: list[str] | None = None) -> int:
                 hidden = {0: shard.execute(batch.apply([f.buffer for f in frames]))[0]}
             elif kind.bytes.startswith(b"draft-"):
                 run_draft_call(shard.draft_head, kind.bytes, frames, hidden)
-            elif kind.bytes == b"kv-read":
-                shard.read_kv(json.loads(frames[0].bytes))
-            elif kind.bytes == b"kv-write":
-                header = json.loads(frames[0].bytes)
-                data = np.frombuffer(frames[1].buffer, np.float32).reshape(header["shape"])
-                shard.write_kv(header["ids"], data)
+            elif kind.bytes == b"kv-export":
+                shard.export_kv(json.loads(frames[0].bytes))  # joins the all-gather; rank 0 keeps the result
+            elif kind.bytes == b"kv-import":
+                shard.import_kv(json.loads(frames[0].bytes), KVBlocks.from_frames([f.buffer for f in frames[1:]]))
             else:
                 raise ValueError(f"unknown message from the driver: {kind.bytes[:32]!r}")
     except Exception as e:  # noqa: BLE001 - reported to the driver, which fails the engine's requests

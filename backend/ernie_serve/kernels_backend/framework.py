@@ -39,18 +39,18 @@ class TensorOps:
         """A new device tensor holding a copy of `a` (fp8 codes stay fp8), cast to `dtype` if given. The host copy
         comes first: checkpoint arrays may be read-only memory maps."""
         host = np.array(a, copy=True, order="C")
-        fp8 = host.dtype == ml_dtypes.float8_e4m3fn
-        t = self._from_host(host.view(np.uint8) if fp8 else host)
-        if fp8:
-            t = self._as_fp8(t)
+        carrier = _CARRIERS.get(host.dtype)  # fp8 and bf16 cross as same-size integers, then are viewed back
+        t = self._from_host(host if carrier is None else host.view(carrier[0]))
+        if carrier is not None:
+            t = self._view(t, carrier[1])
         return t if dtype is None else self.cast(t, dtype)
 
     def _from_host(self, a: np.ndarray) -> Any:
         """A device tensor of a's dtype holding a's data (a is a fresh contiguous copy)."""
         raise NotImplementedError
 
-    def _as_fp8(self, codes: Any) -> Any:
-        """uint8 codes viewed as float8_e4m3fn."""
+    def _view(self, t: Any, dtype: str) -> Any:
+        """t's bytes viewed as `dtype` (the same item size)."""
         raise NotImplementedError
 
     def empty(self, shape: Sequence[int], dtype: str) -> Any:
@@ -59,8 +59,9 @@ class TensorOps:
     def zeros(self, shape: Sequence[int], dtype: str) -> Any:
         raise NotImplementedError
 
-    def to_host(self, t: Any) -> np.ndarray:
-        """A NumPy copy; floating tensors come back as float32."""
+    def to_host(self, t: Any, keep_dtype: bool = False) -> np.ndarray:
+        """A NumPy copy; floating tensors come back as float32 unless keep_dtype (bf16 / fp8 then come back as
+        ml_dtypes arrays: KV blocks crossing in the cache's own format)."""
         raise NotImplementedError
 
     # ---- row-wise ops of [R, V] tensors for sampling on the device (kernels_backend/device_sampling.py); each
@@ -105,6 +106,15 @@ class TensorOps:
         raise NotImplementedError
 
     def where(self, cond: Any, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def concat_columns(self, ts: Sequence[Any]) -> Any:
+        """[R, sum N_i] from [R, N_i] tensors (a vocab-parallel lm_head's logits, gathered in rank order)."""
+        raise NotImplementedError
+
+    def vocab_rows(self, table: Any, ids: Any, start: int) -> Any:
+        """Rows ids - start of a vocab-parallel embedding table [V/N, H], zeros for ids outside [start, start + V/N)
+        (other ranks' rows: the all-reduce adds them)."""
         raise NotImplementedError
 
     def write(self, dst: Any, a: np.ndarray) -> Any:
@@ -163,6 +173,10 @@ class TensorOps:
         """The GPU's SMs (what split-KV attention fills); 0 off a GPU."""
         return 0
 
+    def device_count(self) -> int:
+        """GPUs this process sees (0 off a GPU): a tensor-parallel engine needs one per rank."""
+        return 0
+
     def allocated(self) -> int:
         """Bytes this framework's allocator holds for tensors on the device now."""
         raise NotImplementedError
@@ -193,6 +207,12 @@ class Graph:
         raise NotImplementedError
 
 
+# host dtypes NumPy frameworks cannot take: (the integer dtype they cross as, the framework dtype viewed back)
+_CARRIERS = {np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, "float8_e4m3fn"),
+             np.dtype(ml_dtypes.bfloat16): (np.int16, "bfloat16")}
+_HOST_CARRIERS = {"float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn), "bfloat16": ("int16", ml_dtypes.bfloat16)}
+
+
 def dtype_name(t: Any) -> str:
     """'int64', 'float32', 'bfloat16', ... for torch and Paddle tensors alike."""
     return str(t.dtype).split(".")[-1]
@@ -201,12 +221,14 @@ def dtype_name(t: Any) -> str:
 class TorchOps(TensorOps):
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, device_index: int = 0):
         import torch
 
         self.torch = torch
         self.on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda" if self.on_gpu else "cpu")
+        self.device = torch.device("cuda", device_index) if self.on_gpu else torch.device("cpu")
+        if self.on_gpu:
+            torch.cuda.set_device(self.device)  # triton launches on the current device
 
     def _dtype(self, name: str):
         return getattr(self.torch, name)
@@ -214,8 +236,8 @@ class TorchOps(TensorOps):
     def _from_host(self, a):
         return self.torch.from_numpy(a).to(self.device)
 
-    def _as_fp8(self, codes):
-        return codes.view(self.torch.float8_e4m3fn)
+    def _view(self, t, dtype):
+        return t.view(self._dtype(dtype))
 
     def empty(self, shape, dtype):
         return self.torch.empty([int(s) for s in shape], dtype=self._dtype(dtype), device=self.device)
@@ -223,10 +245,12 @@ class TorchOps(TensorOps):
     def zeros(self, shape, dtype):
         return self.torch.zeros([int(s) for s in shape], dtype=self._dtype(dtype), device=self.device)
 
-    def to_host(self, t):
-        if t.dtype == self.torch.float8_e4m3fn:
-            return t.view(self.torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn)
-        if t.is_floating_point():
+    def to_host(self, t, keep_dtype=False):
+        name = dtype_name(t)
+        if name == "float8_e4m3fn" or (keep_dtype and name == "bfloat16"):
+            carrier, host = _HOST_CARRIERS[name]
+            return t.view(self._dtype(carrier)).cpu().numpy().view(host)
+        if t.is_floating_point() and not keep_dtype:
             t = t.float()
         return t.detach().cpu().numpy()
 
@@ -265,6 +289,15 @@ class TorchOps(TensorOps):
 
     def where(self, cond, a, b):
         return self.torch.where(cond, a, b)
+
+    def concat_columns(self, ts):
+        return self.torch.cat(list(ts), dim=1)
+
+    def vocab_rows(self, table, ids, start):
+        local = ids - start
+        inside = (local >= 0) & (local < table.shape[0])
+        out = self.torch.index_select(table, 0, self.torch.where(inside, local, 0))
+        return out * inside.unsqueeze(1).to(out.dtype)
 
     def _write_rows(self, dst, view, a):
         view.copy_(self.torch.from_numpy(a))
@@ -306,6 +339,9 @@ class TorchOps(TensorOps):
     def multiprocessor_count(self):
         return int(self.torch.cuda.get_device_properties(self.device).multi_processor_count) if self.on_gpu else 0
 
+    def device_count(self):
+        return int(self.torch.cuda.device_count()) if self.on_gpu else 0
+
     def allocated(self):
         return int(self.torch.cuda.memory_allocated()) if self.on_gpu else 0
 
@@ -343,12 +379,14 @@ class _TorchGraph(Graph):
 class PaddleOps(TensorOps):
     name = "paddle"
 
-    def __init__(self):
+    def __init__(self, device_index: int = 0):
         import paddle
 
         self.paddle = paddle
         self.on_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-        self.place = paddle.CUDAPlace(0) if self.on_gpu else paddle.CPUPlace()
+        self.place = paddle.CUDAPlace(device_index) if self.on_gpu else paddle.CPUPlace()
+        if self.on_gpu:
+            paddle.set_device(f"gpu:{device_index}")  # new tensors and triton's launches land on this rank's GPU
 
     def _from_host(self, a):
         if self.on_gpu:
@@ -357,8 +395,8 @@ class PaddleOps(TensorOps):
 
         return to_paddle(a)
 
-    def _as_fp8(self, codes):
-        return codes.view(self.paddle.float8_e4m3fn)
+    def _view(self, t, dtype):
+        return t.view(getattr(self.paddle, dtype))
 
     def empty(self, shape, dtype):
         t = self.paddle.empty([int(s) for s in shape], dtype=dtype)
@@ -368,10 +406,12 @@ class PaddleOps(TensorOps):
         t = self.paddle.zeros([int(s) for s in shape], dtype=dtype)
         return t.to(self.place) if self.on_gpu and not t.place.is_gpu_place() else t
 
-    def to_host(self, t):
-        if t.dtype == self.paddle.float8_e4m3fn:
-            return t.view(self.paddle.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
-        if t.is_floating_point():
+    def to_host(self, t, keep_dtype=False):
+        name = dtype_name(t)
+        if name == "float8_e4m3fn" or (keep_dtype and name == "bfloat16"):
+            carrier, host = _HOST_CARRIERS[name]
+            return t.view(getattr(self.paddle, carrier)).numpy().view(host)
+        if t.is_floating_point() and not keep_dtype:
             t = t.astype("float32")
         return t.numpy()
 
@@ -411,6 +451,15 @@ class PaddleOps(TensorOps):
 
     def where(self, cond, a, b):
         return self.paddle.where(cond, a, b)
+
+    def concat_columns(self, ts):
+        return self.paddle.concat(list(ts), axis=1)
+
+    def vocab_rows(self, table, ids, start):
+        local = ids - start
+        inside = (local >= 0) & (local < table.shape[0])
+        out = self.paddle.index_select(table, self.paddle.where(inside, local, self.paddle.zeros_like(local)))
+        return out * inside.unsqueeze(1).astype(out.dtype)
 
     def _write_rows(self, dst, view, a):
         if self.on_gpu:
@@ -456,6 +505,9 @@ class PaddleOps(TensorOps):
 
     def multiprocessor_count(self):
         return int(self.paddle.device.cuda.get_device_properties().multi_processor_count) if self.on_gpu else 0
+
+    def device_count(self):
+        return int(self.paddle.device.cuda.device_count()) if self.on_gpu else 0
 
     def allocated(self):
         return int(self.paddle.device.cuda.memory_allocated(0)) if self.on_gpu else 0
@@ -526,11 +578,12 @@ def gpu_visible() -> bool:
     return bool(paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
 
 
-def make_tensor_ops(name: str | None = None) -> TensorOps:
-    """The framework named (or the default one, see default_framework)."""
+def make_tensor_ops(name: str | None = None, device_index: int = 0) -> TensorOps:
+    """The framework named (or the default one, see default_framework), on GPU `device_index` when there is one
+    (a tensor-parallel rank's own GPU)."""
     name = name or default_framework()
     if name not in FRAMEWORKS:
         raise ValueError(f"{FRAMEWORK_ENV}={name!r}: supported: {', '.join(FRAMEWORKS)}")
     if not _installed(name):
         raise ValueError(f"{FRAMEWORK_ENV}={name!r} but {name} is not installed")
-    return PaddleOps() if name == "paddle" else TorchOps()
+    return PaddleOps(device_index) if name == "paddle" else TorchOps(device_index)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kv_blocks import KVBlocks
 from ..quantization import formats as fmt
 from .framework import TensorOps, dtype_name
 
@@ -43,10 +44,45 @@ class DeviceKVCache:
             return self.dynamic[layer][0], self.dynamic[layer][1]
         return None, None
 
-    def _rows(self, t: Any, ids: list[int]) -> np.ndarray:
+    def _rows(self, t: Any, ids: list[int], keep_dtype: bool = False) -> np.ndarray:
         """Host copy of t[ids], block by block (Paddle's CPU gather has no int8 kernel; this path is the rare
         swap or transfer, not the step)."""
-        return np.stack([self.ops.to_host(t[int(i)]) for i in ids])
+        return np.stack([self.ops.to_host(t[int(i)], keep_dtype) for i in ids])
+
+    # ---- whole blocks as stored (prefill/decode transfer): codes in the cache's dtype, C8 scales with them
+    @property
+    def scale_kind(self) -> str | None:
+        return "static" if self.static is not None else ("dynamic" if self.dynamic is not None else None)
+
+    def _static_scales(self) -> np.ndarray:
+        """[layers, 2, kv_heads, head_dim]."""
+        shape = (self.num_kv_heads, self.head_dim)
+        return np.stack([np.stack([self.ops.to_host(self.static[j][layer]).reshape(shape) for j in range(2)])
+                         for layer in range(self.num_layers)])
+
+    def export_blocks(self, block_ids: list[int]) -> KVBlocks:
+        codes = np.stack([np.stack([self._rows(store, block_ids, keep_dtype=True) for store in (self.k[i], self.v[i])])
+                          for i in range(self.num_layers)])
+        kind = self.scale_kind
+        if kind is None:
+            return KVBlocks(codes)
+        if kind == "static":
+            return KVBlocks(codes, kind, self._static_scales())
+        return KVBlocks(codes, kind, np.stack([np.stack([self._rows(s, block_ids) for s in pair]) for pair in self.dynamic]))
+
+    def import_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None:
+        """Codes stored as they came when this cache has their format, else through float32."""
+        kind = self.scale_kind
+        dtype = "int8" if self.int8 else self.ops.act_dtype
+        static = self._static_scales() if kind == "static" else None
+        if not blocks.stored_as_is_by(dtype, kind, static):
+            return self.write_blocks(block_ids, blocks.to_float32())
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for layer in range(self.num_layers):
+            for j, store in enumerate((self.k[layer], self.v[layer])):
+                self._put_rows(store, ids, blocks.codes[layer, j])
+                if kind == "dynamic":
+                    self._put_rows(self.dynamic[layer][j], ids, blocks.scales[layer, j])
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """[num_layers, 2, n, block_size, kv_heads, head_dim] float32 host copy (dequantized for C8)."""

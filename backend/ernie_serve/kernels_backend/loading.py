@@ -11,6 +11,8 @@ import numpy as np
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..step_contract import StepInput
 from ..model.config import ErnieModelConfig
+from ..model.parallel import SINGLE_RANK, ParallelLayout
+from .collectives import Collectives, make_collectives
 from .framework import TensorOps, make_tensor_ops
 from .kv_cache import DeviceKVCache
 from .model import KernelModel
@@ -36,22 +38,34 @@ def check_runtime(ops: TensorOps, config: EngineConfig) -> None:
             raise ValueError("gpu_memory_utilization is not supported here: it sizes the KV pool on a GPU (this "
                              "kernels backend runs on the CPU); size the pool with kv_cache_memory or "
                              "num_gpu_blocks_override")
-    elif config.kv_cache_memory is not None:
-        raise ValueError("kv_cache_memory sizes the KV pool on the CPU; on a GPU use gpu_memory_utilization "
-                         "(or num_gpu_blocks_override)")
+    else:
+        if config.kv_cache_memory is not None:
+            raise ValueError("kv_cache_memory sizes the KV pool on the CPU; on a GPU use gpu_memory_utilization "
+                             "(or num_gpu_blocks_override)")
+        tp = config.tensor_parallel_size
+        if tp > ops.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs (one a rank) and {ops.name} sees "
+                             f"{ops.device_count()}; lower --tensor-parallel-size or make more GPUs visible "
+                             "(CUDA_VISIBLE_DEVICES)")
 
 
 def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig, num_output_ids: int,
-                       num_host_kv_bytes: float) -> KernelShard:
-    """The executor the engine's ModelRunner drives. num_host_kv_bytes: the CPU tier (swap_space) in bytes."""
-    ops = make_tensor_ops()
+                       num_host_kv_bytes: float, layout: ParallelLayout = SINGLE_RANK,
+                       ops: TensorOps | None = None) -> KernelShard:
+    """The executor the engine's ModelRunner drives (one tensor-parallel rank's, given its layout, whose group the
+    rank's collectives run on; `ops` then on the rank's own GPU). num_host_kv_bytes: the CPU tier (swap_space) in
+    bytes."""
+    ops = ops or make_tensor_ops()
     check_runtime(ops, config)
+    layout.check(model_cfg)
+    comm = make_collectives(ops, layout.rank, layout.world_size, layout.group)
     spec = config.speculative_config or {}
     mtp = spec if spec.get("method") == "mtp" else None
     weights, plan = load_device_weights(model_dir, model_cfg, ops, config.quantization,
-                                        show_progress=not config.disable_progress_bar, mtp=mtp)
+                                        show_progress=not config.disable_progress_bar and layout.rank == 0, mtp=mtp,
+                                        layout=layout)
     max_positions = config.max_model_len + config.num_lookahead_tokens
-    model = KernelModel(model_cfg, weights, ops, num_output_ids, max_positions)
+    model = KernelModel(model_cfg, weights, ops, num_output_ids, max_positions, layout, comm)
     int8 = plan is not None and plan.kv_cache == "int8"
     if int8 and weights.kv_scales is None and config.use_cudagraph:
         raise ValueError("use_cudagraph=True with a C8 KV cache needs the checkpoint's static KV scales "
@@ -63,16 +77,17 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
                          "cachek/cachev_matmul.activation_scale) or without the C8 cache")
     itemsize = 1 if int8 else (2 if ops.on_gpu else 4)
     num_layers = model_cfg.num_hidden_layers + (mtp is not None)  # the MTP head has its own cache layer
-    shape = (num_layers, config.block_size, model_cfg.num_key_value_heads, model_cfg.head_dim)
+    shape = (num_layers, config.block_size, model.num_kv_heads, model_cfg.head_dim)  # this rank's KV heads
     per_block = DeviceKVCache.bytes_per_block(*shape, itemsize)
-    num_blocks = _num_blocks(config, ops, model, per_block)
+    num_blocks = agreed_blocks(comm, _num_blocks(config, ops, model, per_block))
     config.check_kv_pool(num_blocks, "give the KV pool more memory (num_gpu_blocks_override, gpu_memory_utilization "
                                      "or kv_cache_memory)")
     cache = DeviceKVCache(ops, num_layers, num_blocks, config.block_size,
-                          model_cfg.num_key_value_heads, model_cfg.head_dim, int8, weights.kv_scales)
+                          model.num_kv_heads, model_cfg.head_dim, int8, weights.kv_scales)
     host_blocks = int(num_host_kv_bytes // DeviceKVCache.bytes_per_block(*shape, 4))
-    log.info("kernels backend (%s on %s): weights %.1f MiB%s, KV pool %d blocks of %d tokens (%s, %.1f MiB)%s",
-             ops.name, "GPU" if ops.on_gpu else "CPU, triton interpreter", weights.nbytes / 2**20,
+    where = f", tensor-parallel rank {layout.rank} of {layout.world_size}" if layout.is_parallel else ""
+    log.info("kernels backend (%s on %s%s): weights %.1f MiB%s, KV pool %d blocks of %d tokens (%s, %.1f MiB)%s",
+             ops.name, "GPU" if ops.on_gpu else "CPU, triton interpreter", where, weights.nbytes / 2**20,
              f" ({plan.method_name})" if plan is not None and plan.quantizes_weights else "", num_blocks,
              config.block_size, "int8" if int8 else ops.act_dtype, num_blocks * per_block / 2**20,
              ", CUDA graphs on" if config.use_cudagraph else "")
@@ -81,6 +96,12 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
                  mtp.get("num_speculative_tokens", 1), mtp.get("model") or "the checkpoint's MTP head")
     return KernelShard(model, cache, ops, config.max_num_batched_tokens + config.max_num_seqs * config.num_lookahead_tokens,
                        config.max_num_seqs, config.max_model_len, host_blocks, config.use_cudagraph)
+
+
+def agreed_blocks(comm: Collectives, num_blocks: int) -> int:
+    """Every rank's pool must have the same block count (the scheduler hands out one block id for all ranks):
+    the smallest any rank can hold."""
+    return int(min(a[0] for a in comm.all_gather_host(np.asarray([num_blocks], np.int64))))
 
 
 def _num_blocks(config: EngineConfig, ops: TensorOps, model: KernelModel, per_block: int) -> int:
@@ -115,7 +136,7 @@ def profile_forward_peak(config: EngineConfig, ops: TensorOps, model: KernelMode
     """Peak extra device memory of one forward + logits over max_num_batched_tokens tokens (sequences of at most
     max_model_len), against a one-block cache that nothing writes to (every slot is -1)."""
     cfg = model.config
-    cache = DeviceKVCache(ops, cfg.num_hidden_layers, 1, config.block_size, cfg.num_key_value_heads, cfg.head_dim)
+    cache = DeviceKVCache(ops, cfg.num_hidden_layers, 1, config.block_size, model.num_kv_heads, cfg.head_dim)
     t, per_seq = config.max_num_batched_tokens, config.max_model_len
     lens = [min(per_seq, t - s) for s in range(0, t, per_seq)]
     step = StepInput(
@@ -124,7 +145,7 @@ def profile_forward_peak(config: EngineConfig, ops: TensorOps, model: KernelMode
         block_tables=np.zeros((len(lens), 1), np.int64), slot_mapping=np.full(t, -1, np.int64),
         sample_rows=np.arange(min(t, config.max_num_seqs), dtype=np.int64))
     buffers = StepBuffers(ops, t, len(lens), -(-per_seq // config.block_size),
-                          cfg.num_attention_heads // cfg.num_key_value_heads, False)
+                          model.num_heads // model.num_kv_heads, False)
     ops.synchronize()
     ops.reset_peak()
     before = ops.allocated()

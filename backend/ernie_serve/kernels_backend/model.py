@@ -7,6 +7,11 @@ the whole mixed step, the router's top-k with the correction bias on the device,
 one fused grouped GEMM pair (any weight format). Dense layers are the framework's matmul for float weights
 and the quantized GEMM kernel otherwise. Nothing here syncs with the host, so a decode step can be a CUDA
 graph (kernels_backend/cuda_graphs.py).
+
+On a tensor-parallel rank (model/parallel.py's layout) the model holds its query heads and the KV heads they read,
+its slice of every intermediate dimension (or, with expert parallelism, its whole experts) and its rows of the
+vocabulary; three collectives (collectives.py) restore the whole: an all-reduce after the embedding, after
+attention and after the MLP / MoE block, and an all-gather of the logits' vocabulary columns.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..model.config import ErnieModelConfig
+from ..model.parallel import SINGLE_RANK, ParallelLayout
+from .collectives import Collectives
 from .framework import TensorOps
 from .kv_cache import DeviceKVCache
 from .weights import DeviceLayer, DeviceLinear, DeviceWeights
@@ -39,14 +46,18 @@ class StepTensors:
 
 class KernelModel:
     def __init__(self, cfg: ErnieModelConfig, weights: DeviceWeights, ops: TensorOps, num_output_ids: int,
-                 max_positions: int):
+                 max_positions: int, layout: ParallelLayout = SINGLE_RANK, collectives: Collectives | None = None):
         from ernie_kernels.rope import rope_tables
 
         self.config = cfg
         self.weights = weights
         self.ops = ops
         self.num_output_ids = num_output_ids
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layout = layout
+        self.comm = collectives or Collectives(ops)
+        self.num_heads, self.num_kv_heads = len(layout.query_heads(cfg)), len(layout.kv_heads(cfg))
+        self.head_dim = cfg.head_dim
+        self.expert_start = layout.experts(cfg).start if cfg.is_moe else 0
         self.scale = cfg.head_dim ** -0.5
         cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, max_positions, cfg.compression_ratio)
         self.cos, self.sin = ops.tensor(cos), ops.tensor(sin)
@@ -55,11 +66,18 @@ class KernelModel:
         """Final-normed hidden states [T, H] of the step's tokens; their K/V land in the cache."""
         from ernie_kernels import rms_norm
 
-        x, residual = self.ops.rows(self.weights.embed, step.token_ids), None
+        x, residual = self.embed(step.token_ids), None
         for i, layer in enumerate(self.weights.layers):
             x, residual = self._layer(i, layer, x, residual, step, cache)
         out, _ = rms_norm(x, self.weights.norm, self.config.rms_norm_eps, residual=residual)
         return out
+
+    def embed(self, token_ids: Any) -> Any:
+        """[T, H] embeddings (a rank's vocabulary rows, then the all-reduce, under tensor parallelism)."""
+        w = self.weights
+        if not self.layout.is_parallel:
+            return self.ops.rows(w.embed, token_ids)
+        return self.comm.all_reduce_(self.ops.vocab_rows(w.embed, token_ids, w.vocab_start))
 
     def mtp_forward(self, step: StepTensors, hidden: Any, cache: DeviceKVCache) -> Any:
         """The MTP head (model/mtp.py): step.token_ids are x_{t+1}, hidden [T, H] the target's h_t at step.positions
@@ -67,7 +85,7 @@ class KernelModel:
         from ernie_kernels import rms_norm
 
         m, eps = self.weights.mtp, self.config.rms_norm_eps
-        e = rms_norm(self.ops.rows(self.weights.embed, step.token_ids), m.emb_norm, eps)
+        e = rms_norm(self.embed(step.token_ids), m.emb_norm, eps)
         z = self.ops.add_(self.linear(e, m.embed_proj), self.linear(rms_norm(hidden, m.hidden_norm, eps), m.hidden_proj))
         x, residual = self._layer(self.config.num_hidden_layers, m.block, z, None, step, cache)
         out, _ = rms_norm(x, self.weights.norm, eps, residual=residual)
@@ -84,18 +102,19 @@ class KernelModel:
             h, residual = rms_norm(x, layer.input_norm, eps), x
         else:
             h, residual = rms_norm(x, layer.input_norm, eps, residual=residual)
-        x = self._attention(i, layer, h, step, cache)
+        x = self.comm.all_reduce_(self._attention(i, layer, h, step, cache))
         h, residual = rms_norm(x, layer.post_norm, eps, residual=residual)
-        return self._mlp(layer, h), residual
+        return self.comm.all_reduce_(self._mlp(layer, h)), residual
 
     def compute_logits(self, hidden_rows: Any) -> Any:
-        """fp32 logits [R, vocab] of the given hidden rows; ids beyond the tokenizer are -inf."""
+        """fp32 logits [R, vocab] of the given hidden rows; ids beyond the tokenizer are -inf. Under tensor
+        parallelism a collective: each rank's vocabulary columns, gathered (every rank gets the whole)."""
         w = self.weights
         if w.lm_head is None:
             logits = self.ops.matmul_nt(hidden_rows, w.embed)
         else:
             logits = self.ops.matmul(hidden_rows, w.lm_head)
-        logits = self.ops.cast(logits, "float32")
+        logits = self.ops.cast(self.comm.all_gather_columns(logits), "float32")
         if self.num_output_ids < logits.shape[-1]:
             logits[:, self.num_output_ids:] = float("-inf")
         return logits
@@ -140,6 +159,6 @@ class KernelModel:
         logits = self.ops.matmul(self.ops.cast(h, "float32"), layer.gate)
         ids, weights = router_topk(logits, layer.gate_bias, cfg.moe_k, cfg.moe_norm_min)
         out = fused_moe(h, e.up_gate, e.down, ids, weights, e.method, e.up_gate_scale, e.down_scale,
-                        e.up_gate_act_scale, e.down_act_scale)
+                        e.up_gate_act_scale, e.down_act_scale, expert_start=self.expert_start)
         return out if shared is None else self.ops.add_(out, shared)
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .device_sampling import KernelLogits
+from ..kv_blocks import KVBlocks
 from ..step_contract import KVOp, StepInput, apply_kv_ops
 from .cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from .framework import TensorOps
@@ -23,12 +24,11 @@ from .step_buffers import StepBuffers
 class KernelShard:
     def __init__(self, model: KernelModel, cache: DeviceKVCache, ops: TensorOps, max_tokens: int, max_seqs: int,
                  max_model_len: int, num_host_blocks: int = 0, use_cudagraph: bool = False):
-        cfg = model.config
         self.model, self.cache, self.ops = model, cache, ops
         self.block_size = cache.block_size
         self.buffers = StepBuffers(ops, max(max_tokens, max_seqs), max_seqs, -(-max_model_len // cache.block_size),
-                                   cfg.num_attention_heads // cfg.num_key_value_heads, cache.dynamic is not None,
-                                   cfg.num_key_value_heads, split_kv_target=2 * ops.multiprocessor_count())
+                                   model.num_heads // model.num_kv_heads, cache.dynamic is not None,
+                                   model.num_kv_heads, split_kv_target=2 * ops.multiprocessor_count())
         shape = (num_host_blocks, cache.num_layers, 2, cache.block_size, cache.num_kv_heads, cache.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
         self.draft_head = None if model.weights.mtp is None else KernelDraftHead(self)
@@ -40,6 +40,16 @@ class KernelShard:
     def apply_kv_ops(self, kv_ops: list[KVOp]) -> None:
         """Swaps to / from the CPU tier and block copies, in the order the block pool recorded them."""
         apply_kv_ops(kv_ops, self.cache, self.host_cache)
+
+    def export_kv(self, block_ids: list[int]) -> KVBlocks:
+        """Whole blocks with every KV head, in the cache's format; under tensor parallelism a collective every rank
+        joins with the same ids (each exports its heads, the all-gather joins them)."""
+        m = self.model
+        return m.layout.gather_kv_blocks(self.cache.export_blocks(block_ids), m.comm.all_gather_host, m.config)
+
+    def import_kv(self, block_ids: list[int], blocks: KVBlocks) -> None:
+        """The inverse of export_kv: each rank stores the heads it holds (no collective)."""
+        self.cache.import_blocks(block_ids, self.model.layout.own_kv_blocks(blocks, self.model.config))
 
     def execute(self, step: StepInput) -> tuple[Any, KernelLogits | None]:
         """(final hidden states [T, H] on the device, the logits [R, vocab] of step.sample_rows on the device);

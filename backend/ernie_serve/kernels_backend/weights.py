@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from ..model.checkpoint_map import (Assembler, Target, fill_from_checkpoint, fill_mtp, note_checkpoint_layout,
-                                    read_mtp_checkpoint, static_kv_scales)
+                                    rank_kv_scales, read_mtp_checkpoint)
 from ..model.config import ErnieModelConfig
+from ..model.parallel import SINGLE_RANK, ParallelLayout
 from ..quantization import formats as fmt
 from ..quantization.plan import QuantPlan
 from .framework import TensorOps
@@ -59,44 +60,50 @@ def _linear_sink(k: int, n: int, method: str | None) -> HostFloat | HostQuant:
     return HostFloat() if method is None else HostQuant(method, k, n)
 
 
-def host_targets(cfg: ErnieModelConfig, plan: QuantPlan | None) -> dict[str, Target]:
-    """Every parameter of the model (by checkpoint_map's names) with a host sink of the right kind."""
+def host_targets(cfg: ErnieModelConfig, plan: QuantPlan | None,
+                 layout: ParallelLayout = SINGLE_RANK) -> dict[str, Target]:
+    """Every parameter of the model (by checkpoint_map's names) with a host sink of the right kind, shaped as
+    `layout`'s rank holds it (model/parallel.py: the vocabulary, heads and intermediate sizes split)."""
     h, dense = cfg.hidden_size, plan.dense if plan else None
-    t: dict[str, Target] = {"embed_tokens.weight": Target((cfg.vocab_size, h), HostFloat()),
+    vocab = len(layout.split(cfg.vocab_size))
+    t: dict[str, Target] = {"embed_tokens.weight": Target((vocab, h), HostFloat()),
                             "norm.weight": Target((h,), HostFloat())}
     if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = Target((h, cfg.vocab_size), HostFloat())
+        t["lm_head.weight"] = Target((h, vocab), HostFloat())
     for i in range(cfg.num_hidden_layers):
-        layer_targets(t, f"layers.{i}.", cfg, cfg.is_moe_layer(i), dense, plan.moe_method(i) if plan else None)
+        layer_targets(t, f"layers.{i}.", cfg, cfg.is_moe_layer(i), dense, plan.moe_method(i) if plan else None, layout)
     return t
 
 
 def layer_targets(t: dict[str, Target], p: str, cfg: ErnieModelConfig, moe: bool, dense: str | None,
-                  moe_method: str | None) -> None:
-    """A decoder layer's parameters under prefix p (a target layer's `layers.{i}.`, the MTP head's `block.`)."""
-    h = cfg.hidden_size
+                  moe_method: str | None, layout: ParallelLayout = SINGLE_RANK) -> None:
+    """A decoder layer's parameters under prefix p (a target layer's `layers.{i}.`, the MTP head's `block.`), as
+    `layout`'s rank holds them."""
+    h, hd, n = cfg.hidden_size, cfg.head_dim, layout.world_size
 
     def linear(name: str, k: int, n: int, method: str | None) -> None:
         t[name] = Target((k, n), _linear_sink(k, n, method))
 
+    q, kv = len(layout.query_heads(cfg)) * hd, len(layout.kv_heads(cfg)) * hd
     t[p + "input_layernorm.weight"] = Target((h,), HostFloat())
     t[p + "post_attention_layernorm.weight"] = Target((h,), HostFloat())
-    linear(p + "self_attn.qkv_proj.weight", h, cfg.q_size + 2 * cfg.kv_size, dense)
-    linear(p + "self_attn.o_proj.weight", cfg.q_size, h, dense)
+    linear(p + "self_attn.qkv_proj.weight", h, q + 2 * kv, dense)
+    linear(p + "self_attn.o_proj.weight", q, h, dense)
     if moe:
-        e, inter = cfg.moe_num_experts, cfg.moe_intermediate_size
-        t[p + "mlp.gate.weight"] = Target((h, e), HostFloat())
-        t[p + "mlp.gate.e_score_correction_bias"] = Target((1, e), HostFloat())
-        for kind, k, n in (("up_gate_proj", h, 2 * inter), ("down_proj", inter, h)):
-            sink = HostFloat() if moe_method is None else [HostQuant(moe_method, k, n) for _ in range(e)]
-            t[p + f"mlp.experts.{kind}"] = Target((e, k, n), sink)
+        e, inter = len(layout.experts(cfg)), layout.expert_intermediate(cfg)
+        t[p + "mlp.gate.weight"] = Target((h, cfg.moe_num_experts), HostFloat())
+        t[p + "mlp.gate.e_score_correction_bias"] = Target((1, cfg.moe_num_experts), HostFloat())
+        for kind, k, n_ in (("up_gate_proj", h, 2 * inter), ("down_proj", inter, h)):
+            sink = HostFloat() if moe_method is None else [HostQuant(moe_method, k, n_) for _ in range(e)]
+            t[p + f"mlp.experts.{kind}"] = Target((e, k, n_), sink)
         if cfg.moe_num_shared_experts:
-            shared = inter * cfg.moe_num_shared_experts
+            shared = cfg.moe_intermediate_size * cfg.moe_num_shared_experts // n
             linear(p + "mlp.shared_experts.up_gate_proj.weight", h, 2 * shared, dense)
             linear(p + "mlp.shared_experts.down_proj.weight", shared, h, dense)
     else:
-        linear(p + "mlp.up_gate_proj.weight", h, 2 * cfg.intermediate_size, dense)
-        linear(p + "mlp.down_proj.weight", cfg.intermediate_size, h, dense)
+        inter = cfg.intermediate_size // n
+        linear(p + "mlp.up_gate_proj.weight", h, 2 * inter, dense)
+        linear(p + "mlp.down_proj.weight", inter, h, dense)
 
 
 # ---------------------------------------------------------------- on the device
@@ -234,13 +241,15 @@ class DeviceMTP:
     block: DeviceLayer
 
 
-def place_mtp(ops: TensorOps, cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str) -> DeviceMTP:
-    """The MTP head from its checkpoint tensors (the target checkpoint's mtp_* ones, or a separate MTP checkpoint's)."""
+def place_mtp(ops: TensorOps, cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str,
+              layout: ParallelLayout = SINGLE_RANK) -> DeviceMTP:
+    """The MTP head from its checkpoint tensors (the target checkpoint's mtp_* ones, or a separate MTP checkpoint's).
+    Under tensor parallelism its decoder layer is split as a target layer is; linear_proj is replicated."""
     h = cfg.hidden_size
     t = {"emb_norm.weight": Target((h,), HostFloat()), "hidden_norm.weight": Target((h,), HostFloat()),
          "linear_proj.weight": Target((2 * h, h), HostFloat())}
-    layer_targets(t, "block.", cfg, moe=False, dense=None, moe_method=None)
-    fill_mtp(Assembler(t), tensors, cfg, source)
+    layer_targets(t, "block.", cfg, moe=False, dense=None, moe_method=None, layout=layout)
+    fill_mtp(Assembler(t, layout, cfg), tensors, cfg, source)
     sink = {name: target.sink for name, target in t.items()}
     proj = sink.pop("linear_proj.weight").value
     halves = [HostFloat() for _ in range(2)]
@@ -253,12 +262,13 @@ def place_mtp(ops: TensorOps, cfg: ErnieModelConfig, tensors: dict[str, np.ndarr
 
 @dataclass
 class DeviceWeights:
-    embed: Any  # [V, H]
+    embed: Any  # [V, H]; a tensor-parallel rank's vocabulary rows [V/N, H] from vocab_start
     norm: Any
-    lm_head: Any  # [H, V], or None when tied to embed
+    lm_head: Any  # [H, V] (a rank's [H, V/N]), or None when tied to embed
     layers: list[DeviceLayer]
     kv_scales: tuple[list[Any], list[Any]] | None = None  # static C8 scales per layer (K, V)
     mtp: DeviceMTP | None = None  # speculative_config method "mtp"
+    vocab_start: int = 0  # the first vocabulary row this rank holds
 
     @property
     def nbytes(self) -> int:
@@ -270,50 +280,57 @@ class DeviceWeights:
 _ALIGN = {"block_wise_fp8": 128, "wint2": 64}
 
 
-def check_kernel_shapes(cfg: ErnieModelConfig, plan: QuantPlan | None) -> None:
-    """Refuse at start-up a quantization whose kernels cannot tile this model's matrices."""
+def check_kernel_shapes(cfg: ErnieModelConfig, plan: QuantPlan | None, layout: ParallelLayout = SINGLE_RANK) -> None:
+    """Refuse at start-up a quantization whose kernels cannot tile this model's matrices (a rank's slices of them
+    under tensor parallelism)."""
     if plan is None or not plan.quantizes_weights:
         return
-    dense_k = [cfg.hidden_size, cfg.q_size]
+    n = layout.world_size
+    dense_k = [cfg.hidden_size, len(layout.query_heads(cfg)) * cfg.head_dim]
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
-        dense_k.append(cfg.intermediate_size)
+        dense_k.append(cfg.intermediate_size // n)
     if cfg.moe_num_shared_experts:
-        dense_k.append(cfg.moe_intermediate_size * cfg.moe_num_shared_experts)
-    moe_dims = [cfg.hidden_size, cfg.moe_intermediate_size]
+        dense_k.append(cfg.moe_intermediate_size * cfg.moe_num_shared_experts // n)
+    moe_dims = [cfg.hidden_size, layout.expert_intermediate(cfg)]
     checks = [(plan.dense, "dense", dense_k)]
     checks += [(plan.moe_method(i), "MoE", moe_dims) for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     for method, where, dims in checks:
         align = _ALIGN.get(method)
         bad = sorted({d for d in dims if align and d % align})
         if bad:
+            split = f" split over tensor_parallel_size={n}" if n > 1 else ""
             raise ValueError(f"{method} {where} weights need every matrix dimension the kernels tile to be a multiple "
-                             f"of {align}; this model has {bad} (hidden_size {cfg.hidden_size}, intermediate sizes "
-                             f"{cfg.intermediate_size} / {cfg.moe_intermediate_size}): choose another --quantization")
+                             f"of {align}; this model{split} has {bad} (hidden_size {cfg.hidden_size}, intermediate "
+                             f"sizes {cfg.intermediate_size} / {cfg.moe_intermediate_size}): choose another "
+                             f"--quantization" + (" or a smaller tensor_parallel_size" if n > 1 else ""))
 
 
 def load_device_weights(model_dir: str | Path, cfg: ErnieModelConfig, ops: TensorOps, quantization: str | None,
-                        show_progress: bool = True, mtp: dict | None = None) -> tuple[DeviceWeights, QuantPlan | None]:
+                        show_progress: bool = True, mtp: dict | None = None,
+                        layout: ParallelLayout = SINGLE_RANK) -> tuple[DeviceWeights, QuantPlan | None]:
     """Read the checkpoint (quantizing as FastDeploy's --quantization / the checkpoint's quantization_config
     say) and place every weight on the device. Returns the weights and the resolved quantization plan.
-    `mtp`: an "mtp" speculative_config: the MTP head is placed too, from its "model" checkpoint if it names one."""
+    `mtp`: an "mtp" speculative_config: the MTP head is placed too, from its "model" checkpoint if it names one.
+    `layout`: a tensor-parallel rank's, which then holds its slices (a full or a pre-sharded checkpoint)."""
     model_dir = Path(model_dir)
     note_checkpoint_layout(model_dir, cfg)
     plan = QuantPlan.resolve(quantization, cfg.quantization_config)
-    check_kernel_shapes(cfg, plan)
-    targets = host_targets(cfg, plan if plan and plan.quantizes_weights else None)
-    mtp_tensors, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, None, cfg), show_progress)
+    check_kernel_shapes(cfg, plan, layout)
+    targets = host_targets(cfg, plan if plan and plan.quantizes_weights else None, layout)
+    mtp_tensors, kv_scales = fill_from_checkpoint(model_dir, cfg, Assembler(targets, layout, cfg), show_progress)
     sink = {name: t.sink for name, t in targets.items()}
     layers = [place_layer(ops, sink, f"layers.{i}.", cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers)]
     lm_head = sink.pop("lm_head.weight", None)
     weights = DeviceWeights(ops.tensor(sink.pop("embed_tokens.weight").value, ops.act_dtype),
                             ops.tensor(sink.pop("norm.weight").value),
-                            None if lm_head is None else ops.tensor(lm_head.value, ops.act_dtype), layers)
+                            None if lm_head is None else ops.tensor(lm_head.value, ops.act_dtype), layers,
+                            vocab_start=layout.split(cfg.vocab_size).start)
     if mtp is not None:
         source = mtp.get("model")
         weights.mtp = place_mtp(ops, cfg, read_mtp_checkpoint(source, cfg) if source else mtp_tensors,
-                                source or str(model_dir))
+                                source or str(model_dir), layout)
     if plan is not None and plan.kv_cache == "int8":
-        static = static_kv_scales(kv_scales, cfg.num_hidden_layers)
+        static = rank_kv_scales(kv_scales, cfg, layout)
         if static is not None:
             weights.kv_scales = ([ops.tensor(s) for s in static[0]], [ops.tensor(s) for s in static[1]])
     elif kv_scales:

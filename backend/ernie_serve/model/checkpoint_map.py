@@ -14,7 +14,6 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -22,10 +21,8 @@ from tqdm.auto import tqdm
 from ..quantization.formats import (QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS, normalize_quantized, quantized_shape,
                                      shard_quantized)
 from .config import ErnieModelConfig
+from .parallel import SINGLE_RANK, ParallelLayout
 from .safetensors_io import iter_tensors, read_header
-
-if TYPE_CHECKING:
-    from .parallel import ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -405,6 +402,26 @@ def static_kv_scales(scales: dict[tuple[int, str], np.ndarray],
     if absent:
         raise ValueError(f"C8 KV cache: the checkpoint has static scales for some layers but not {absent[:4]}")
     return [scales[(i, "k")] for i in range(num_layers)], [scales[(i, "v")] for i in range(num_layers)]
+
+
+def rank_kv_scales(scales: dict[tuple[int, str], np.ndarray], cfg: ErnieModelConfig,
+                   layout: ParallelLayout | None = None) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+    """static_kv_scales cut to the KV heads `layout`'s rank holds (a pre-sharded rank directory's are already)."""
+    static = static_kv_scales(scales, cfg.num_hidden_layers)
+    if static is None:
+        return None
+    heads = (layout or SINGLE_RANK).kv_heads(cfg)
+    cols = slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim)
+    local = len(heads) * cfg.head_dim
+
+    def mine(s: np.ndarray) -> np.ndarray:
+        if s.size == cfg.kv_size:
+            return s[cols]
+        if s.size == local:
+            return s
+        raise ValueError(f"C8 KV cache scales have {s.size} channels; expected {cfg.kv_size} (every KV head) or "
+                         f"{local} (this rank's)")
+    return [mine(s) for s in static[0]], [mine(s) for s in static[1]]
 
 
 _MTP = re.compile(r"^(model|ernie)\.mtp_(emb_norm|hidden_norm|linear_proj|block)\.0\.(.+)$")

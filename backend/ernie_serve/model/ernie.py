@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import paddle
+import paddle.nn.functional as F
 from paddle import nn
 
 from ..cpu_kernels import cpu_gemm
@@ -20,7 +21,23 @@ from .cpu_layers import CpuDecoderStack
 from .kv_cache import KVCacheQuant, PagedKVCache
 from .layers import MLP, BlockedLinear, Linear, RMSNorm, RotaryEmbedding, TiedEmbedding, make_linear
 from .moe import FusedExperts, MoE
-from .parallel import SINGLE_RANK, ParallelLayout, VocabParallelEmbedding
+from .parallel import SINGLE_RANK, ParallelLayout
+
+
+class VocabParallelEmbedding(nn.Layer):
+    """Rows [start, start + V/N) of the embedding; ids outside embed to zero, the all-reduce fills them in."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layout: ParallelLayout):
+        super().__init__()
+        rows = layout.split(vocab_size)
+        self.layout, self.start, self.num_rows = layout, rows.start, len(rows)
+        self.weight = self.create_parameter([self.num_rows, hidden_size])
+
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_rows)
+        out = F.embedding(paddle.where(inside, local, paddle.zeros_like(local)), self.weight)
+        return self.layout.all_reduce(out * inside.unsqueeze(-1).astype(out.dtype))
 
 
 class Attention(nn.Layer):

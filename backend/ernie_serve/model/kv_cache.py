@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from ..kv_blocks import KVBlocks
 from ..quantization import formats as fmt
 from .host_tensor import to_paddle
 
@@ -88,6 +89,27 @@ class PagedKVCache:
             return np.stack([np.stack(self._int8.blocks(i, idx)) for i in range(self.num_layers)])
         return np.stack([np.stack([self.k[i][idx], self.v[i][idx]]) for i in range(self.num_layers)])
 
+    # Whole blocks as stored (prefill/decode transfer): float32 values, or int8 codes and their scales.
+    def export_blocks(self, block_ids: list[int]) -> KVBlocks:
+        idx = np.asarray(block_ids, dtype=np.int64)
+        codes = np.stack([np.stack([self.k[i][idx], self.v[i][idx]]) for i in range(self.num_layers)])
+        if self.quant is None:
+            return KVBlocks(codes)
+        return KVBlocks(codes, self._int8.kind, self._int8.scales_of(idx))
+
+    def import_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None:
+        """Codes stored as they came when this cache has their format, else through float32."""
+        idx = np.asarray(block_ids, dtype=np.int64)
+        kind = None if self.quant is None else self._int8.kind
+        static = self._int8.scales_of(idx) if kind == "static" else None
+        if not blocks.stored_as_is_by("float32" if kind is None else "int8", kind, static):
+            return self.write_blocks(block_ids, blocks.to_float32())
+        for i in range(self.num_layers):
+            self.k[i][idx], self.v[i][idx] = blocks.codes[i, 0], blocks.codes[i, 1]
+            if kind == "dynamic":
+                for j in range(2):
+                    self._int8.scales[i][j][idx] = blocks.scales[i, j]
+
     def write_blocks(self, block_ids: list[int], data: np.ndarray) -> None:
         idx = np.asarray(block_ids, dtype=np.int64)
         if self.quant is not None:
@@ -143,6 +165,16 @@ class _Int8Storage:
             scale[touched] = new
             s = np.where(scale[blocks] > 0, scale[blocks], 1.0)[:, :, None]
             flat[slots] = np.clip(fmt.round_half_away(x * 127.0 / s), -127, 127).astype(np.int8)
+
+    @property
+    def kind(self) -> str:
+        return "static" if self.static is not None else "dynamic"
+
+    def scales_of(self, ids: np.ndarray) -> np.ndarray:
+        """KVBlocks' scales for these blocks: static [layers, 2, kv_heads, head_dim], dynamic [layers, 2, n, kv_heads]."""
+        if self.static is not None:
+            return np.stack([np.stack(pair) for pair in self.static])
+        return np.stack([np.stack([k[ids], v[ids]]) for k, v in self.scales])
 
     def blocks(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Dequantized float32 [n, block_size, kv_heads, head_dim] K and V of the given blocks."""

@@ -29,7 +29,7 @@ import paddle
 from ..quantization.layers import QuantLinear, QuantMoEExperts
 from ..quantization.plan import QuantPlan
 from .checkpoint_map import (Assembler, Target, fill_from_checkpoint, fill_mtp, note_checkpoint_layout,
-                             static_kv_scales, tensor_directory)
+                             rank_kv_scales, tensor_directory)
 from .config import ErnieModelConfig
 from .ernie import ErnieForCausalLM
 from .kv_cache import KVCacheQuant
@@ -90,23 +90,9 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
 
 def _kv_cache_quant(scales: dict[tuple[int, str], np.ndarray], cfg: ErnieModelConfig,
                     layout: ParallelLayout) -> KVCacheQuant:
-    """Static channel-wise scales when the checkpoint has them for every layer (cut to this rank's KV heads),
-    else dynamic ones."""
-    static = static_kv_scales(scales, cfg.num_hidden_layers)
-    if static is None:
-        return KVCacheQuant()
-    heads = layout.kv_heads(cfg)
-    cols = slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim)
-    local = len(heads) * cfg.head_dim
-
-    def mine(s: np.ndarray) -> np.ndarray:
-        if s.size == cfg.kv_size:
-            return s[cols]
-        if s.size == local:  # a pre-sharded checkpoint's rank directory holds its own heads' scales
-            return s
-        raise ValueError(f"C8 KV cache scales have {s.size} channels; expected {cfg.kv_size} (every KV head) or "
-                         f"{local} (this rank's)")
-    return KVCacheQuant([mine(s) for s in static[0]], [mine(s) for s in static[1]])
+    """Static channel-wise scales when the checkpoint has them for every layer, else dynamic ones."""
+    static = rank_kv_scales(scales, cfg, layout)
+    return KVCacheQuant() if static is None else KVCacheQuant(*static)
 
 
 def load_mtp(cfg: ErnieModelConfig, tensors: dict[str, np.ndarray], source: str,

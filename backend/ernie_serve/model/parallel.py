@@ -17,21 +17,24 @@ Megatron-style tensor parallelism over N ranks, every rank running the same step
 - vocab-parallel embedding (each rank embeds the ids in its vocab range, zeros elsewhere, all-reduce)
   and lm_head (each rank's vocab columns; the sampled rows' logits are all-gathered).
 
-Collectives are paddle.distributed's, on a process group of this engine's own (engine/workers.py).
-With world_size 1 every collective is the identity, so the single-rank model is unchanged.
+The layout itself is framework free (the kernels backend slices its weights with it, on a torch-only box too).
+The reference model's collectives here are paddle.distributed's, on a process group of this engine's own
+(process_groups.py); the kernels backend's are kernels_backend/collectives.py. With world_size 1 every
+collective is the identity, so the single-rank model is unchanged.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import paddle
-import paddle.nn.functional as F
-from paddle import nn
 
+from ..kv_blocks import KVBlocks
 from .config import ErnieModelConfig
+
+if TYPE_CHECKING:
+    import paddle
 
 
 @dataclass(frozen=True)
@@ -97,18 +100,39 @@ class ParallelLayout:
             raise ValueError(f"num_key_value_heads={kv} is fewer than tensor_parallel_size={n} and does not "
                              f"divide it, so KV heads cannot be replicated evenly across ranks")
 
+    # ------------------------------------------------------------ whole KV blocks (prefill/decode transfer)
+    def gather_kv_blocks(self, local: KVBlocks, all_gather: Callable[[np.ndarray], list[np.ndarray]],
+                         cfg: ErnieModelConfig) -> KVBlocks:
+        """Whole blocks with every KV head of the model from each rank's export of its own (a collective every rank
+        joins with the same blocks); `all_gather`: the ranks' host arrays, in rank order, by the caller's collectives."""
+        if not self.is_parallel:
+            return local
+        codes = all_gather(local.codes)
+        scales = all_gather(local.scales) if local.scales is not None else [None] * self.world_size
+        heads = [ParallelLayout(r, self.world_size, self.expert_parallel).kv_heads(cfg) for r in range(self.world_size)]
+        parts = [KVBlocks(c, local.scale_kind, sc) for c, sc in zip(codes, scales)]
+        return KVBlocks.join_heads(parts, heads, cfg.num_key_value_heads)
+
+    def own_kv_blocks(self, blocks: KVBlocks, cfg: ErnieModelConfig) -> KVBlocks:
+        """The KV heads this rank holds of whole blocks."""
+        return blocks.take_heads(self.kv_heads(cfg)) if self.is_parallel else blocks
+
     # ------------------------------------------------------------ collectives
-    def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+    def all_reduce(self, x: "paddle.Tensor") -> "paddle.Tensor":
         """Sum of the ranks' partial results (in place); the identity on one rank."""
         if self.world_size == 1:
             return x
+        import paddle
+
         paddle.distributed.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_columns(self, x: paddle.Tensor) -> paddle.Tensor:
+    def all_gather_columns(self, x: "paddle.Tensor") -> "paddle.Tensor":
         """The ranks' column blocks side by side, in rank order; the identity on one rank."""
         if self.world_size == 1:
             return x
+        import paddle
+
         parts: list[paddle.Tensor] = []
         paddle.distributed.all_gather(parts, x, group=self.group)
         return paddle.concat(parts, axis=-1)
@@ -168,19 +192,3 @@ def _mlp_shard(name: str, part: range, inter: int, lead: int) -> tuple[int, np.n
     if name.endswith("up_gate_proj.weight") or name.endswith("up_gate_proj"):
         return lead + 1, np.concatenate([_indices(part), inter + _indices(part)])
     return lead, _indices(part)
-
-
-class VocabParallelEmbedding(nn.Layer):
-    """Rows [start, start + V/N) of the embedding; ids outside embed to zero, the all-reduce fills them in."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, layout: ParallelLayout):
-        super().__init__()
-        rows = layout.split(vocab_size)
-        self.layout, self.start, self.num_rows = layout, rows.start, len(rows)
-        self.weight = self.create_parameter([self.num_rows, hidden_size])
-
-    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
-        local = ids - self.start
-        inside = (local >= 0) & (local < self.num_rows)
-        out = F.embedding(paddle.where(inside, local, paddle.zeros_like(local)), self.weight)
-        return self.layout.all_reduce(out * inside.unsqueeze(-1).astype(out.dtype))

@@ -381,7 +381,7 @@ class DecodeFront(_Front):
                 return  # aborted while at prefill
             n = len(transfer.prompt_token_ids) - 1
             blocks = -(-n // transfer.block_size)
-            kv = replace(transfer, output_token_ids=[], num_computed_tokens=n, data=transfer.data[:, :, :blocks])
+            kv = replace(transfer, output_token_ids=[], num_computed_tokens=n, blocks=transfer.blocks.first(blocks))
             try:
                 self.engine.add_prefilled(kv, waiting.params, waiting.callback)
             except Exception as e:  # noqa: BLE001 - the request ends, with why
