@@ -47,9 +47,11 @@ def load_weight_tile(b_ptr, offs_k, offs_n, mask, stride_bk, stride_bn, cs_ptr, 
         shift = 9 - 3 * (offs_k[:, None] % 4)
         return ((v >> shift) & 63) - 32
     else:
+        # one return: the compiler types every return of a branch, dead ones after a constexpr if included
+        # (int8 codes returned beside their int32 cast did not compile for any GPU; the interpreter never minds)
         w = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=mask, other=0)
         if QUANT == 1:
-            return w.to(tl.int32)
+            w = w.to(tl.int32)
         return w
 
 
