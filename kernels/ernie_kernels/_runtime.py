@@ -63,6 +63,25 @@ if INTERPRET:
     _keep_integer_sums_in_their_dtype()
 
 
+_ARCHS: dict[int, int | None] = {}
+
+
+def target_arch() -> int | None:
+    """The compute capability triton compiles for now (80, 89, 90, ...), for launch configs that differ by
+    architecture; None in the interpreter. Cached per driver object: a launch must not query the device."""
+    if INTERPRET:
+        return None
+    active = triton.runtime.driver.active
+    key = id(active)
+    if key not in _ARCHS:
+        try:
+            arch = active.get_current_target().arch
+        except Exception:  # noqa: BLE001 - no GPU driver: launch defaults
+            arch = None
+        _ARCHS[key] = arch if isinstance(arch, int) else None
+    return _ARCHS[key]
+
+
 def is_paddle(t: Any) -> bool:
     return type(t).__module__.startswith("paddle")
 

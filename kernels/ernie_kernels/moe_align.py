@@ -61,5 +61,5 @@ def moe_align_block_size(topk_ids: Any, num_experts: int, block_m: int) -> tuple
     num_post = new_tensor(ids, [1], "int32", fill=0)
     e_pad = max(16, next_pow2(num_experts))
     _moe_align_kernel[(1,)](ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_blocks,
-                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 8192 // e_pad))
+                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 2048 // e_pad))  # [CHUNK, E_PAD] tiles in registers
     return sorted_ids, expert_ids, num_post

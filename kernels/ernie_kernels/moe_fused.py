@@ -17,7 +17,8 @@ from typing import Any
 
 from ernie_kernels._dequant import (A_NONE, A_QUANT_CODES, Q_WINT2, QUANT_CODES, block_k_for, load_weight_tile,
                                     quantize_a_tile, tile_dot, wint2_group_scale)
-from ernie_kernels._runtime import INTERPRET, contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, tl, triton
+from ernie_kernels._runtime import (INTERPRET, contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, target_arch,
+                                    tl, triton)
 from ernie_kernels.moe_align import moe_align_block_size
 
 
@@ -135,10 +136,18 @@ def _scale_args(scale: Any, quant: int, dummy: Any) -> tuple[list, list]:
     return [scale, dummy, dummy, dummy], [scale.stride(0), 0, scale.stride(1), 0, 0, 0, 0]
 
 
+# fp8's 128-deep K steps and wint2's in-register decode spill at 4 warps on every GPU (ptxas: 255 registers,
+# 16-640 bytes; scripts/gpu_aot_check.py)
+_HEAVY_TILES = ("block_wise_fp8", "wint2")
+
+
 def _gemm(a, w, w_scale, a_scale, out, topk_w, sorted_ids, expert_ids, num_post, n, k, num_slots, a_row_div,
           method, swiglu, act_dtype, block_m):
     quant = QUANT_CODES[method]
-    block_n = 64
+    heavy = method in _HEAVY_TILES
+    arch = target_arch()
+    # ... and their 64-row tiles still spill on Ampere / Ada at 8 warps (255 registers, 280-528 bytes): half as wide
+    block_n = 32 if heavy and block_m >= 64 and arch is not None and arch < 90 else 64
     grid = (expert_ids.shape[0] * triton.cdiv(n, block_n),)
     (bs, ls, cs, zp), strides = _scale_args(w_scale, quant, w)
     _fused_moe_kernel[grid](
@@ -147,7 +156,7 @@ def _gemm(a, w, w_scale, a_scale, out, topk_w, sorted_ids, expert_ids, num_post,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1), *strides,
         QUANT=quant, A_QUANT=A_QUANT_CODES.get(method, A_NONE), SWIGLU=swiglu, MUL_ROUTED=not swiglu,
         DOT=dot_dtype(act_dtype), FP8_DOT=not INTERPRET, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k_for(method), num_warps=4)
+        BLOCK_K=block_k_for(method), num_warps=8 if heavy else 4)
 
 
 def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any, method: str | None = None,

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ernie_kernels._runtime import contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, tl, triton
+from ernie_kernels._runtime import (contiguous, dot_dtype, dtype_name, new_tensor, next_pow2, target_arch, tl,
+                                    triton)
 
 KV_FLOAT, KV_INT8_CHANNEL, KV_INT8_BLOCK = 0, 1, 2
 MIN_ROWS = 16  # tl.dot needs M >= 16 on the GPU
@@ -213,12 +214,17 @@ def unified_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, block_tables
         part = new_tensor(out, [t, hq, num_splits, d], "float32")
         ml = new_tensor(out, [t, hq, num_splits, 2], "float32")
     head_pad = max(16, next_pow2(d))
+    # 64-row programs at head_dim 128 hold a [64, 128] fp32 accumulator plus the Q tile: at 4 warps they spill on
+    # Ampere / Ada (ptxas: 255 registers, 24-84 bytes; scripts/gpu_aot_check.py), not on Hopper
+    arch = target_arch()
+    big = block_q * block_g >= 64 and head_pad >= 128
+    warps = 8 if big and arch is not None and arch < 90 else 4
     _unified_attention_kernel[(programs, kvh, num_splits)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, prog_seq, prog_q, ks, vs, part, ml,
         float(sm_scale), kvh, page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=block_g, BLOCK_Q=block_q, HEAD_DIM=d, HEAD_PAD=head_pad, TILE=tile,
-        KV_QUANT=kv_quant, DOT=dot_dtype(dtype_name(q)), NUM_SPLITS=num_splits, num_warps=4)
+        KV_QUANT=kv_quant, DOT=dot_dtype(dtype_name(q)), NUM_SPLITS=num_splits, num_warps=warps)
     if num_splits > 1:
         _combine_splits_kernel[(t, hq)](part, ml, out, hq, out.stride(0), out.stride(1),
                                         NUM_SPLITS=num_splits, HEAD_DIM=d, HEAD_PAD=head_pad, num_warps=4)
