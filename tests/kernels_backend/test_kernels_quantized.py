@@ -60,3 +60,24 @@ def test_c8_kv_cache_static_and_dynamic_scales_match_the_reference(ckpt, tmp_pat
 def test_a_format_the_kernels_cannot_tile_is_refused_at_start_up(tiny_model_dir):
     with pytest.raises(ValueError, match=r"block_wise_fp8 dense weights need .* multiple of 128; this model has \[96\]"):
         engine(tiny_model_dir, "kernels", quantization="block_wise_fp8")
+
+
+@pytest.mark.parametrize("capability,refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_weights_are_refused_on_a_gpu_without_fp8_tensor_cores_naming_it(capability, refused):
+    from ernie_serve.kernels_backend.loading import check_gpu_runs
+    from ernie_serve.quantization.plan import QuantPlan
+
+    class Gpu:
+        def device_capability(self):
+            return capability
+
+        def device_name(self):
+            return "NVIDIA A800-SXM4-80GB" if capability < (8, 9) else "NVIDIA H200"
+
+    plan = QuantPlan.resolve("block_wise_fp8", None)
+    if refused:
+        with pytest.raises(ValueError, match=r"block_wise_fp8 needs fp8 tensor cores .* NVIDIA A800-SXM4-80GB is 8\.0"):
+            check_gpu_runs(Gpu(), plan)
+    else:
+        check_gpu_runs(Gpu(), plan)
+    check_gpu_runs(Gpu(), QuantPlan.resolve("wint4", None))  # integer formats run on every GPU

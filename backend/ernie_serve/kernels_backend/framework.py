@@ -177,6 +177,13 @@ class TensorOps:
         """GPUs this process sees (0 off a GPU): a tensor-parallel engine needs one per rank."""
         return 0
 
+    def device_capability(self) -> tuple[int, int] | None:
+        """The GPU's compute capability ((9, 0) on Hopper); None off a GPU."""
+        return None
+
+    def device_name(self) -> str:
+        return "CPU"
+
     def allocated(self) -> int:
         """Bytes this framework's allocator holds for tensors on the device now."""
         raise NotImplementedError
@@ -341,6 +348,12 @@ class TorchOps(TensorOps):
 
     def device_count(self):
         return int(self.torch.cuda.device_count()) if self.on_gpu else 0
+
+    def device_capability(self):
+        return tuple(self.torch.cuda.get_device_capability(self.device)) if self.on_gpu else None
+
+    def device_name(self):
+        return self.torch.cuda.get_device_name(self.device) if self.on_gpu else "CPU"
 
     def allocated(self):
         return int(self.torch.cuda.memory_allocated()) if self.on_gpu else 0
@@ -508,6 +521,12 @@ class PaddleOps(TensorOps):
 
     def device_count(self):
         return int(self.paddle.device.cuda.device_count()) if self.on_gpu else 0
+
+    def device_capability(self):
+        return tuple(self.paddle.device.cuda.get_device_capability()) if self.on_gpu else None
+
+    def device_name(self):
+        return self.paddle.device.cuda.get_device_name() if self.on_gpu else "CPU"
 
     def allocated(self):
         return int(self.paddle.device.cuda.memory_allocated(0)) if self.on_gpu else 0

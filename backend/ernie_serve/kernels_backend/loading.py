@@ -12,6 +12,7 @@ from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..step_contract import StepInput
 from ..model.config import ErnieModelConfig
 from ..model.parallel import SINGLE_RANK, ParallelLayout
+from ..quantization.plan import QuantPlan
 from .collectives import Collectives, make_collectives
 from .framework import TensorOps, make_tensor_ops
 from .kv_cache import DeviceKVCache
@@ -49,6 +50,21 @@ def check_runtime(ops: TensorOps, config: EngineConfig) -> None:
                              "(CUDA_VISIBLE_DEVICES)")
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada and Hopper
+
+
+def check_gpu_runs(ops: TensorOps, plan: QuantPlan | None) -> None:
+    """Refuse a weight format this GPU has no instructions for, naming the GPU (FastDeploy: fp8 "needs Hopper")."""
+    cap = ops.device_capability()
+    if cap is None or plan is None:
+        return
+    methods = {plan.dense, plan.moe, *(m for _, _, m in plan.moe_ranges)}
+    if "block_wise_fp8" in methods and cap < FP8_MIN_CAPABILITY:
+        raise ValueError(f"block_wise_fp8 needs fp8 tensor cores (compute capability 8.9+: L20, H800, H20, H200); "
+                         f"{ops.device_name()} is {cap[0]}.{cap[1]}: serve this model with --quantization wint8 "
+                         "or wint4 on it")
+
+
 def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig, num_output_ids: int,
                        num_host_kv_bytes: float, layout: ParallelLayout = SINGLE_RANK,
                        ops: TensorOps | None = None) -> KernelShard:
@@ -57,6 +73,7 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
     bytes."""
     ops = ops or make_tensor_ops()
     check_runtime(ops, config)
+    check_gpu_runs(ops, QuantPlan.resolve(config.quantization, model_cfg.quantization_config))
     layout.check(model_cfg)
     comm = make_collectives(ops, layout.rank, layout.world_size, layout.group)
     spec = config.speculative_config or {}
