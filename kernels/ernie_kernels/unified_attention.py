@@ -215,10 +215,11 @@ def unified_attention(q: Any, k_cache: Any, v_cache: Any, out: Any, block_tables
         ml = new_tensor(out, [t, hq, num_splits, 2], "float32")
     head_pad = max(16, next_pow2(d))
     # 64-row programs at head_dim 128 hold a [64, 128] fp32 accumulator plus the Q tile: at 4 warps they spill on
-    # Ampere / Ada (ptxas: 255 registers, 24-84 bytes; scripts/gpu_aot_check.py), not on Hopper
+    # Ampere / Ada (ptxas: 255 registers, 24-84 bytes; scripts/gpu_aot_check.py), not on Hopper; so do decode
+    # programs over a C8 cache with per-block scales under triton 3.6 (128 registers, 8-24 bytes)
     arch = target_arch()
-    big = block_q * block_g >= 64 and head_pad >= 128
-    warps = 8 if big and arch is not None and arch < 90 else 4
+    heavy = (block_q * block_g >= 64 and head_pad >= 128) or kv_quant == KV_INT8_BLOCK
+    warps = 8 if heavy and arch is not None and arch < 90 else 4
     _unified_attention_kernel[(programs, kvh, num_splits)](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, prog_seq, prog_q, ks, vs, part, ml,
         float(sm_scale), kvh, page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
