@@ -26,6 +26,7 @@ bytes).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("backend", "kernels"):
     sys.path.insert(0, str(ROOT / sub))
 
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -139,15 +141,13 @@ class AotOps(TorchOps):
 _SAMPLE_K, _SAMPLE_N = 256, 384
 
 
+@functools.cache
 def _quant_layout(method: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """A method's tensors as the kernels read them, for a [256, 384] sample (scaled to any [K, N] by _shape)."""
     w = np.random.default_rng(0).standard_normal((_SAMPLE_K, _SAMPLE_N)).astype(np.float32)
     calib = {"activation_scale": 1.0} if method == "w4a8" else {}
     t = fmt.normalize_quantized(method, fmt.quantize_float(w, method, **calib), _SAMPLE_K, _SAMPLE_N)
     return {k: (v.shape, v.dtype) for k, v in t.items()}
-
-
-_LAYOUTS: dict[str, dict] = {}
 
 
 def _shape(sample: tuple[int, ...], k: int, n: int) -> list[int]:
@@ -158,13 +158,12 @@ def _shape(sample: tuple[int, ...], k: int, n: int) -> list[int]:
 
 
 def _empty(ops: AotOps, shape: list[int], dtype: np.dtype) -> torch.Tensor:
-    name = "float8_e4m3fn" if dtype == fmt.ml_dtypes.float8_e4m3fn else np.dtype(dtype).name
+    name = "float8_e4m3fn" if dtype == ml_dtypes.float8_e4m3fn else np.dtype(dtype).name
     return ops.empty(shape, name)
 
 
 def _quant_tensors(ops: AotOps, method: str, k: int, n: int, lead: list[int]) -> dict[str, torch.Tensor]:
-    layout = _LAYOUTS.setdefault(method, _quant_layout(method))
-    return {key: _empty(ops, lead + _shape(shape, k, n), dtype) for key, (shape, dtype) in layout.items()}
+    return {key: _empty(ops, lead + _shape(shape, k, n), dtype) for key, (shape, dtype) in _quant_layout(method).items()}
 
 
 def _linear(ops: AotOps, k: int, n: int, method: str | None) -> DeviceLinear:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 
-STARTUP_TIMEOUT_SECONDS = 600  # every rank loads its weights before the first collective
+STARTUP_TIMEOUT_SECONDS = 600  # every rank loads its weights before the first collective (and reports ready)
 
 
 def paddle_group(rank: int, world_size: int, store_port: int, group_id: int, on_gpu: bool):

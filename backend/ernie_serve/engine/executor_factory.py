@@ -39,8 +39,7 @@ def _kernels(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
     """The triton-lang kernels backend (kernels_backend/): one device, weights in their serving formats."""
     from ..kernels_backend.loading import load_kernels_shard
 
-    shard = load_kernels_shard(config, model_dir, model_cfg, num_output_ids or model_cfg.vocab_size,
-                               (config.swap_space or 0) * (1 << 30))
+    shard = load_kernels_shard(config, model_dir, model_cfg, num_output_ids or model_cfg.vocab_size)
     threads = 0
     if shard.ops.name == "paddle" and not shard.ops.on_gpu:
         from .._env import setup_model_process
@@ -80,38 +79,41 @@ def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieMode
     from .._env import setup_model_process
     from ..model.checkpoint_map import tensor_directory
     from ..quantization.plan import QuantPlan
-    from .workers import ShardSpec, TensorParallelExecutor, threads_per_rank
+    from .workers import TensorParallelExecutor, paddle_on_cpu, threads_per_rank
 
     c = config
     layout = _checked_layout(c, model_cfg)
     tensor_directory(model_dir, layout)  # a pre-sharded checkpoint's rank count: before workers start
     spec = c.speculative_config or {}
     mtp = spec.get("method") == "mtp"
+    kernels = c.execution_backend == "kernels"
+    framework, on_gpu = "paddle", False
     fields = dict(model_dir=str(model_dir), num_output_ids=num_output_ids, quantization=c.quantization,
                   block_size=c.block_size, world_size=c.tensor_parallel_size, expert_parallel=c.enable_expert_parallel,
                   mtp_source=(spec.get("model") or "") if mtp else None)
-    if c.execution_backend == "kernels":
+    if kernels:
         from ..kernels_backend.framework import default_framework, gpu_visible
 
+        framework, on_gpu = default_framework(), gpu_visible()
         # each rank sizes its own pool (kernels_backend/loading.py) and the ranks agree on the smallest
-        fields.update(num_blocks=0, num_host_blocks=0, backend="kernels", framework=default_framework(),
-                      on_gpu=gpu_visible(), engine_config=asdict(c))
+        fields.update(num_blocks=0, num_host_blocks=0, backend="kernels", framework=framework, on_gpu=on_gpu,
+                      engine_config=asdict(c))
     else:
         plan = QuantPlan.resolve(c.quantization, model_cfg.quantization_config)
         c8 = plan is not None and plan.kv_cache == "int8"
         layers = model_cfg.num_hidden_layers + mtp  # the MTP head's cache layer, on every rank
         fields["num_blocks"], fields["num_host_blocks"] = _kv_pool_blocks(c, model_cfg, layout, layers, c8)
     threads = 0
-    if ShardSpec(**fields, store_port=0, group_id=0).paddle_on_cpu:
+    if paddle_on_cpu(c.execution_backend, framework, on_gpu):
         threads = setup_model_process(threads_per_rank(c.tensor_parallel_size))
     executor = TensorParallelExecutor(fields)
     if mtp:
         log.info("MTP speculative decoding: %d draft token(s) per step from %s, the head split across %d ranks",
                  spec.get("num_speculative_tokens", 1), spec.get("model") or "the checkpoint's MTP head",
                  c.tensor_parallel_size)
-    shard = executor.shard
-    if c.execution_backend == "kernels":
-        num_host_blocks = 0 if shard.host_cache is None else shard.host_cache.shape[0]
+    if kernels:
+        host_cache = executor.shard.host_cache
+        num_host_blocks = 0 if host_cache is None else host_cache.shape[0]
     else:
         num_host_blocks = fields["num_host_blocks"]
         _log_weight_memory(executor.model, " on rank 0")

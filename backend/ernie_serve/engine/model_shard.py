@@ -10,7 +10,6 @@ import numpy as np
 import paddle
 
 from ..kv_blocks import KVBlocks
-
 from ..model.ernie import ErnieForCausalLM
 from ..model.host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache

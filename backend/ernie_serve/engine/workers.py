@@ -69,12 +69,11 @@ import zmq
 from .._env import setup_model_process
 from ..kv_blocks import KVBlocks
 from ..model.parallel import ParallelLayout
-from ..process_groups import paddle_group, torch_group
+from ..process_groups import STARTUP_TIMEOUT_SECONDS, paddle_group, torch_group
 from .persistent_batch import PersistentBatch, StepDeltaEncoder
 from ..step_contract import StepExecutor, StepInput
 
 log = logging.getLogger(__name__)
-STARTUP_TIMEOUT_SECONDS = 600.0  # model loading included
 DEATH_WAIT_SECONDS = 5.0  # after a failed collective: how long to look for the rank that died
 _group_ids = count(1)  # process-group ids are keys in a per-process map: never reuse one
 
@@ -106,8 +105,12 @@ class ShardSpec:
 
     @property
     def paddle_on_cpu(self) -> bool:
-        """Whether the rank computes with Paddle on the CPU (its thread count and allocator settings matter)."""
-        return self.backend == "reference" or (self.framework == "paddle" and not self.on_gpu)
+        return paddle_on_cpu(self.backend, self.framework, self.on_gpu)
+
+
+def paddle_on_cpu(backend: str, framework: str, on_gpu: bool) -> bool:
+    """Whether a rank computes with Paddle on the CPU (its thread count and allocator settings matter)."""
+    return backend == "reference" or (framework == "paddle" and not on_gpu)
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -142,11 +145,9 @@ class RankShard:
             from ..kernels_backend.loading import load_kernels_shard
             from ..model.config import ErnieModelConfig
 
-            config = EngineConfig(**s.engine_config)
             model_cfg = ErnieModelConfig.from_pretrained(s.model_dir)
-            host_bytes = (config.swap_space or 0) * (1 << 30)
-            return load_kernels_shard(config, Path(s.model_dir), model_cfg, s.num_output_ids or model_cfg.vocab_size,
-                                      host_bytes, layout, self.ops)
+            return load_kernels_shard(EngineConfig(**s.engine_config), Path(s.model_dir), model_cfg,
+                                      s.num_output_ids or model_cfg.vocab_size, layout, self.ops)
         from ..model.loader import load_model, load_mtp_head
         from .model_shard import ModelShard
 

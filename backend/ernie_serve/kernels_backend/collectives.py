@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .framework import TensorOps
+from .framework import TensorOps, dtype_name
+
 
 class Collectives:
     """One rank's collectives; with world_size 1 every one is the identity (no group exists)."""
@@ -71,7 +72,7 @@ class TorchCollectives(Collectives):
 
     def all_gather(self, t):
         t = t.contiguous()
-        parts = [self.ops.empty(list(t.shape), str(t.dtype).split(".")[-1]) for _ in range(self.world_size)]
+        parts = [self.ops.empty(list(t.shape), dtype_name(t)) for _ in range(self.world_size)]
         self.group.allgather([parts], [t]).wait()
         return parts
 

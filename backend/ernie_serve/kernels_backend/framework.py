@@ -217,7 +217,7 @@ class Graph:
 # host dtypes NumPy frameworks cannot take: (the integer dtype they cross as, the framework dtype viewed back)
 _CARRIERS = {np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, "float8_e4m3fn"),
              np.dtype(ml_dtypes.bfloat16): (np.int16, "bfloat16")}
-_HOST_CARRIERS = {"float8_e4m3fn": ("uint8", ml_dtypes.float8_e4m3fn), "bfloat16": ("int16", ml_dtypes.bfloat16)}
+_HOST_CARRIERS = {name: (np.dtype(carrier).name, host.type) for host, (carrier, name) in _CARRIERS.items()}
 
 
 def dtype_name(t: Any) -> str:

@@ -68,7 +68,8 @@ class DeviceKVCache:
             return KVBlocks(codes)
         if kind == "static":
             return KVBlocks(codes, kind, self._static_scales())
-        return KVBlocks(codes, kind, np.stack([np.stack([self._rows(s, block_ids) for s in pair]) for pair in self.dynamic]))
+        scales = np.stack([np.stack([self._rows(s, block_ids) for s in pair]) for pair in self.dynamic])
+        return KVBlocks(codes, kind, scales)
 
     def import_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None:
         """Codes stored as they came when this cache has their format, else through float32."""

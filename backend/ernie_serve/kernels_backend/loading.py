@@ -66,11 +66,9 @@ def check_gpu_runs(ops: TensorOps, plan: QuantPlan | None) -> None:
 
 
 def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig, num_output_ids: int,
-                       num_host_kv_bytes: float, layout: ParallelLayout = SINGLE_RANK,
-                       ops: TensorOps | None = None) -> KernelShard:
+                       layout: ParallelLayout = SINGLE_RANK, ops: TensorOps | None = None) -> KernelShard:
     """The executor the engine's ModelRunner drives (one tensor-parallel rank's, given its layout, whose group the
-    rank's collectives run on; `ops` then on the rank's own GPU). num_host_kv_bytes: the CPU tier (swap_space) in
-    bytes."""
+    rank's collectives run on; `ops` then on the rank's own GPU). Its CPU tier holds config.swap_space GiB."""
     ops = ops or make_tensor_ops()
     check_runtime(ops, config)
     check_gpu_runs(ops, QuantPlan.resolve(config.quantization, model_cfg.quantization_config))
@@ -101,7 +99,7 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
                                      "or kv_cache_memory)")
     cache = DeviceKVCache(ops, num_layers, num_blocks, config.block_size,
                           model.num_kv_heads, model_cfg.head_dim, int8, weights.kv_scales)
-    host_blocks = int(num_host_kv_bytes // DeviceKVCache.bytes_per_block(*shape, 4))
+    host_blocks = int((config.swap_space or 0) * (1 << 30) // DeviceKVCache.bytes_per_block(*shape, 4))
     where = f", tensor-parallel rank {layout.rank} of {layout.world_size}" if layout.is_parallel else ""
     log.info("kernels backend (%s on %s%s): weights %.1f MiB%s, KV pool %d blocks of %d tokens (%s, %.1f MiB)%s",
              ops.name, "GPU" if ops.on_gpu else "CPU, triton interpreter", where, weights.nbytes / 2**20,

@@ -79,7 +79,7 @@ def layer_targets(t: dict[str, Target], p: str, cfg: ErnieModelConfig, moe: bool
                   moe_method: str | None, layout: ParallelLayout = SINGLE_RANK) -> None:
     """A decoder layer's parameters under prefix p (a target layer's `layers.{i}.`, the MTP head's `block.`), as
     `layout`'s rank holds them."""
-    h, hd, n = cfg.hidden_size, cfg.head_dim, layout.world_size
+    h, hd, ranks = cfg.hidden_size, cfg.head_dim, layout.world_size
 
     def linear(name: str, k: int, n: int, method: str | None) -> None:
         t[name] = Target((k, n), _linear_sink(k, n, method))
@@ -93,15 +93,15 @@ def layer_targets(t: dict[str, Target], p: str, cfg: ErnieModelConfig, moe: bool
         e, inter = len(layout.experts(cfg)), layout.expert_intermediate(cfg)
         t[p + "mlp.gate.weight"] = Target((h, cfg.moe_num_experts), HostFloat())
         t[p + "mlp.gate.e_score_correction_bias"] = Target((1, cfg.moe_num_experts), HostFloat())
-        for kind, k, n_ in (("up_gate_proj", h, 2 * inter), ("down_proj", inter, h)):
-            sink = HostFloat() if moe_method is None else [HostQuant(moe_method, k, n_) for _ in range(e)]
-            t[p + f"mlp.experts.{kind}"] = Target((e, k, n_), sink)
+        for kind, k, n in (("up_gate_proj", h, 2 * inter), ("down_proj", inter, h)):
+            sink = HostFloat() if moe_method is None else [HostQuant(moe_method, k, n) for _ in range(e)]
+            t[p + f"mlp.experts.{kind}"] = Target((e, k, n), sink)
         if cfg.moe_num_shared_experts:
-            shared = cfg.moe_intermediate_size * cfg.moe_num_shared_experts // n
+            shared = cfg.moe_intermediate_size * cfg.moe_num_shared_experts // ranks
             linear(p + "mlp.shared_experts.up_gate_proj.weight", h, 2 * shared, dense)
             linear(p + "mlp.shared_experts.down_proj.weight", shared, h, dense)
     else:
-        inter = cfg.intermediate_size // n
+        inter = cfg.intermediate_size // ranks
         linear(p + "mlp.up_gate_proj.weight", h, 2 * inter, dense)
         linear(p + "mlp.down_proj.weight", inter, h, dense)
 

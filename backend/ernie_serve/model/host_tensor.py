@@ -17,8 +17,8 @@ import numpy as np
 import paddle
 
 _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32",
-           np.dtype(np.int16): "int16", np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8", np.dtype(np.bool_): "bool",
-           np.dtype(np.float64): "float64"}
+           np.dtype(np.int16): "int16", np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8",
+           np.dtype(np.bool_): "bool", np.dtype(np.float64): "float64"}
 
 
 def empty_host(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tensor, np.ndarray]:
