@@ -61,3 +61,36 @@ def test_preempted_request_keeps_its_output_so_far(tiny_model_dir, reference):
     for o in preempted:
         assert o.outputs[0].token_ids == reference[o.request_id]
     assert_no_leaks(eng)
+
+
+def test_argmax_only_steps_and_full_pipeline_steps_give_the_same_greedy_tokens(tiny_model_dir):
+    """Greedy requests that ask for nothing else are sampled through ArgmaxRows; one request asking for logprobs
+    (or a penalty) in the same batch sends every row through the full pipeline. Same tokens either way, and the
+    step's kind follows the batch."""
+    from ernie_serve.engine.sampler import ArgmaxRows, SamplingBatch
+    from ernie_serve.sampling_params import SamplingParams
+
+    prompts = {f"p{i}": [5 + i, 17, 3 * i + 2, 40, 9] for i in range(4)}
+    kinds = []
+
+    def traced(engine):
+        prepare = engine.runner.prepare
+
+        def spy(so):
+            prepared = prepare(so)
+            if prepared.batch is not None:  # a step that samples nothing has no batch
+                kinds.append(type(prepared.batch))
+            return prepared
+        engine.runner.prepare = spy
+        return engine
+
+    plain = run(traced(make_engine(tiny_model_dir)), [(0, rid, ids, GREEDY) for rid, ids in prompts.items()])
+    assert set(kinds) == {ArgmaxRows}
+    kinds.clear()
+    asking = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    mixed = run(traced(make_engine(tiny_model_dir)),
+                [(0, rid, ids, asking if rid == "p0" else GREEDY) for rid, ids in prompts.items()])
+    assert set(kinds) == {SamplingBatch}
+    assert {r: o.outputs[0].token_ids for r, o in mixed.items()} == {r: o.outputs[0].token_ids
+                                                                     for r, o in plain.items()}
+    assert mixed["p0"].outputs[0].logprobs and plain["p0"].outputs[0].logprobs is None

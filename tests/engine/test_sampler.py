@@ -406,3 +406,38 @@ def test_both_methods_only_draw_from_the_filtered_set(rows, seed: int) -> None:
             z_k = probs[probs >= kth].sum()
             assert p.top_p >= 1 or probs[above].sum() < p.top_p * z_k + 1e-9
             assert probs[toks[r]] >= p.min_p * probs.max() - 1e-9
+
+
+def test_argmax_rows_give_the_full_pipelines_greedy_tokens_and_failures():
+    """ArgmaxRows (a step whose every row takes its argmax alone) against the whole pipeline on the same logits:
+    same tokens, ties to the first index, and a row with no finite logit (all -inf, or a NaN) failing alone."""
+    from ernie_serve.engine.sampler import ArgmaxRows
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 50)).astype(np.float32)
+    x[1, [3, 9]] = 9.0  # a tie
+    x[2] = NEG_INF
+    x[4, 5] = np.nan
+    x[5, :49] = NEG_INF
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    full = Sampler()(x, make_batch([greedy] * 7, generators=[None] * 7))
+    fast = Sampler()(x, ArgmaxRows(7))
+    assert fast.token_ids.tolist() == full.token_ids.tolist()
+    assert fast.token_ids[1] == 3 and fast.token_ids[5] == 49
+    assert fast.errors == full.errors and set(fast.errors) == {2, 4}
+    assert fast.logprobs == [None] * 7 and fast.token_ids.dtype == np.int64
+    with pytest.raises(ValueError, match="3 argmax rows"):
+        Sampler()(x, ArgmaxRows(3))
+
+
+@pytest.mark.parametrize("change, plain", [
+    ({}, True), ({"temperature": 0.7}, False), ({"logprobs": 0}, False), ({"logit_bias": {3: 1.0}}, False),
+    ({"min_tokens": 2}, False), ({"repetition_penalty": 1.1}, False), ({"frequency_penalty": 0.5}, False),
+    ({"presence_penalty": -0.5}, False)])
+def test_a_request_takes_argmax_only_without_any_edit_mask_or_logprobs(change, plain):
+    from ernie_serve.engine.sampler import takes_argmax_only
+
+    p = SamplingParams(**{"temperature": 0, "max_tokens": 4, **change})
+    assert takes_argmax_only(p, has_bad_words=False, guided=False) is plain
+    assert not takes_argmax_only(p, has_bad_words=True, guided=False)
+    assert not takes_argmax_only(p, has_bad_words=False, guided=True)

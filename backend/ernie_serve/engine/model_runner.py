@@ -14,22 +14,24 @@ from ..step_contract import MAX_BATCHED_QUERY, KVOp, StepExecutor, StepInput
 from .guided import GrammarRows
 from .input_batch import InputBatch
 from .request import Request
-from .sampler import Sampler, SamplingBatch
+from .sampler import ArgmaxRows, Sampler, SamplingBatch
 from .spec_decode import Drafts, StepRow
 from .step_plan import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
 class PreparedStep:
-    """A step ready to run: its StepInput, the sampled rows' SamplingBatch (None: nothing samples) and the request
-    id owning each sampled row, and for the MTP drafter where each request's tokens sit in it."""
+    """A step ready to run: its StepInput, the sampled rows' SamplingBatch (ArgmaxRows when each takes its argmax
+    alone; None: nothing samples) and the request id owning each sampled row, and for the MTP drafter where each
+    request's tokens sit in it."""
     step: StepInput
-    batch: SamplingBatch | None
+    batch: SamplingBatch | ArgmaxRows | None
     owners: list[str]
     draft_rows: list[StepRow] | None
 
 
 _NO_DRAFTS: list[int] = []
+_NO_LOGPROB = (None,)  # the logprobs of a one-token row that asked for none (read only)
 
 
 class ModelRunner:
@@ -81,6 +83,7 @@ class ModelRunner:
                 if r.guided is None and not r.forks and s.samples:
                     rows.append(offset)
                     batch.rows.append((r, _NO_DRAFTS, None))
+                    batch.argmax_only = batch.argmax_only and r.takes_argmax
                     owners.append(r.request_id)
                     offset += 1
                     continue
@@ -124,6 +127,12 @@ class ModelRunner:
             return out
         result = self.sampler(logits, prepared.batch)
         owners, sampled, logprobs = prepared.owners, out.sampled, out.logprobs
+        if type(prepared.batch) is ArgmaxRows:  # one row a request, no logprobs
+            out.sampled = {rid: [tok] for rid, tok in zip(owners, result.token_ids.tolist())}
+            out.logprobs = dict.fromkeys(owners, _NO_LOGPROB)
+            for row, why in result.errors.items():
+                out.errors.setdefault(owners[row], why)
+            return out
         for rid, tok, lp in zip(owners, result.token_ids.tolist(), result.logprobs):
             if rid in sampled:  # a request verifying drafts samples several rows
                 sampled[rid].append(tok)
@@ -164,19 +173,24 @@ class _BatchBuilder:
     def __init__(self):
         self.rows: list[tuple[Request, list[int], int | None]] = []
         self.grammars: list[GrammarRows] = []
+        self.argmax_only = True  # every row so far is its request's only row and takes its argmax (ArgmaxRows)
 
     def add(self, req: Request, drafts: list[int] = _NO_DRAFTS, verifies: int | None = None) -> None:
         """A row sampling after `drafts` (the request's drafts before it). `verifies`: the index of the draft
         this row checks; with the distribution the draft was sampled from, the sampler applies the
         speculative-sampling rule to it."""
         self.rows.append((req, drafts, verifies))
+        # a row verifying drafts shares its request with others: the full pipeline
+        self.argmax_only = self.argmax_only and req.takes_argmax and verifies is None and not drafts
 
     def add_grammar(self, req: Request, first_row: int, drafts: list[int]) -> None:
         """A guided request's rows start at first_row (one more per draft)."""
         if req.guided is not None:
             self.grammars.append(GrammarRows(req.guided, first_row, drafts))
 
-    def build(self) -> SamplingBatch:
+    def build(self) -> SamplingBatch | ArgmaxRows:
+        if self.argmax_only:
+            return ArgmaxRows(len(self.rows))
         reqs = [r for r, _, _ in self.rows]
         draft_probs = [r.spec_token_probs[v] if v is not None and r.spec_token_probs else None
                        for r, _, v in self.rows] if any(v is not None for _, _, v in self.rows) else None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from .sampler import takes_argmax_only
 
 if TYPE_CHECKING:
     from .guided import GuidedState
@@ -75,9 +76,13 @@ class Request:
     # An int naming this request in a StepInput's row_keys: request_id is a string of any length, and
     # tensor-parallel workers keep each request's block table under this key (engine/persistent_batch.py).
     row_key: int = field(init=False, repr=False, default_factory=lambda: next(_row_keys))
+    # Every token is its logits' argmax and nothing else (sampler.takes_argmax_only), decided once: a step of
+    # such rows builds no per-row sampling metadata.
+    takes_argmax: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.takes_argmax = takes_argmax_only(self.sampling_params, bool(self.bad_words_ids), self.guided is not None)
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

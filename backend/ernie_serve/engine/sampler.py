@@ -60,6 +60,23 @@ class SamplingBatch:
 
 
 @dataclass
+class ArgmaxRows:
+    """A step whose every row takes its argmax and nothing else (see takes_argmax_only): the runner hands this
+    instead of a SamplingBatch, so such a step builds no per-row sampling metadata, and the sampler reads the
+    logits once."""
+    num_rows: int
+
+
+def takes_argmax_only(p: SamplingParams, has_bad_words: bool, guided: bool) -> bool:
+    """Whether a request's every token is its logits' argmax, untouched: greedy, and none of the edits, masks or
+    logprobs the pipeline above applies (min_tokens masks eos while the output is short). Decided once per
+    request (Request.takes_argmax)."""
+    return (p.temperature < GREEDY_EPSILON and p.logprobs is None and not p.logit_bias and not has_bad_words
+            and not guided and p.min_tokens == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0)
+
+
+@dataclass
 class SamplerOutput:
     token_ids: np.ndarray  # [R] int64
     # per row when params.logprobs is not None: {token_id: (logprob, rank)} for the sampled token and the
@@ -77,7 +94,10 @@ class Sampler:
                              f"known: {', '.join(SAMPLING_METHODS)}")
         self.method = SAMPLING_METHODS[method]
 
-    def __call__(self, logits: "np.ndarray | paddle.Tensor | DeviceLogits", batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: "np.ndarray | paddle.Tensor | DeviceLogits",
+                 batch: SamplingBatch | ArgmaxRows) -> SamplerOutput:
+        if type(batch) is ArgmaxRows:
+            return _argmax_rows(logits, batch.num_rows)
         if isinstance(logits, DeviceLogits):
             return _sample_on_device(logits, batch, self.method)
         raw = _as_float32_matrix(logits)
@@ -123,6 +143,23 @@ class Sampler:
         for r in errors:
             logprobs[r] = None
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
+
+
+def _argmax_rows(logits: "np.ndarray | paddle.Tensor | DeviceLogits", num_rows: int) -> SamplerOutput:
+    """Every row's argmax, read in one pass over the logits (a row's max is the logit its argmax points at); a row
+    with no finite logit fails alone, as in the full pipeline."""
+    if isinstance(logits, DeviceLogits):
+        token_ids, row_max = logits.argmax()
+    else:
+        raw = _as_float32_matrix(logits)
+        if raw.shape[0] != num_rows or not raw.shape[1]:
+            raise ValueError(f"logits of shape {list(raw.shape)} for {num_rows} argmax rows")
+        token_ids = np.argmax(raw, axis=1)
+        row_max = raw[np.arange(num_rows), token_ids]
+    dead = ~np.isfinite(row_max)
+    errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
+    token_ids = (np.where(dead, 0, token_ids) if errors else token_ids).astype(np.int64, copy=False)
+    return SamplerOutput(token_ids=token_ids, logprobs=[None] * num_rows, errors=errors)
 
 
 def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch, method: str) -> SamplerOutput:

@@ -34,6 +34,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.spec = SpecStats()
+        self._lookahead = config.num_lookahead_tokens  # read per running request per step
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -124,8 +125,10 @@ class Scheduler:
     def _with_lookahead(self, req: Request, n: int, hit_tokens: int = 0) -> int:
         """Slots to cover for n new tokens (after hit_tokens of prefix hits): plus the lookahead that MTP
         drafting writes, within max_model_len."""
+        if not self._lookahead:
+            return n
         room = self.config.max_model_len - req.num_computed_tokens - hit_tokens
-        return max(n, min(n + self.config.num_lookahead_tokens, room))
+        return max(n, min(n + self._lookahead, room))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
