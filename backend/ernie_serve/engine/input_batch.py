@@ -23,8 +23,11 @@ class InputBatch:
     def __init__(self, block_size: int, max_blocks_per_row: int = 64, max_rows: int = 64):
         self.block_size = block_size
         self.block_table = np.zeros((max_rows, max(1, max_blocks_per_row)), dtype=np.int64)
-        self.num_blocks = np.zeros(max_rows, dtype=np.int64)  # blocks of row i copied into block_table[i]
-        self._mirrored: list[list[int] | None] = [None] * max_rows  # the Request.block_ids each row copies
+        # Per row, as Python lists (read for every row every step; a NumPy scalar read costs ~5x a list's): how many
+        # blocks of its table are copied into block_table, the last of them, and the Request.block_ids it mirrors.
+        self.num_blocks: list[int] = [0] * max_rows
+        self._last_block: list[int] = [-1] * max_rows
+        self._mirrored: list[list[int] | None] = [None] * max_rows
         self._rows: dict[int, int] = {}  # Request.row_key -> row
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
@@ -35,27 +38,28 @@ class InputBatch:
     def rows_for(self, keys: list[int], block_lists: list[list[int]]) -> np.ndarray:
         """The rows of one step's requests (in step order), their tables brought up to date; rows of
         requests not in this step are released."""
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"a step's row keys must be distinct, got {keys}")
         present = set(keys)
+        if len(present) != len(keys):
+            raise ValueError(f"a step's row keys must be distinct, got {keys}")
         for key in [k for k in self._rows if k not in present]:
             self._release(key)
-        rows = np.empty(len(keys), dtype=np.int64)
-        for i, (key, blocks) in enumerate(zip(keys, block_lists)):
-            row = self._rows.get(key)
+        rows = []
+        counts, last, mirrored, row_of = self.num_blocks, self._last_block, self._mirrored, self._rows
+        for key, blocks in zip(keys, block_lists):
+            row = row_of.get(key)
             if row is None:
-                row = self._rows[key] = self._take_row()
-            rows[i] = row
-            have, n = int(self.num_blocks[row]), len(blocks)
-            if blocks is not self._mirrored[row] or n < have or (
-                    have and blocks[have - 1] != self.block_table[row, have - 1]):
-                self._mirrored[row], have = blocks, 0  # replaced, shrank or rewritten: copy it whole
+                row = row_of[key] = self._take_row()  # (grows the per-row lists in place)
+            rows.append(row)
+            have, n = counts[row], len(blocks)
+            if blocks is not mirrored[row] or n < have or (have and blocks[have - 1] != last[row]):
+                mirrored[row], have = blocks, 0  # replaced, shrank or rewritten: copy it whole
             if n > have:
                 if n > self.block_table.shape[1]:
                     self._grow_columns(n)
                 self.block_table[row, have:n] = blocks[have:n]
-            self.num_blocks[row] = n
-        return rows
+                last[row] = blocks[n - 1]
+            counts[row] = n
+        return np.array(rows, dtype=np.int64)
 
     def attention_metadata(self, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
                            max_decode_query_len: int) -> tuple[AttentionMetadata, np.ndarray]:
@@ -66,10 +70,10 @@ class InputBatch:
             raise ValueError(f"a step needs rows computing >= 1 token each, got query_lens {query_lens.tolist()}")
         seq_lens = starts + query_lens
         need = -(-seq_lens // bs)
-        short = np.flatnonzero(self.num_blocks[rows] < need)
+        short = np.flatnonzero(np.array(self.num_blocks, dtype=np.int64)[rows] < need)
         if short.size:
             i = int(short[0])
-            raise ValueError(f"block_tables[{i}] has {int(self.num_blocks[rows[i]])} blocks, {int(need[i])} needed "
+            raise ValueError(f"block_tables[{i}] has {self.num_blocks[rows[i]]} blocks, {int(need[i])} needed "
                              f"for {int(seq_lens[i])} tokens of {bs}")
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
@@ -89,7 +93,8 @@ class InputBatch:
         if not self._free_rows:
             old = self.block_table.shape[0]
             self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
-            self.num_blocks = np.concatenate([self.num_blocks, np.zeros(old, dtype=np.int64)])
+            self.num_blocks += [0] * old
+            self._last_block += [-1] * old
             self._mirrored += [None] * old
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         return self._free_rows.pop()

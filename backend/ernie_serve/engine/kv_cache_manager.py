@@ -177,7 +177,8 @@ class KVCacheManager:
         With prefix_hits (at admission, from lookup_prefix) the hit blocks join the request and its
         num_computed_tokens moves past them.
         """
-        if prefix_hits is None and self.num_blocks_for(req.num_computed_tokens + num_new_tokens) <= len(req.block_ids):
+        covered = len(req.block_ids) * self.block_size
+        if prefix_hits is None and req.num_computed_tokens + num_new_tokens <= covered:
             return True  # a decode inside its last block: the common case, nothing to allocate
         hits = prefix_hits or []
         n_hit_tokens = len(hits) * self.block_size

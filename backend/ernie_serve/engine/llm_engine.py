@@ -354,7 +354,7 @@ class LLMEngine:
             if req.hold_kv and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
                 self.held_kv[req.request_id] = req
             if req.parent_id is None:
-                out = self._make_output(req.request_id, [req], {req.request_id: (new_ids, text)})
+                out = self._single_output(req, state, new_ids, text)
                 if out is not None:
                     outputs.append(out)
             else:
@@ -371,36 +371,50 @@ class LLMEngine:
         return outputs
 
     def _make_output(self, ext_id: str, group: list[Request], deltas: dict) -> RequestOutput | None:
-        """The group's output as its output_kind asks (None: a final-only request still running)."""
+        """An n > 1 group's output as its output_kind asks (None: a final-only request still running)."""
         leader = group[0]
-        finished = leader.is_finished if len(group) == 1 else all(r.is_finished for r in group)
+        finished = all(r.is_finished for r in group)
         kind = leader.sampling_params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        delta = kind is RequestOutputKind.DELTA
-        comps = []
-        for req in group:
-            state = self.texts[req.request_id]
-            new_ids, new_text = deltas.get(req.request_id, _NO_DELTA)
-            logprobs = cumulative = None
-            if req.sampling_params.logprobs is not None:
-                if delta:
-                    logprobs, cumulative = state.new_logprobs(req), state.cumulative_logprob
-                else:
-                    logprobs, cumulative = state.logprobs_so_far(req)
-            if delta:  # the step's own new-id list (built fresh each step), not a copy of every id so far
-                text, ids = new_text, new_ids or []
-                new_ids = ids
+        comps = [self._completion(r, self.texts[r.request_id], *deltas.get(r.request_id, _NO_DELTA),
+                                  kind is RequestOutputKind.DELTA) for r in group]
+        error = next((r.error for r in group if r.error is not None), None)
+        return self._request_output(ext_id, group, comps, finished, kind, error)
+
+    def _single_output(self, req: Request, state: TextState, new_ids: list[int], text: str) -> RequestOutput | None:
+        """_make_output for the usual request, which is alone in its group (the per-step path: no group dict)."""
+        finished = req.is_finished
+        kind = req.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        comps = [self._completion(req, state, new_ids, text, kind is RequestOutputKind.DELTA)]
+        return self._request_output(req.request_id, [req], comps, finished, kind, req.error)
+
+    @staticmethod
+    def _completion(req: Request, state: TextState, new_ids: list[int], new_text: str,
+                    delta: bool) -> CompletionOutput:
+        logprobs = cumulative = None
+        if req.sampling_params.logprobs is not None:
+            if delta:
+                logprobs, cumulative = state.new_logprobs(req), state.cumulative_logprob
             else:
-                text, ids, new_ids = state.text, list(req.output_token_ids), list(new_ids)
-            comps.append(CompletionOutput(req.index, text, ids, req.finish_reason, req.stop_reason, logprobs,
-                                          cumulative, new_text, new_ids))
+                logprobs, cumulative = state.logprobs_so_far(req)
+        if delta:  # the step's own new-id list (built fresh each step), not a copy of every id so far
+            text, ids = new_text, new_ids or []
+            new_ids = ids
+        else:
+            text, ids, new_ids = state.text, list(req.output_token_ids), list(new_ids)
+        return CompletionOutput(req.index, text, ids, req.finish_reason, req.stop_reason, logprobs, cumulative,
+                                new_text, new_ids)
+
+    def _request_output(self, ext_id: str, group: list[Request], comps: list[CompletionOutput], finished: bool,
+                        kind: RequestOutputKind, error: str | None) -> RequestOutput:
+        leader = group[0]
         metrics = None
-        if finished or not delta:  # a delta stream's consumers read the metrics once, at the end
-            preemptions = leader.num_preemptions if len(group) == 1 else sum(r.num_preemptions for r in group)
+        if finished or kind is not RequestOutputKind.DELTA:  # a delta stream's consumers read them at the end
             metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
-                                     time.monotonic() if finished else None, preemptions)
-        error = leader.error if len(group) == 1 else next((r.error for r in group if r.error is not None), None)
+                                     time.monotonic() if finished else None, sum(r.num_preemptions for r in group))
         out = RequestOutput(ext_id, None, leader.prompt_token_ids, comps, finished,
                             max(leader.num_cached_tokens, 0), metrics, error=error)
         if finished:

@@ -40,7 +40,7 @@ _FINISHED = frozenset({"stop", "length", "abort", "error"})
 _row_keys = count()  # process-wide, so two live requests (n > 1 siblings included) never share one
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: its fields are read for every running request every step
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -79,10 +79,17 @@ class Request:
     # Every token is its logits' argmax and nothing else (sampler.takes_argmax_only), decided once: a step of
     # such rows builds no per-row sampling metadata.
     takes_argmax: bool = field(init=False, repr=False)
+    # The token-level stop rules as the scheduler checks each appended token: the ids that end the request (eos
+    # unless ignore_eos, and stop_token_ids) and the sequence length it ends at (max_tokens, max_model_len).
+    stop_ids: frozenset[int] = field(init=False, repr=False)
+    length_limit: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        self.takes_argmax = takes_argmax_only(self.sampling_params, bool(self.bad_words_ids), self.guided is not None)
+        p = self.sampling_params
+        self.takes_argmax = takes_argmax_only(p, bool(self.bad_words_ids), self.guided is not None)
+        self.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
+        self.length_limit = len(self.prompt_token_ids) + self.max_tokens
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -217,6 +217,7 @@ class Scheduler:
         if tokens and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         outputs, everything = req.output_token_ids, req.all_token_ids  # Request.append_output, inlined (hot)
+        stops, end = req.stop_ids, min(req.length_limit, self.config.max_model_len)
         for tok, lp in zip(tokens, logprobs):
             outputs.append(tok)
             everything.append(tok)
@@ -226,15 +227,11 @@ class Scheduler:
                 break
             if lp is not None:
                 req.logprobs.append(lp)
-            n = len(outputs)
-            if n >= p.min_tokens:
-                if not p.ignore_eos and tok in req.eos_token_ids:
-                    self.finish(req, RequestStatus.FINISHED_STOPPED)
-                    break
-                if tok in p.stop_token_ids:
-                    self.finish(req, RequestStatus.FINISHED_STOPPED, tok)
-                    break
-            if n >= req.max_tokens or len(everything) >= self.config.max_model_len:
+            if tok in stops and len(outputs) >= p.min_tokens:  # eos (stop_reason None) before a stop token id
+                eos = not p.ignore_eos and tok in req.eos_token_ids
+                self.finish(req, RequestStatus.FINISHED_STOPPED, None if eos else tok)
+                break
+            if len(everything) >= end:  # max_tokens or max_model_len
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
                 break
         return added

@@ -9,7 +9,8 @@ from ..step_contract import KVOp
 from .request import Request
 
 
-@dataclass
+# slots: these two are made for every running request every step
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step (including speculative drafts)
@@ -37,7 +38,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What one step added to a request that sampled: its new tokens (their logprobs are on the request)."""
     request: Request
