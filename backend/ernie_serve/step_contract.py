@@ -68,12 +68,16 @@ class StepInput:
     max_position: int = 0
     kv_ops: list[KVOp] = field(default_factory=list)  # applied before the forward, in this order
     row_keys: np.ndarray = field(default_factory=lambda: _EMPTY)  # [B] int64 each row's Request.row_key
+    # Every sampled row takes its argmax and nothing else (the runner's ArgmaxRows): an executor may then hand back
+    # ArgmaxLogits instead of the logits. Not sent to tensor-parallel workers, which return logits.
+    argmax_only: bool = False
 
     @classmethod
     def for_tokens(cls, token_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata,
-                   sample_rows: np.ndarray, kv_ops: list[KVOp], row_keys: np.ndarray = _EMPTY) -> "StepInput":
+                   sample_rows: np.ndarray, kv_ops: list[KVOp], row_keys: np.ndarray = _EMPTY,
+                   argmax_only: bool = False) -> "StepInput":
         return cls(token_ids, positions, meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping,
-                   sample_rows, meta.num_decodes, meta.max_position, kv_ops, row_keys)
+                   sample_rows, meta.num_decodes, meta.max_position, kv_ops, row_keys, argmax_only)
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +166,18 @@ class TopLogprobs:
     sampled_rank: np.ndarray  # [R'] 1 + the number of tokens strictly more likely
     top_ids: np.ndarray  # [R', n] the n most likely tokens, most likely first
     top: np.ndarray  # [R', n] their logprobs
+
+
+@dataclass
+class ArgmaxLogits:
+    """What an argmax-only step (StepInput.argmax_only) needs of its logits, reduced where they were computed: each
+    row's argmax (the first index of its largest logit; a NaN counts as the largest) and largest logit. The
+    reference backend's lm_head computes these without storing the logits (cpu_gemm.gemm_argmax)."""
+    token_ids: np.ndarray  # [R] int64
+    row_max: np.ndarray  # [R] float32
+
+    def argmax(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.token_ids, self.row_max
 
 
 class DeviceLogits:

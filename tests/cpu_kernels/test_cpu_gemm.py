@@ -193,3 +193,47 @@ def test_the_kernel_switch_turns_them_off_or_is_refused(value, expect):
             "try:\n    print('available', build.available())\nexcept ValueError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert expect in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("m,k,n,n_valid", [(1, 64, 32, 32), (3, 64, 4096, 4096), (9, 128, 4096, 4000),
+                                           (17, 32, 100, 100), (33, 96, 320, 317), (256, 128, 1024, 1024)])
+def test_gemm_argmax_equals_numpys_argmax_over_the_stored_product(m, k, n, n_valid):
+    """ernie_gemm_argmax never stores x @ W; what it returns must equal NumPy's argmax / max over the first n_valid
+    columns of cpu_gemm.gemm's product (the same arithmetic): ties to the lowest column, also when the tied columns
+    fall to different threads, and columns past n_valid never chosen."""
+    rng = np.random.default_rng(m * 7 + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, n_valid - 1] = w[:, 0]  # a tie between the first and the last valid column
+    if n > n_valid:
+        w[:, n_valid:] = 50.0  # larger than any valid logit for rows with positive sums: must stay unchosen
+    x = np.abs(rng.standard_normal((m, k))).astype(np.float32)
+    x[0] = 0.0  # every logit 0.0: the argmax is column 0
+    blocked = cpu_gemm.packed(w)
+    full = cpu_gemm.gemm(x, blocked, n, None, 32).numpy()[:, :n_valid]
+    idx, best = cpu_gemm.gemm_argmax(x, blocked, n, n_valid)
+    assert idx.tolist() == np.argmax(full, axis=1).tolist()
+    np.testing.assert_array_equal(best, full.max(axis=1))
+    assert idx[0] == 0
+
+
+def test_gemm_argmax_ranks_a_nan_above_everything_as_numpy_does():
+    """A NaN logit makes the row's max NaN (the sampler fails such a row) and its first NaN the argmax."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 2048)).astype(np.float32)
+    w[3, 1500] = np.nan  # column 1500 is NaN for every row whose x[3] != 0 (0 * NaN is NaN too)
+    w[3, 1700] = np.nan
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    x[2, 7] = np.inf  # a row whose logits are +-inf / NaN throughout
+    blocked = cpu_gemm.packed(w)
+    full = cpu_gemm.gemm(x, blocked, 2048, None, 32).numpy()
+    idx, best = cpu_gemm.gemm_argmax(x, blocked, 2048, 2048)
+    assert idx.tolist() == np.argmax(full, axis=1).tolist()
+    assert np.isnan(best).tolist() == np.isnan(full.max(axis=1)).tolist() == [True] * 4
+
+
+def test_gemm_argmax_refuses_what_does_not_fit():
+    blocked = cpu_gemm.packed(np.ones((16, 64), np.float32))
+    with pytest.raises(ValueError, match="n_valid 65"):
+        cpu_gemm.gemm_argmax(np.ones((2, 16), np.float32), blocked, 64, 65)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_gemm.gemm_argmax(np.ones((2, 8), np.float32), blocked, 64, 64)

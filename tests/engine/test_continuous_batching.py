@@ -64,33 +64,41 @@ def test_preempted_request_keeps_its_output_so_far(tiny_model_dir, reference):
 
 
 def test_argmax_only_steps_and_full_pipeline_steps_give_the_same_greedy_tokens(tiny_model_dir):
-    """Greedy requests that ask for nothing else are sampled through ArgmaxRows; one request asking for logprobs
-    (or a penalty) in the same batch sends every row through the full pipeline. Same tokens either way, and the
-    step's kind follows the batch."""
+    """Greedy requests that ask for nothing else are sampled through ArgmaxRows, and the reference backend's lm_head
+    then returns each row's argmax without the logits (ArgmaxLogits); one request asking for logprobs (or a
+    penalty) in the same batch sends every row through the full pipeline. Same tokens either way, and the step's
+    kind follows the batch."""
     from ernie_serve.engine.sampler import ArgmaxRows, SamplingBatch
     from ernie_serve.sampling_params import SamplingParams
+    from ernie_serve.step_contract import ArgmaxLogits
 
     prompts = {f"p{i}": [5 + i, 17, 3 * i + 2, 40, 9] for i in range(4)}
-    kinds = []
+    kinds, logits_kinds = [], set()
 
     def traced(engine):
-        prepare = engine.runner.prepare
+        prepare, execute = engine.runner.prepare, engine.runner.executor.execute
 
         def spy(so):
             prepared = prepare(so)
             if prepared.batch is not None:  # a step that samples nothing has no batch
                 kinds.append(type(prepared.batch))
             return prepared
-        engine.runner.prepare = spy
+
+        def spy_execute(step):
+            hidden, logits = execute(step)
+            logits_kinds.add(type(logits) is ArgmaxLogits)
+            return hidden, logits
+        engine.runner.prepare, engine.runner.executor.execute = spy, spy_execute
         return engine
 
     plain = run(traced(make_engine(tiny_model_dir)), [(0, rid, ids, GREEDY) for rid, ids in prompts.items()])
-    assert set(kinds) == {ArgmaxRows}
+    assert set(kinds) == {ArgmaxRows} and logits_kinds == {True}
     kinds.clear()
+    logits_kinds.clear()
     asking = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     mixed = run(traced(make_engine(tiny_model_dir)),
                 [(0, rid, ids, asking if rid == "p0" else GREEDY) for rid, ids in prompts.items()])
-    assert set(kinds) == {SamplingBatch}
+    assert set(kinds) == {SamplingBatch} and logits_kinds == {False}
     assert {r: o.outputs[0].token_ids for r, o in mixed.items()} == {r: o.outputs[0].token_ids
                                                                      for r, o in plain.items()}
     assert mixed["p0"].outputs[0].logprobs and plain["p0"].outputs[0].logprobs is None

@@ -11,6 +11,10 @@
  * the two never compete for the cores). Built by build.py on first use.
  */
 #include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "kernels.h"
 #include "qgemm.h"
@@ -159,5 +163,73 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
         swiglu_rows(x + starts[e] * K, (int)rows[e], K, ((const float *const *)w)[e], N, y + starts[e] * N / 2,
                     task % nb);
     }
+    return 0;
+}
+
+/* Keep (v, j) over (*bv, *bj) as NumPy's argmax ranks them: the larger value, the lower index among equals, and the
+ * first NaN above everything. *bj < 0: nothing kept yet. */
+static inline void keep_best(float v, int64_t j, float *bv, int64_t *bj) {
+    if (*bj < 0 || v > *bv || (v != v && *bv == *bv)) {
+        *bv = v;
+        *bj = j;
+    }
+}
+
+/* Each row's argmax and max over the first n_valid columns of y = x @ W (float32 W in the column-blocked layout),
+ * without storing y: each thread computes its contiguous run of column blocks into its own [M, COLS] tile and ranks
+ * the tile while it is in L1. A greedy step needs no more of the lm_head; the [M, N] logits would otherwise be
+ * written and read back cold (256 rows x 4096 columns: a 4 MB pass). best_idx / best_val: [M]. Returns 0, or -1 out
+ * of memory. */
+int ernie_gemm_argmax(const float *x, int M, int K, const float *w, int N, int n_valid, int64_t *best_idx,
+                      float *best_val) {
+    const int nb = N / COLS, threads = ernie_threads();
+    float *tiles = malloc(sizeof(float) * (size_t)threads * M * COLS + sizeof(float) * (size_t)threads * M);
+    int64_t *part_idx = malloc(sizeof(int64_t) * (size_t)threads * M);
+    if (!tiles || !part_idx) {
+        free(tiles);
+        free(part_idx);
+        return -1;
+    }
+    float *part_val = tiles + (size_t)threads * M * COLS;
+    for (int64_t i = 0; i < (int64_t)threads * M; i++) part_idx[i] = -1;
+    #pragma omp parallel THREADS
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int t = 0, nt = 1;
+#endif
+        float *tile = tiles + (size_t)t * M * COLS, *bv = part_val + (size_t)t * M;
+        int64_t *bj = part_idx + (size_t)t * M;
+        const int b0 = (int)((int64_t)nb * t / nt), b1 = (int)((int64_t)nb * (t + 1) / nt);
+        for (int b = b0; b < b1 && b * COLS < n_valid; b++) {
+            column_block(x, M, K, w, COLS, tile, b);
+            const int width = n_valid - b * COLS < COLS ? n_valid - b * COLS : COLS;
+            for (int m = 0; m < M; m++) {
+                const float *r = tile + m * COLS;
+#ifdef ERNIE_VF16
+                /* Most blocks hold nothing above the row's best so far: two vector compares decide that. NaN is
+                 * "not <=" too, so a NaN always takes the exact path; a best that is NaN already stays. */
+                if (width == COLS && bj[m] >= 0 && !vf16_any_above_or_nan(vf16_load(r), bv[m])
+                    && !vf16_any_above_or_nan(vf16_load(r + 16), bv[m]))
+                    continue;
+#endif
+                for (int j = 0; j < width; j++) keep_best(r[j], (int64_t)b * COLS + j, &bv[m], &bj[m]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {  /* the threads' runs in column order, then a last partial block */
+        best_idx[m] = -1;
+        for (int t = 0; t < threads; t++)
+            if (part_idx[(size_t)t * M + m] >= 0)
+                keep_best(part_val[(size_t)t * M + m], part_idx[(size_t)t * M + m], &best_val[m], &best_idx[m]);
+        for (int n = nb * COLS; n < n_valid; n++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * w[((int64_t)nb * K + k) * COLS + n % COLS];
+            keep_best(acc, n, &best_val[m], &best_idx[m]);
+        }
+    }
+    free(tiles);
+    free(part_idx);
     return 0;
 }

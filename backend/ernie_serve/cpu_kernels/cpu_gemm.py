@@ -148,6 +148,22 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
     return y
 
 
+def gemm_argmax(x: np.ndarray, blocked: paddle.Tensor, n: int, n_valid: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's argmax and max over the first n_valid columns of (x [M, K] float32) @ W, W float32 in pack_columns'
+    layout with n columns; the [M, n] product is never stored (cpu_gemm.c's ernie_gemm_argmax). Ties go to the
+    lowest column and a NaN ranks above everything, as NumPy's argmax. Callers check available() first."""
+    lib = build.library()
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, k = x.shape
+    if not fits_layout(blocked.shape, k, n, 32) or not 0 < n_valid <= n:
+        raise ValueError(f"cpu_gemm.gemm_argmax: x [{m}, {k}] does not fit a float32 weight of {n} columns held as "
+                         f"{blocked.shape} (n_valid {n_valid})")
+    idx, best = np.empty(m, dtype=np.int64), np.empty(m, dtype=np.float32)
+    _check(lib.ernie_gemm_argmax(x.ctypes.data, m, k, blocked.data_ptr(), n, n_valid, idx.ctypes.data,
+                                 best.ctypes.data))
+    return idx, best
+
+
 def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: int,
              scales: list[paddle.Tensor] | None, bits: int, swiglu: bool = False, int_x: bool = False) -> paddle.Tensor:
     """Every expert's matmul in one call. x padded [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)

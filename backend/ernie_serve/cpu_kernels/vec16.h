@@ -32,6 +32,10 @@ static inline vf16 vf16_round(vf16 a) {
 /* a * 2^n for integer-valued n in [-150, 128] */
 static inline vf16 vf16_scale2(vf16 a, vf16 n) { return _mm512_scalef_ps(a, n); }
 static inline float vf16_reduce_add(vf16 a) { return _mm512_reduce_add_ps(a); }
+/* Whether some lane is > b, or is a NaN (the tests an argmax needs before it looks at the lanes one by one). */
+static inline int vf16_any_above_or_nan(vf16 a, float b) {
+    return _mm512_cmp_ps_mask(a, _mm512_set1_ps(b), _CMP_NLE_UQ) != 0;
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -81,6 +85,11 @@ static inline float vf16_reduce_add(vf16 a) {
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_movehdup_ps(q));
     return _mm_cvtss_f32(q);
+}
+static inline int vf16_any_above_or_nan(vf16 a, float b) {
+    const __m256 v = _mm256_set1_ps(b);
+    return (_mm256_movemask_ps(_mm256_cmp_ps(a.lo, v, _CMP_NLE_UQ))
+            | _mm256_movemask_ps(_mm256_cmp_ps(a.hi, v, _CMP_NLE_UQ))) != 0;
 }
 #undef VF16_BINARY
 #undef VF16_TERNARY

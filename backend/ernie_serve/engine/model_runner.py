@@ -113,9 +113,10 @@ class ModelRunner:
         rows_in_batch = self.input_batch.rows_for(keys, tables)
         meta, pos = self.input_batch.attention_metadata(rows_in_batch, np.array(starts, dtype=np.int64),
                                                         np.array(q_lens, dtype=np.int64), MAX_BATCHED_QUERY)
+        sampling = batch.build() if rows else None
         step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta, np.asarray(rows, dtype=np.int64),
-                                    so.kv_ops, np.asarray(keys, dtype=np.int64))
-        return PreparedStep(step, batch.build() if rows else None, owners,
+                                    so.kv_ops, np.asarray(keys, dtype=np.int64), type(sampling) is ArgmaxRows)
+        return PreparedStep(step, sampling, owners,
                             _step_rows(order, meta) if self.drafter is not None else None)
 
     def run(self, prepared: PreparedStep) -> ModelRunnerOutput:

@@ -14,7 +14,7 @@ from ..model.ernie import ErnieForCausalLM
 from ..model.host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
-from ..step_contract import KVOp, StepInput, apply_kv_ops
+from ..step_contract import ArgmaxLogits, KVOp, StepInput, apply_kv_ops
 
 
 class ModelShard:
@@ -55,9 +55,10 @@ class ModelShard:
         apply_kv_ops(ops, self.cache, self.host_cache)
 
     @paddle.no_grad()
-    def execute(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | None]:
-        """KV ops, then the forward: (final hidden states [T, H], logits [R, vocab] of step.sample_rows);
-        None for what the step has not got (no tokens: a KV-ops-only step; no rows to sample)."""
+    def execute(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | ArgmaxLogits | None]:
+        """KV ops, then the forward: (final hidden states [T, H], logits [R, vocab] of step.sample_rows, or on an
+        argmax-only step their ArgmaxLogits where the model computes those); None for what the step has not got
+        (no tokens: a KV-ops-only step; no rows to sample)."""
         self.apply_kv_ops(step.kv_ops)
         if not step.num_tokens:
             return None, None
@@ -66,6 +67,10 @@ class ModelShard:
         if not step.sample_rows.size:
             return hidden, None
         picked = paddle.index_select(hidden, to_paddle(step.sample_rows))
+        if step.argmax_only:
+            reduced = self.model.compute_argmax(picked)
+            if reduced is not None:
+                return hidden, ArgmaxLogits(*reduced)
         return hidden, self.model.compute_logits(picked)
 
 

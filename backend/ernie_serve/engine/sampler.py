@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..sampling_params import GREEDY_EPSILON, SamplingParams
-from ..step_contract import DeviceLogits, LogitEdits, TopLogprobs
+from ..step_contract import ArgmaxLogits, DeviceLogits, LogitEdits, TopLogprobs
 from .guided import GrammarRows, grammar_masks
 
 if TYPE_CHECKING:
@@ -98,6 +98,8 @@ class Sampler:
                  batch: SamplingBatch | ArgmaxRows) -> SamplerOutput:
         if type(batch) is ArgmaxRows:
             return _argmax_rows(logits, batch.num_rows)
+        if isinstance(logits, ArgmaxLogits):
+            raise TypeError("ArgmaxLogits can only be sampled as ArgmaxRows (the step was marked argmax_only)")
         if isinstance(logits, DeviceLogits):
             return _sample_on_device(logits, batch, self.method)
         raw = _as_float32_matrix(logits)
@@ -148,7 +150,7 @@ class Sampler:
 def _argmax_rows(logits: "np.ndarray | paddle.Tensor | DeviceLogits", num_rows: int) -> SamplerOutput:
     """Every row's argmax, read in one pass over the logits (a row's max is the logit its argmax points at); a row
     with no finite logit fails alone, as in the full pipeline."""
-    if isinstance(logits, DeviceLogits):
+    if isinstance(logits, (DeviceLogits, ArgmaxLogits)):
         token_ids, row_max = logits.argmax()
     else:
         raw = _as_float32_matrix(logits)

@@ -133,6 +133,16 @@ class ErnieForCausalLM(nn.Layer):
                         setattr(parent, name, served)  # the loaded parameters are freed with the old layer
         self.cpu_layers = CpuDecoderStack.build(self)
 
+    def compute_argmax(self, hidden: paddle.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each row's argmax and largest logit without the logits (cpu_gemm.gemm_argmax), where the head is a float32
+        BlockedLinear this process holds whole; None elsewhere (the caller takes compute_logits)."""
+        head = self.lm_head
+        if type(head) is not BlockedLinear or self.layout.is_parallel:
+            return None
+        x = np.from_dlpack(hidden.astype("float32").reshape([-1, head.in_features]))
+        return cpu_gemm.gemm_argmax(x, head.weight_blocked, head.out_features,
+                                    min(self.num_output_ids, head.out_features))
+
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits over the whole vocabulary (a tensor-parallel rank computes its columns, then all-gathers)."""
         if self.lm_head is None:
