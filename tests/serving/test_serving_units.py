@@ -715,3 +715,70 @@ def test_fd_log_dir_holds_the_servers_and_the_shims_logs(tmp_path, monkeypatch, 
     monkeypatch.setenv("FD_LOG_DIR", str(tmp_path / "file" / "log"))
     assert main(["--run-dir", str(tmp_path / "run3")]) == 2
     assert "FD_LOG_DIR=" in capsys.readouterr().err
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+COALESCE_CASES = [  # (reasoning parser, tool parser, what the model writes)
+    (None, None, "Hello there, the weather is fine today."),
+    ("ernie-x1", None, "Let me think about it.\n</think>\n\n<response>\nIt is sunny in Paris.\n</response>"),
+    ("ernie-x1", "ernie-x1", 'I should call the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+                             '"arguments": {"city": "Paris", "days": 2}}\n</tool_call>'),
+]
+
+
+@pytest.mark.parametrize("reasoning, tool, text", COALESCE_CASES)
+def test_coalesced_responses_give_the_same_result_as_one_token_each_and_as_non_streamed(tokenizer, reasoning, tool,
+                                                                                         text):
+    """When the consumer lags, ernie_moe sends several steps' tokens in one response (stream_interval too): the
+    detokenizer stage (ids decoded here, then the chat parsers) must give the same reasoning, content and tool calls
+    whatever the grouping, as the non-streamed request's one response."""
+    import random
+
+    from ernie_serve.sampling_params import SamplingParams
+
+    pre = Preprocessor(tokenizer, 512, reasoning, tool)
+    fields = {"messages": s(json.dumps([{"role": "user", "content": "weather?"}])), "stream": np.array([[True]])}
+    if tool:
+        fields["tools"] = s(json.dumps(TOOLS))
+    prompt, payload = pre.encode(parse_request(fields))
+    meta = dict(payload["meta"], decode_ids={
+        "skip_special_tokens": SamplingParams.from_dict(payload["sampling"]).skip_special_tokens})
+    ids = tokenizer.encode(text)
+
+    def run(groups: list[list[int]], key: str) -> tuple[str, str, list]:
+        post, done, reasoning_out, content, calls = Postprocessor(tokenizer), 0, [], [], []
+        for index, group in enumerate(groups):
+            done += len(group)
+            r = moe_response(key, index, "", finish="stop" if index == len(groups) - 1 else "", meta=meta)
+            r["token_ids"] = np.array([group], np.int32).reshape(1, -1)
+            r["num_output_tokens"] = i32(done)
+            r["prompt_ids"] = np.array([prompt if index == 0 else []], np.int32).reshape(1, -1)
+            out = post.process(r)
+            reasoning_out.append(out["reasoning_content"][0, 0].decode())
+            content.append(text_of(out))
+            raw = out["tool_calls"][0, 0].decode()
+            calls.extend(json.loads(raw) if raw else [])
+        assert post.num_states == 0
+        merged: dict[int, dict] = {}  # OpenAI's streamed tool-call deltas, assembled by index
+        for c in calls:
+            m = merged.setdefault(c.get("index", 0), {"name": "", "arguments": ""})
+            fn = c.get("function") or {}
+            m["name"] += fn.get("name") or ""
+            m["arguments"] += fn.get("arguments") or ""
+        return "".join(reasoning_out), "".join(content), [merged[k] for k in sorted(merged)]
+
+    whole = run([ids], "whole")
+    one_each = run([[t] for t in ids], "each")
+    rng = random.Random(0)
+    for trial in range(5):
+        groups, i = [], 0
+        while i < len(ids):
+            n = rng.randint(1, 6)
+            groups.append(ids[i:i + n])
+            i += n
+        assert run(groups, f"c{trial}") == one_each == whole, groups
+    if reasoning:
+        assert whole[0].strip() and (whole[1].strip() or whole[2])
+    if tool:
+        assert [c["name"] for c in whole[2]] == ["get_weather"]
+        assert json.loads(whole[2][0]["arguments"]) == {"city": "Paris", "days": 2}
