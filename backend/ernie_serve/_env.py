@@ -12,9 +12,9 @@ Intel's OpenMP runtime (libiomp5, which Paddle loads; our cpu_kernels' OpenMP re
 worker threads spinning for 200 ms after each parallel region (KMP_BLOCKTIME). Between two steps of a served
 engine those spinning workers take the cores that tritonserver, the detokenizer stub and the client need: on this
 2-core box ernie_moe spent 0.44 ms of CPU a streamed token with the default and 0.27 with KMP_BLOCKTIME=0, and the
-gRPC stream's tok/s rose by 16-23% (`scripts/served_ab.py --b-env KMP_BLOCKTIME=200`: medians of 8 alternating
-runs of two servers, 64 streams x 256 tokens). Offline throughput did not move beyond this box's noise. So the
-workers sleep at once unless the user chose otherwise.
+gRPC stream's tok/s rose by 16-26% (medians of 8 alternating runs of two servers, 64 streams x 256 tokens, each side
+first once; `scripts/served_ab.py --b-env KMP_BLOCKTIME=200` reruns it). Offline throughput did not move beyond this
+box's noise. So the workers sleep at once unless the user chose otherwise.
 
 And glibc hands every allocation over 128 KB back to the kernel when it is freed, so each big activation of a
 prefill step (a few MB each, hundreds a step) is faulted in afresh, page by page: measured here, an RMSNorm over
