@@ -62,6 +62,7 @@ def admit(kv: KVCacheManager, sim: SimulatedKV, req: Request) -> bool:
     n = req.num_tokens - req.num_computed_tokens - len(hits) * kv.block_size
     if not kv.allocate_slots(req, n, hits):
         return False
+    req.num_computed_tokens += len(hits) * kv.block_size  # the scheduler's part: the hit blocks hold KV
     sim.apply_ops()
     sim.assert_kv_matches(req)  # the hit blocks already hold this prefix's KV
     sim.compute(req, n)
@@ -170,6 +171,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     assert admit(kv, sim, parent)
     child = make_request("c", [1, 2, 3, 4, 5])
     assert kv.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens  # the scheduler's part
     sim.apply_ops()
     assert child.block_ids[:2] == parent.block_ids[:2] and child.block_ids[2] != parent.block_ids[2]
     sim.assert_kv_matches(child)
@@ -237,6 +239,7 @@ def test_random_operations_keep_the_invariants(seed):
             counter += 1
             child = make_request(f"r{counter}", parent.all_token_ids)
             if kv.fork(parent, child):
+                child.num_computed_tokens = parent.num_computed_tokens
                 sim.apply_ops()
                 live.append(child)
         for req in live:

@@ -174,8 +174,9 @@ class KVCacheManager:
                        prefix_hits: list[tuple[str, int, int]] | None = None) -> bool:
         """Make the request's blocks cover num_computed_tokens + num_new_tokens; False if the pool is short.
 
-        With prefix_hits (at admission, from lookup_prefix) the hit blocks join the request and its
-        num_computed_tokens moves past them.
+        With prefix_hits (at admission, from lookup_prefix) the hit blocks join the request first: its KV now
+        covers len(prefix_hits) * block_size tokens more, which the scheduler (the one writer of a request's
+        num_computed_tokens) applies.
         """
         covered = len(req.block_ids) * self.block_size
         if prefix_hits is None and req.num_computed_tokens + num_new_tokens <= covered:
@@ -197,17 +198,13 @@ class KVCacheManager:
         req.block_ids.extend(bid if tier == "device" else next(swapped) for tier, bid, _ in hits)
         if prefix_hits is not None:  # an admission looked the prefix up
             self._record_lookup(req, hits)
-        req.num_computed_tokens += n_hit_tokens
         req.block_ids.extend(self.pool.allocate(need_new))
         return True
 
     def _record_lookup(self, req: Request, hits: list[tuple[str, int, int]]) -> None:
         """Every admission is one query (a recompute after preemption looks up again, and its hits save
-        real work), so hit_rate = hit_tokens / query_tokens stays a true ratio; the request reports
-        the hit of its first scheduling."""
+        real work), so hit_rate = hit_tokens / query_tokens stays a true ratio."""
         n = len(hits) * self.block_size
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = n
         self.stats.queries += 1
         self.stats.query_tokens += req.num_tokens
         self.stats.hits += bool(hits)
@@ -234,7 +231,8 @@ class KVCacheManager:
         self._registered.pop(req.request_id, None)
 
     def fork(self, parent: Request, child: Request) -> bool:
-        """Share the parent's full blocks with the child; copy its partial last block. False if no block."""
+        """Share the parent's full blocks with the child; copy its partial last block. False if no block. The child's
+        KV then covers the parent's num_computed_tokens (the scheduler sets it)."""
         full = parent.num_computed_tokens // self.block_size
         partial = parent.num_computed_tokens % self.block_size
         if partial and self.pool.num_free < 1:
@@ -246,7 +244,6 @@ class KVCacheManager:
             (dst,) = self.pool.allocate(1)
             self.pool.ops.append(KVOp("copy", parent.block_ids[full], dst))
             child.block_ids.append(dst)
-        child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes[:full])
         self._registered[child.request_id] = min(full, self._registered.get(parent.request_id, 0))
         return True

@@ -113,8 +113,12 @@ class Scheduler:
             if n < remaining and (not self.config.enable_chunked_prefill
                                   or partial >= self.config.max_num_partial_prefills):
                 break
-            if not self.kv.allocate_slots(req, self._with_lookahead(req, n, len(hits) * self.kv.block_size), hits):
+            hit_tokens = len(hits) * self.kv.block_size
+            if not self.kv.allocate_slots(req, self._with_lookahead(req, n, hit_tokens), hits):
                 break
+            req.num_computed_tokens += hit_tokens
+            if req.num_cached_tokens < 0:  # the hit of its first scheduling is what the request reports
+                req.num_cached_tokens = hit_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -202,6 +206,7 @@ class Scheduler:
 
     def _start_fork(self, parent: Request, child: Request) -> None:
         if self.kv.fork(parent, child):
+            child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
             self.running.append(child)
         else:  # no block for the partial copy: it recomputes the prompt like a preempted request
