@@ -10,6 +10,9 @@ from typing import Any
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 EXECUTION_BACKENDS = ("auto", "reference", "kernels")
+# --dtype (vLLM's and FastDeploy's flag): the activation / float-weight dtype, with vLLM's aliases
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+          "half": "float16"}
 # FastDeploy's --guided-decoding-backend: structured outputs run on llguidance ("guidance", what "auto" picks)
 GUIDED_DECODING_BACKENDS = ("auto", "guidance", "off")
 DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV pool on CPU when kv_cache_memory is not given
@@ -70,6 +73,10 @@ class EngineConfig:
     # vLLM's --async-scheduling: step n+1 is scheduled and started before step n's outputs are made, so output
     # processing overlaps the forward (same tokens; a request that stops on a string computes one token more)
     async_scheduling: bool = False
+    # The dtype activations and float weights compute in: "auto" is what the backend runs well (bfloat16 on the
+    # kernels backend's GPU, float32 in triton's interpreter and on the CPU reference backend); another value is
+    # checked against the backend at start-up and refused with what it supports.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, str):
@@ -97,6 +104,8 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         need(self.block_size >= 1, "block_size", "must be >= 1")
         need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        need(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        self.dtype = DTYPES[self.dtype]
         need(self.execution_backend in EXECUTION_BACKENDS, "execution_backend",
              f"must be one of {', '.join(EXECUTION_BACKENDS)}")
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
@@ -216,6 +225,11 @@ class EngineConfig:
             if self.use_cudagraph:
                 refuse("use_cudagraph", "CUDA graphs replay the kernels backend's decode steps on a GPU; the "
                                         "reference backend has none (use execution_backend='kernels')")
+            if self.dtype not in ("auto", "float32"):
+                bf16 = (f" (a bfloat16 path for CPUs with AVX512-BF16 is not built yet; {cpu_flag_note('avx512_bf16')})"
+                        if self.dtype == "bfloat16" else "")
+                refuse("dtype", f"the reference (CPU) backend computes in float32 only{bf16}; use dtype 'auto' or "
+                                "'float32' (on a GPU, execution_backend='kernels' computes in bfloat16)")
         elif self.use_cudagraph and self.tensor_parallel_size > 1:
             refuse("use_cudagraph", f"CUDA graphs with tensor_parallel_size={self.tensor_parallel_size} are not "
                                     "supported yet: capturing the ranks' collectives in a graph is unverified; serve "
@@ -266,6 +280,18 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def cpu_flag_note(flag: str) -> str:
+    """'this CPU has <flag>' or 'this CPU lacks <flag>' from /proc/cpuinfo (unknown elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is None:
+        return f"whether this CPU has {flag} is unknown"
+    return f"this CPU {'has' if flag in flags else 'lacks'} {flag}"
 
 
 def host_memory_bytes() -> tuple[int, int]:

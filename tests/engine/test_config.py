@@ -15,6 +15,8 @@ REFUSED = [
     ("kv_cache_ratio", 0.5, "V0 scheduler"),
     ("load_choices", "default", "only 'default_v1'"),
     ("use_cudagraph", True, "CUDA graphs replay the kernels backend's decode steps"),
+    ("dtype", "bfloat16", "computes in float32 only (a bfloat16 path for CPUs with AVX512-BF16 is not built yet"),
+    ("dtype", "float16", "use dtype 'auto' or 'float32'"),
 ]
 
 
@@ -40,7 +42,8 @@ def test_execution_backend_names_are_checked_and_auto_follows_the_gpu():
 
 
 @pytest.mark.parametrize("flags", [["--use-cudagraph", "--execution-backend", "reference"],
-                                   ["--kv-cache-ratio", "0.5"], ["--enable-expert-parallel"]])
+                                   ["--kv-cache-ratio", "0.5"], ["--enable-expert-parallel"],
+                                   ["--dtype", "bfloat16", "--execution-backend", "reference"]])
 def test_the_server_refuses_them_before_starting_anything(flags, capsys):
     assert main(flags) == 2
     assert "is not supported" in capsys.readouterr().err
@@ -146,3 +149,44 @@ def test_cache_queue_port_is_the_prefill_servers_and_is_checked(kw, hint):
     with pytest.raises(ValueError, match=hint):
         EngineConfig(**kw)
     EngineConfig(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=8183)
+
+
+def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32(tiny_model_dir):
+    """--dtype as vLLM / FastDeploy users type it: aliases normalized, unknown names refused, and 'float32' (or
+    'auto') runs the reference backend; the bf16 refusal says whether this CPU has the instruction it would need."""
+    from ernie_serve.config import cpu_flag_note
+
+    assert EngineConfig(dtype="float", execution_backend="reference").dtype == "float32"
+    assert EngineConfig(dtype="half", execution_backend="kernels").dtype == "float16"
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
+        EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match=cpu_flag_note("avx512_bf16")):
+        EngineConfig(dtype="bfloat16", execution_backend="reference")
+    engine = make_engine(tiny_model_dir, dtype="float32", execution_backend="reference")
+    engine.add_request("a", [5, 17, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.close()
+
+
+def test_the_kernels_backend_takes_its_own_dtype_and_refuses_the_others():
+    from ernie_serve.kernels_backend.loading import check_runtime
+
+    class Ops:
+        name = "torch"
+
+        def __init__(self, on_gpu: bool):
+            self.on_gpu = on_gpu
+            self.act_dtype = "bfloat16" if on_gpu else "float32"
+
+        def device_count(self) -> int:
+            return 1
+
+    gpu, interpreted = Ops(True), Ops(False)
+    check_runtime(gpu, EngineConfig(execution_backend="kernels", dtype="bfloat16"))
+    check_runtime(gpu, EngineConfig(execution_backend="kernels", dtype="auto"))
+    with pytest.raises(ValueError, match="dtype='float16' is not supported: the kernels backend computes in "
+                                         "bfloat16 on a GPU"):
+        check_runtime(gpu, EngineConfig(execution_backend="kernels", dtype="half"))
+    with pytest.raises(ValueError, match="computes in float32 in triton's CPU interpreter"):
+        check_runtime(interpreted, EngineConfig(execution_backend="kernels", dtype="bfloat16"))

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 def check_runtime(ops: TensorOps, config: EngineConfig) -> None:
     """The kernels need a GPU, or triton's CPU interpreter (tests); CPU-only flags and GPU-only flags are refused
     where they cannot take effect."""
+    if config.dtype not in ("auto", ops.act_dtype):
+        where = "on a GPU" if ops.on_gpu else "in triton's CPU interpreter"
+        raise ValueError(f"dtype={config.dtype!r} is not supported: the kernels backend computes in {ops.act_dtype} "
+                         f"{where} (dtype 'auto' or {ops.act_dtype!r})")
     if not ops.on_gpu:
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"execution_backend='kernels' needs a CUDA GPU and {ops.name} sees none; on a CPU the "
