@@ -2,7 +2,7 @@
 
     ernie-openai --triton-url localhost:8001 --port 9000 [--host 127.0.0.1] [--model-name ernie]
                  [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--max-waiting-time S]
-                 [--request-timeout S]
+                 [--request-timeout S] [--tokenizer DIR [--max-model-len N] [--chat-template T]]
                  [--graceful-shutdown-seconds S]
 """
 from __future__ import annotations
@@ -32,6 +32,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a request may take before it is cancelled with 504 (default: no limit)")
     p.add_argument("--graceful-shutdown-seconds", type=float, default=10.0,
                    help="on SIGTERM, how long open streams may run on before they are cut")
+    p.add_argument("--tokenizer", default=None,
+                   help="the served model's directory (its tokenizer) for /tokenize, /detokenize, /tokenizer_info")
+    p.add_argument("--max-model-len", type=int, default=None, help="the server's, reported by /tokenize")
+    p.add_argument("--chat-template", default=None, help="the server's --chat-template, if it has one")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_concurrency < 1:
@@ -49,7 +53,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(triton_url=args.triton_url, model_name=args.model_name,
                         served_model_name=args.served_model_name, api_key=args.api_key,
                         max_concurrency=args.max_concurrency, request_timeout=args.request_timeout,
-                        max_waiting_time=args.max_waiting_time)
+                        max_waiting_time=args.max_waiting_time, tokenizer=args.tokenizer,
+                        max_model_len=args.max_model_len, chat_template=args.chat_template)
 
 
 def main(argv: list[str] | None = None) -> None:

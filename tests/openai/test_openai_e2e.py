@@ -422,3 +422,14 @@ def test_client_disconnect_mid_stream_frees_its_kv_blocks(shim, triton):
         assert _engine_metric(triton, "ernie:kv_cache_usage_perc") > 0
     _wait(lambda: _idle(triton), 20, "the abandoned request's KV blocks to be freed")
     assert _engine_metric(triton, "ernie:generation_tokens_total") - generated_before < 1500
+
+
+def test_tokenize_counts_the_prompt_tokens_the_server_counts(other_shim, tiny_model_dir):
+    """/tokenize against the real server's usage: the same count for a text prompt and for a chat."""
+    running, client = other_shim(tokenizer=str(tiny_model_dir), max_model_len=2048)
+    prompt, chat = "Tell me about the weather", [{"role": "user", "content": "Tell me about the weather"}]
+    counted = httpx.post(f"{running.url}/tokenize", json={"prompt": prompt}).json()["count"]
+    assert client.completions.create(model="ernie", prompt=prompt, max_tokens=1).usage.prompt_tokens == counted
+    counted = httpx.post(f"{running.url}/tokenize", json={"messages": chat}).json()["count"]
+    assert client.chat.completions.create(model="ernie", messages=chat,
+                                          max_tokens=1).usage.prompt_tokens == counted

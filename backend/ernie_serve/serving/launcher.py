@@ -352,7 +352,8 @@ class TritonServer:
             return
         cmd = [sys.executable, "-m", "ernie_client.openai_server", "--triton-url", self.grpc_url,
                "--host", self.host, "--port", str(self.openai_port),
-               "--graceful-shutdown-seconds", str(self.drain_timeout + 5), *self.openai_args]
+               "--graceful-shutdown-seconds", str(self.drain_timeout + 5), *self._shim_tokenizer_args(),
+               *self.openai_args]
         env = server_env(self._install)
         if self.api_key:
             env["ERNIE_OPENAI_API_KEY"] = self.api_key  # not on the command line, where `ps` shows it
@@ -361,6 +362,18 @@ class TritonServer:
             return
         with open(self.openai_log_path, "wb") as out:
             self._openai = _Child(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def _shim_tokenizer_args(self) -> list[str]:
+        """The served model's tokenizer, max_model_len and chat template, for the shim's /tokenize & co."""
+        from ..config import EngineConfig
+        from .loading import model_dir
+
+        def get(key: str) -> str:
+            return (self.settings.get(key) or self.settings.get(key.replace("_", "-")) or "").strip()
+
+        args = ["--tokenizer", get("tokenizer") or str(model_dir({"model": get("model")})),
+                "--max-model-len", get("max_model_len") or str(EngineConfig.max_model_len)]
+        return args + (["--chat-template", get("chat_template")] if get("chat_template") else [])
 
     def _get(self, path: str) -> urllib.request.Request:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

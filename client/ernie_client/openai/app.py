@@ -23,6 +23,7 @@ from .mapping import Job, chat_jobs, completion_jobs
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, lone_surrogate_path
 from .sse import SSEResponse
+from .tokenization import Tokenization, tokenization_router
 from .triton import TritonBackend
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ class ServerConfig:
     max_concurrency: int = 512
     request_timeout: float | None = None    # seconds, whole request; None = no limit
     max_waiting_time: float | None = None   # seconds over max_concurrency waits for a slot; None: 429 at once
+    # the served model's tokenizer directory, its --max-model-len and --chat-template, for /tokenize & co
+    tokenizer: str | None = None
+    max_model_len: int | None = None
+    chat_template: str | None = None
 
     @property
     def public_name(self) -> str:
@@ -206,6 +211,10 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
         metrics.requests.labels("/v1/models", "200").inc()
         return {"object": "list", "data": [{"id": config.public_name, "object": "model", "created": 0,
                                             "owned_by": "ernie-triton", "root": config.model_name}]}
+
+    tokenization = (Tokenization(config.tokenizer, config.max_model_len, config.chat_template)
+                    if config.tokenizer else None)
+    app.include_router(tokenization_router(tokenization, check_auth, check_model))
 
     # ------------------------------------------------------------------ generation
     async def serve(request: Request, endpoint: str, jobs: list[Job], states: list[ChoiceState], stream: bool,
