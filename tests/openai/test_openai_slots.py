@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ernie_client.openai.app import _Slots
+from ernie_client.openai.admission import ConcurrencySlots as _Slots
 from ernie_client.openai.errors import OpenAIError
 from ernie_client.openai.metrics import Metrics
 
