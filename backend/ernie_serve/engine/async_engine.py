@@ -28,7 +28,8 @@ from ..config import EngineConfig
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from .kv_transfer import KVTransfer
-from .llm_engine import EngineCapacityError, LLMEngine, RequestGroup
+from .input_processor import RequestGroup
+from .llm_engine import EngineCapacityError, LLMEngine
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput, "Exception | None"], None]

@@ -2,15 +2,11 @@
 engine/async_engine.py puts it behind a thread-safe front."""
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
@@ -19,6 +15,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .executor_factory import load_executor
 from .guided import GrammarCompiler
+from .input_processor import InputProcessor, RequestGroup
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner
@@ -34,15 +31,6 @@ _NO_DELTA: tuple[list[int], str] = ([], "")
 
 class EngineCapacityError(RuntimeError):
     """The KV pool cannot take what was asked right now (e.g. a transferred sequence)."""
-
-
-@dataclass
-class RequestGroup:
-    """A validated request, ready to queue: its n sequences and their text states. Built without touching
-    engine state, so a server front can build it (and refuse bad input) off the step thread."""
-    request_id: str
-    requests: list[Request]
-    texts: list[TextState]
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
@@ -88,10 +76,11 @@ class LLMEngine:
         # guided decoding: grammars compiled on the callers' threads, cached per grammar
         self.grammars = GrammarCompiler(self.tokenizer, self.num_output_ids, self.eos_token_ids) \
             if self.tokenizer is not None and self.eos_token_ids else None
+        self.inputs = InputProcessor(config, self.model_config.vocab_size, self.num_output_ids, self.tokenizer,
+                                     self.eos_token_ids, self.grammars)
         self.requests: dict[str, list[Request]] = {}  # external id -> its n sequences
         self.texts: dict[str, TextState] = {}
         self.held_kv: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export
-        self._seed_counter = itertools.count()
         # async_scheduling: one thread runs each step's forward and sampling, the step in flight is _inflight
         self._forward: ThreadPoolExecutor | None = None
         self._inflight: tuple[SchedulerOutput, Future] | None = None
@@ -137,53 +126,9 @@ class LLMEngine:
 
     def make_request_group(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                            hold_kv: bool = False) -> RequestGroup:
-        """Validate a request against this engine and build its sequences; touches no engine state."""
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {limit}: "
-                             f"it must leave room for at least one generated token")
-        p = sampling_params
-        if p.logprobs is not None and not self.config.enable_logprob:
-            raise ValueError("logprobs are off on this server: start it with --enable-logprob")
-        if p.logprobs is not None and p.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {p.logprobs}")
-        bad_stop = [t for t in p.stop_token_ids if not 0 <= t < vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad_stop[:3]}")
-        bad_bias = [t for t in p.logit_bias or () if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad_bias[:3]}")
-        banned_early = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        if p.min_tokens > 0 and len(banned_early) >= self.num_output_ids and \
-                banned_early >= set(range(self.num_output_ids)):
-            raise ValueError(f"min_tokens={p.min_tokens} with stop_token_ids covering every one of the "
-                             f"{self.num_output_ids} tokens leaves nothing to generate")
-        if self.tokenizer is None and (p.stop or p.bad_words):
-            raise ValueError("stop and bad_words need text: this engine runs with skip_tokenizer_init")
-        bad_words = [w for w in (self.tokenizer.encode(w) for w in p.bad_words) if w] if p.bad_words else []
-        if p.guided_decoding is not None and self.config.guided_decoding_backend == "off":
-            raise ValueError("guided_decoding is off on this server (guided_decoding_backend='off'): start it with "
-                             "--guided-decoding-backend auto for structured outputs and tool_choice 'required'")
-        if p.guided_decoding is not None and self.grammars is None:
-            raise ValueError("guided_decoding needs the tokenizer and an eos token: this engine runs with "
-                             "skip_tokenizer_init or its model has no eos_token_id")
-        max_tokens = min(p.max_tokens or limit, limit - len(ids))
-        group = []
-        for i in range(p.n):
-            rid = request_id if p.n == 1 else f"{request_id}#{i}"
-            seed = p.seed
-            rng = np.random.default_rng([seed, i] if seed is not None else [self.config.seed, next(self._seed_counter), 1])
-            guided = self.grammars.new_state(p.guided_decoding) if p.guided_decoding is not None else None
-            group.append(Request(rid, list(ids), p, self.eos_token_ids, max_tokens,
-                                 parent_id=request_id if p.n > 1 else None, index=i, generator=rng,
-                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided))
-        return RequestGroup(request_id, group, [TextState(self.tokenizer, r) for r in group])
+        """Validate a request against this engine and build its sequences (InputProcessor); touches no engine
+        state, so a server front calls it on its own thread."""
+        return self.inputs.make_group(request_id, prompt_token_ids, sampling_params, hold_kv)
 
     def add_request_group(self, group: RequestGroup) -> None:
         if group.request_id in self.requests:
