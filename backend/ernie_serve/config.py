@@ -86,7 +86,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192
         if self.execution_backend == "auto":
-            from .kernels_backend.framework import gpu_visible
+            from .devices import gpu_visible
 
             self.execution_backend = "kernels" if gpu_visible() else "reference"
         if not self.enable_chunked_prefill:

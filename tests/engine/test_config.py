@@ -34,7 +34,7 @@ def test_the_kernels_backend_runs_several_ranks_but_not_yet_their_cuda_graphs():
 
 
 def test_execution_backend_names_are_checked_and_auto_follows_the_gpu():
-    from ernie_serve.kernels_backend.framework import gpu_visible
+    from ernie_serve.devices import gpu_visible
 
     with pytest.raises(ValueError, match="execution_backend must be one of auto, reference, kernels"):
         EngineConfig(execution_backend="cuda")

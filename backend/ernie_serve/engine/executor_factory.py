@@ -92,7 +92,7 @@ def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieMode
                   block_size=c.block_size, world_size=c.tensor_parallel_size, expert_parallel=c.enable_expert_parallel,
                   mtp_source=(spec.get("model") or "") if mtp else None)
     if kernels:
-        from ..kernels_backend.framework import default_framework, gpu_visible
+        from ..devices import default_framework, gpu_visible
 
         framework, on_gpu = default_framework(), gpu_visible()
         # each rank sizes its own pool (kernels_backend/loading.py) and the ranks agree on the smallest

@@ -12,15 +12,13 @@ ERNIE_TENSOR_FRAMEWORK=paddle|torch picks one; by default Paddle when it is inst
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
 
-FRAMEWORK_ENV = "ERNIE_TENSOR_FRAMEWORK"
-FRAMEWORKS = ("paddle", "torch")
+from ..devices import FRAMEWORK_ENV, FRAMEWORKS, default_framework, installed
+
 
 
 class TensorOps:
@@ -571,38 +569,12 @@ def _numpy_view(t: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).reshape([int(s) for s in t.shape])
 
 
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def default_framework() -> str:
-    """ERNIE_TENSOR_FRAMEWORK, or Paddle when it is installed, else torch."""
-    return os.environ.get(FRAMEWORK_ENV) or ("paddle" if _installed("paddle") else "torch")
-
-
-def gpu_visible() -> bool:
-    """Whether the default framework sees a CUDA GPU (what execution_backend='auto' decides on)."""
-    name = default_framework()
-    if name not in FRAMEWORKS or not _installed(name):
-        return False
-    if name == "torch":
-        import torch
-
-        return bool(torch.cuda.is_available())
-    import paddle
-
-    return bool(paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
-
-
 def make_tensor_ops(name: str | None = None, device_index: int = 0) -> TensorOps:
     """The framework named (or the default one, see default_framework), on GPU `device_index` when there is one
     (a tensor-parallel rank's own GPU)."""
     name = name or default_framework()
     if name not in FRAMEWORKS:
         raise ValueError(f"{FRAMEWORK_ENV}={name!r}: supported: {', '.join(FRAMEWORKS)}")
-    if not _installed(name):
+    if not installed(name):
         raise ValueError(f"{FRAMEWORK_ENV}={name!r} but {name} is not installed")
     return PaddleOps(device_index) if name == "paddle" else TorchOps(device_index)

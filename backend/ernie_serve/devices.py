@@ -1,0 +1,38 @@
+"""Which tensor framework this process computes with and whether it sees a CUDA GPU.
+
+Neutral ground: the engine's config resolves execution_backend='auto' with it and the kernels backend picks its
+tensor operations with it, without the config importing the backend.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+FRAMEWORK_ENV = "ERNIE_TENSOR_FRAMEWORK"
+FRAMEWORKS = ("paddle", "torch")
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def default_framework() -> str:
+    """ERNIE_TENSOR_FRAMEWORK, or Paddle when it is installed, else torch."""
+    return os.environ.get(FRAMEWORK_ENV) or ("paddle" if installed("paddle") else "torch")
+
+
+def gpu_visible() -> bool:
+    """Whether the default framework sees a CUDA GPU (what execution_backend='auto' decides on)."""
+    name = default_framework()
+    if name not in FRAMEWORKS or not installed(name):
+        return False
+    if name == "torch":
+        import torch
+
+        return bool(torch.cuda.is_available())
+    import paddle
+
+    return bool(paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
