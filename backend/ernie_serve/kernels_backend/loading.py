@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def check_runtime(ops: TensorOps, config: EngineConfig) -> None:
     """The kernels need a GPU, or triton's CPU interpreter (tests); CPU-only flags and GPU-only flags are refused
     where they cannot take effect."""
-    if config.dtype not in ("auto", ops.act_dtype):
+    if config.dtype != "auto" and config.dtype != ops.act_dtype:
         where = "on a GPU" if ops.on_gpu else "in triton's CPU interpreter"
         raise ValueError(f"dtype={config.dtype!r} is not supported: the kernels backend computes in {ops.act_dtype} "
                          f"{where} (dtype 'auto' or {ops.act_dtype!r})")
