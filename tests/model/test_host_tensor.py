@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 import pytest
 
-from ernie_serve.model.host_tensor import empty_host, to_paddle
+from ernie_serve.host_tensor import empty_host, to_paddle
 
 
 def _objects() -> int:
@@ -40,7 +40,7 @@ def test_conversions_leave_no_objects_behind():
 
 
 def test_empty_weight_is_a_tensor_over_its_view_at_every_size():
-    from ernie_serve.model.host_tensor import empty_weight
+    from ernie_serve.host_tensor import empty_weight
 
     for shape in [(3, 5), (1024, 1024 * 3)]:  # small: ordinary memory; 12 MB: a 2 MB-aligned mapping
         t, view = empty_weight(shape, np.float32)

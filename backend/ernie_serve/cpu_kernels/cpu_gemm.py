@@ -12,7 +12,7 @@ import ctypes
 import numpy as np
 import paddle
 
-from ..model.host_tensor import empty_host, empty_weight
+from ..host_tensor import empty_host, empty_weight
 from ..quantization.formats import pack_int4, unpack_int4
 from . import build
 

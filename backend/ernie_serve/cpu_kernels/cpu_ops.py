@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from ..model.host_tensor import empty_host
+from ..host_tensor import empty_host
 from . import build
 
 

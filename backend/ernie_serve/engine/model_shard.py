@@ -11,7 +11,7 @@ import paddle
 
 from ..kv_blocks import KVBlocks
 from ..model.ernie import ErnieForCausalLM
-from ..model.host_tensor import to_paddle
+from ..host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
 from ..step_contract import ArgmaxLogits, KVOp, StepInput, apply_kv_ops

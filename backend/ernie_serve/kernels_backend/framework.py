@@ -402,7 +402,7 @@ class PaddleOps(TensorOps):
     def _from_host(self, a):
         if self.on_gpu:
             return self.paddle.to_tensor(a, place=self.place)
-        from ..model.host_tensor import to_paddle  # Paddle's own constructors leak a list per call on CPU
+        from ..host_tensor import to_paddle  # Paddle's own constructors leak a list per call on CPU
 
         return to_paddle(a)
 
@@ -474,7 +474,7 @@ class PaddleOps(TensorOps):
 
     def _write_rows(self, dst, view, a):
         if self.on_gpu:
-            from ..model.host_tensor import to_paddle
+            from ..host_tensor import to_paddle
 
             view.copy_(to_paddle(a), True)
         else:  # straight into the CPU buffer's memory: no Paddle constructor on the step path

@@ -19,7 +19,7 @@ import paddle
 
 from ..cpu_kernels import cpu_attention, cpu_ops
 from .attention_metadata import AttentionMetadata
-from .host_tensor import to_paddle
+from ..host_tensor import to_paddle
 from .kv_cache import PagedKVCache
 from .reference_attention import MASKED, FreshKV, PagedKV, batched_attention, tiled_causal_attention
 

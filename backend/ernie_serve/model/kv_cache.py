@@ -18,7 +18,7 @@ import paddle
 
 from ..kv_blocks import KVBlocks
 from ..quantization import formats as fmt
-from .host_tensor import to_paddle
+from ..host_tensor import to_paddle
 
 
 @dataclass

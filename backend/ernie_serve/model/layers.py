@@ -12,7 +12,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..cpu_kernels import cpu_gemm, cpu_ops
-from .host_tensor import to_paddle
+from ..host_tensor import to_paddle
 
 
 class RMSNorm(nn.Layer):

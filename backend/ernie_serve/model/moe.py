@@ -12,7 +12,7 @@ from paddle import nn
 
 from ..cpu_kernels import cpu_gemm, cpu_ops
 from .config import ErnieModelConfig
-from .host_tensor import empty_weight, to_paddle
+from ..host_tensor import empty_weight, to_paddle
 from .layers import MLP, silu_and_mul
 from .parallel import SINGLE_RANK, ParallelLayout
 

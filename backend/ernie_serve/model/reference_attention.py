@@ -18,7 +18,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from .host_tensor import to_paddle
+from ..host_tensor import to_paddle
 from .kv_cache import PagedKVCache, transpose
 
 MASKED = -1e30  # finite, so a fully masked row stays finite (and contributes nothing once a real key arrives)

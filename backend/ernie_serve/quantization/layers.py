@@ -18,7 +18,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ernie_serve.model.host_tensor import to_paddle
+from ernie_serve.host_tensor import to_paddle
 from ernie_serve.model.layers import silu_and_mul
 from ernie_serve.model.moe import grouped_expert_forward
 from ernie_serve.cpu_kernels import cpu_gemm
