@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .devices import cpu_flag_note, gpu_visible
+
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
 EXECUTION_BACKENDS = ("auto", "reference", "kernels")
@@ -86,8 +88,6 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192
         if self.execution_backend == "auto":
-            from .devices import gpu_visible
-
             self.execution_backend = "kernels" if gpu_visible() else "reference"
         if not self.enable_chunked_prefill:
             # Without chunking a whole prompt must fit one step.
@@ -280,18 +280,6 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def cpu_flag_note(flag: str) -> str:
-    """'this CPU has <flag>' or 'this CPU lacks <flag>' from /proc/cpuinfo (unknown elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
-    except OSError:
-        flags = None
-    if flags is None:
-        return f"whether this CPU has {flag} is unknown"
-    return f"this CPU {'has' if flag in flags else 'lacks'} {flag}"
 
 
 def host_memory_bytes() -> tuple[int, int]:

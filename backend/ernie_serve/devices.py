@@ -1,7 +1,8 @@
-"""Which tensor framework this process computes with and whether it sees a CUDA GPU.
+"""Which tensor framework this process computes with, whether it sees a CUDA GPU, and what its CPU can do.
 
-Neutral ground: the engine's config resolves execution_backend='auto' with it and the kernels backend picks its
-tensor operations with it, without the config importing the backend.
+Neutral ground: the engine's config resolves execution_backend='auto' and explains a refused dtype with it, the
+kernels backend picks its tensor operations and cpu_kernels keys its build with it, without the config importing
+either.
 """
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def gpu_visible() -> bool:
     import paddle
 
     return bool(paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
+
+
+def cpu_flags_line() -> str:
+    """This CPU's feature-flags line from /proc/cpuinfo ("flags" on x86, "Features" on Arm); "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def cpu_flag_note(flag: str) -> str:
+    """'this CPU has <flag>' or 'this CPU lacks <flag>', for messages that refuse what the CPU cannot run."""
+    line = cpu_flags_line()
+    if not line:
+        return f"whether this CPU has {flag} is unknown"
+    return f"this CPU {'has' if flag in line.split(':', 1)[-1].split() else 'lacks'} {flag}"

@@ -154,7 +154,7 @@ def test_cache_queue_port_is_the_prefill_servers_and_is_checked(kw, hint):
 def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32(tiny_model_dir):
     """--dtype as vLLM / FastDeploy users type it: aliases normalized, unknown names refused, and 'float32' (or
     'auto') runs the reference backend; the bf16 refusal says whether this CPU has the instruction it would need."""
-    from ernie_serve.config import cpu_flag_note
+    from ernie_serve.devices import cpu_flag_note
 
     assert EngineConfig(dtype="float", execution_backend="reference").dtype == "float32"
     assert EngineConfig(dtype="half", execution_backend="kernels").dtype == "float16"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import paddle
 
+from ..devices import cpu_flags_line
 from ..paths import build_dir
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def library() -> ctypes.CDLL | None:
         _failed = "ERNIE_CPU_KERNELS=0"
         return None
     key = hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES + _HEADERS) + str(_paddle_libs()).encode()
-                         + os.uname().machine.encode() + _cpu_flags().encode())
+                         + os.uname().machine.encode() + cpu_flags_line().encode())
     out = build_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     try:
         if not out.exists():
@@ -102,16 +103,6 @@ def library() -> ctypes.CDLL | None:
         _failed = detail.strip().splitlines()[-1] if detail.strip() else repr(e)
         log.warning("CPU kernels not built (%s): the CPU path runs on Paddle ops only (slower)", _failed)
     return _lib
-
-
-def _cpu_flags() -> str:
-    """This CPU's feature flags: -march=native builds for them, so a build directory carried to another CPU (one
-    without AVX-512, say) must not load a library that would stop on an illegal instruction."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 def available() -> bool:
