@@ -71,9 +71,13 @@ def takes_argmax_only(p: SamplingParams, has_bad_words: bool, guided: bool) -> b
     """Whether a request's every token is its logits' argmax, untouched: greedy, and none of the edits, masks or
     logprobs the pipeline above applies (min_tokens masks eos while the output is short). Decided once per
     request (Request.takes_argmax)."""
-    return (p.temperature < GREEDY_EPSILON and p.logprobs is None and not p.logit_bias and not has_bad_words
-            and not guided and p.min_tokens == 0 and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0)
+    return (p.temperature < GREEDY_EPSILON and p.logprobs is None and not has_bad_words and not guided
+            and p.min_tokens == 0 and not _biased_or_penalized(p))
+
+
+def _biased_or_penalized(p: SamplingParams) -> bool:
+    """A logit bias or a repetition / frequency / presence penalty: edits logit_edits makes whatever the output."""
+    return bool(p.logit_bias) or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 @dataclass
@@ -112,13 +116,11 @@ class Sampler:
         params = batch.params
         greedy = batch.greedy_rows
         argmax = None
-        if greedy.all() and work.size:  # one pass over the logits: a row's max is the logit its argmax points at
-            argmax = np.argmax(work, axis=1).astype(np.int64)
-            row_max = work[np.arange(work.shape[0]), argmax]
+        if greedy.all() and work.size:
+            argmax, row_max = _argmax_and_max(work)
         else:
             row_max = work.max(axis=1) if work.size else np.zeros(0, np.float32)
-        dead = ~np.isfinite(row_max)  # all -inf, or a NaN (argmax and max both take the NaN)
-        errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
+        dead, errors = _dead_rows(row_max)
         if errors:
             work = work.copy() if work is raw else work
             work[dead] = 0.0  # sampled only to keep the batch's shape
@@ -156,12 +158,23 @@ def _argmax_rows(logits: "np.ndarray | paddle.Tensor | DeviceLogits", num_rows: 
         raw = _as_float32_matrix(logits)
         if raw.shape[0] != num_rows or not raw.shape[1]:
             raise ValueError(f"logits of shape {list(raw.shape)} for {num_rows} argmax rows")
-        token_ids = np.argmax(raw, axis=1)
-        row_max = raw[np.arange(num_rows), token_ids]
-    dead = ~np.isfinite(row_max)
-    errors = {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
+        token_ids, row_max = _argmax_and_max(raw)
+    dead, errors = _dead_rows(row_max)
     token_ids = (np.where(dead, 0, token_ids) if errors else token_ids).astype(np.int64, copy=False)
     return SamplerOutput(token_ids=token_ids, logprobs=[None] * num_rows, errors=errors)
+
+
+def _argmax_and_max(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's argmax (int64) and largest value in one pass over x: a row's max is the value its argmax points
+    at."""
+    argmax = np.argmax(x, axis=1).astype(np.int64)
+    return argmax, x[np.arange(x.shape[0]), argmax]
+
+
+def _dead_rows(row_max: np.ndarray) -> tuple[np.ndarray, dict[int, str]]:
+    """The rows with no token left (largest logit -inf, or a NaN, which argmax and max both take) and their errors."""
+    dead = ~np.isfinite(row_max)
+    return dead, {int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)}
 
 
 def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch, method: str) -> SamplerOutput:
@@ -202,15 +215,15 @@ def _sample_on_device(logits: DeviceLogits, batch: SamplingBatch, method: str) -
             token_ids[v] = logits.verify(v, temperature[v], top_k[v], top_p[v], min_p[v],
                                          np.array([batch.draft_tokens[r] for r in v], dtype=np.int64),
                                          [batch.draft_probs[r] for r in v], u_accept, u_residual)
-    dead = ~np.isfinite(row_max)
+    dead, errors = _dead_rows(row_max)
     token_ids = np.where(dead, 0, token_ids).astype(np.int64)
     rows, n = _logprob_rows(params, logits.vocab_size)
     logprobs = [None] * len(params)
     if rows.size:
         logprobs = _logprob_dicts(rows, params, token_ids, logits.top_logprobs(rows, token_ids[rows], n))
-    for r in np.flatnonzero(dead):
+    for r in errors:
         logprobs[r] = None
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors={int(r): NO_TOKEN_LEFT for r in np.flatnonzero(dead)})
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs, errors=errors)
 
 
 def _generators(batch: SamplingBatch, rows: np.ndarray) -> list[np.random.Generator]:
@@ -240,8 +253,7 @@ def logit_edits(batch: SamplingBatch, vocab: int) -> LogitEdits | None:
     bias_keys, bias_vals, rep_keys, rep_vals, out_keys, mask_keys = [], [], [], [], [], []
     outputs, bad_words = batch.output_token_ids, batch.bad_words_ids
     for r, p in enumerate(batch.params):
-        if not (p.logit_bias or bad_words[r] or len(outputs[r]) < p.min_tokens or p.repetition_penalty != 1.0
-                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+        if not (bad_words[r] or len(outputs[r]) < p.min_tokens or _biased_or_penalized(p)):
             continue  # the usual row: nothing to edit (checked here, before any array is made for it)
         if p.logit_bias:
             ids = np.fromiter(p.logit_bias, dtype=np.int64, count=len(p.logit_bias))
