@@ -139,9 +139,7 @@ class ErnieForCausalLM(nn.Layer):
         head = self.lm_head
         if type(head) is not BlockedLinear or self.layout.is_parallel:
             return None
-        x = np.from_dlpack(hidden.astype("float32").reshape([-1, head.in_features]))
-        return cpu_gemm.gemm_argmax(x, head.weight_blocked, head.out_features,
-                                    min(self.num_output_ids, head.out_features))
+        return head.argmax(hidden, min(self.num_output_ids, head.out_features))
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """Logits over the whole vocabulary (a tensor-parallel rank computes its columns, then all-gathers)."""

@@ -76,10 +76,18 @@ class BlockedLinear(nn.Layer):
         """silu(gate) * up with the activation fused into the matmul (cpu_gemm.c), where the width allows."""
         return self._gemm(x, True) if cpu_gemm.swiglu_fits(self.out_features) else silu_and_mul(self(x))
 
+    def argmax(self, x: paddle.Tensor, n_valid: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's argmax and largest value over the first n_valid outputs, the outputs never stored
+        (cpu_gemm.gemm_argmax): what a greedy step needs of the lm_head."""
+        return cpu_gemm.gemm_argmax(self._rows(x), self.weight_blocked, self.out_features, n_valid)
+
     def _gemm(self, x: paddle.Tensor, swiglu: bool) -> paddle.Tensor:
-        x2 = x.astype("float32").reshape([-1, self.in_features])
-        y = cpu_gemm.gemm(np.from_dlpack(x2), self.weight_blocked, self.out_features, None, 32, swiglu)
+        y = cpu_gemm.gemm(self._rows(x), self.weight_blocked, self.out_features, None, 32, swiglu)
         return y.reshape(list(x.shape[:-1]) + [y.shape[-1]])
+
+    def _rows(self, x: paddle.Tensor) -> np.ndarray:
+        """x as float32 rows [*, in_features], viewed through DLPack (no copy)."""
+        return np.from_dlpack(x.astype("float32").reshape([-1, self.in_features]))
 
 
 class TiedEmbedding(nn.Layer):
