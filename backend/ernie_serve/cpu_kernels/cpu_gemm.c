@@ -61,13 +61,13 @@ BLOCK(block_5, 5) BLOCK(block_6, 6) BLOCK(block_7, 7) BLOCK(block_8, 8)
 static const block_fn blocks[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
 #endif
 
-/* Columns [n0, n1) plainly (a last block narrower than COLS). */
-static void columns_plain(const float *x, int M, int K, const float *w, int N, float *y, int n0, int n1) {
+/* Columns [n0, n1) plainly (a last block narrower than COLS) -> y[m * ldy + n - n0]. */
+static void columns_plain(const float *x, int M, int K, const float *w, int64_t ldy, float *y, int n0, int n1) {
     for (int m = 0; m < M; m++)
         for (int n = n0; n < n1; n++) {
             float acc = 0.0f;
             for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * w[((int64_t)(n / COLS) * K + k) * COLS + n % COLS];
-            y[(int64_t)m * N + n] = acc;
+            y[m * ldy + n - n0] = acc;
         }
 }
 
@@ -91,7 +91,7 @@ static void column_block(const float *x, int M, int K, const float *w, int64_t l
 static void gemm(const float *x, int M, int K, const float *w, int N, float *y) {
     #pragma omp parallel for THREADS schedule(static)
     for (int b = 0; b < N / COLS; b++) column_block(x, M, K, w, N, y + b * COLS, b);
-    if (N % COLS) columns_plain(x, M, K, w, N, y, N / COLS * COLS, N);
+    if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
 }
 
 /* Every routed expert of a MoE layer in one call: y[starts[e] + m] = x[starts[e] + m] @ W_e for m < rows[e]
@@ -109,7 +109,8 @@ static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts,
     }
     if (N % COLS)
         for (int e = 0; e < E; e++)
-            columns_plain(x + starts[e] * K, (int)rows[e], K, w[e], N, y + starts[e] * N, N / COLS * COLS, N);
+            columns_plain(x + starts[e] * K, (int)rows[e], K, w[e], N, y + starts[e] * N + N / COLS * COLS,
+                          N / COLS * COLS, N);
 }
 
 /* The SwiGLU MLP's first matmul with its activation fused: W is [K, 2I] with the gate half first, and
@@ -175,6 +176,21 @@ static inline void keep_best(float v, int64_t j, float *bv, int64_t *bj) {
     }
 }
 
+/* Rank the first `width` columns of a [M, COLS] tile holding columns col0.. of y into each row's best. */
+static void rank_tile(const float *tile, int M, int width, int64_t col0, float *bv, int64_t *bj) {
+    for (int m = 0; m < M; m++) {
+        const float *r = tile + m * COLS;
+#ifdef ERNIE_VF16
+        /* Most tiles hold nothing above the row's best so far: two vector compares decide that. NaN is "not <="
+         * too, so a NaN always takes the exact path; a best that is NaN already stays. */
+        if (width == COLS && bj[m] >= 0 && !vf16_any_above_or_nan(vf16_load(r), bv[m])
+            && !vf16_any_above_or_nan(vf16_load(r + 16), bv[m]))
+            continue;
+#endif
+        for (int j = 0; j < width; j++) keep_best(r[j], col0 + j, &bv[m], &bj[m]);
+    }
+}
+
 /* Each row's argmax and max over the first n_valid columns of y = x @ W (float32 W in the column-blocked layout),
  * without storing y: each thread computes its contiguous run of column blocks into its own [M, COLS] tile and ranks
  * the tile while it is in L1. A greedy step needs no more of the lm_head; the [M, N] logits would otherwise be
@@ -204,30 +220,18 @@ int ernie_gemm_argmax(const float *x, int M, int K, const float *w, int N, int n
         const int b0 = (int)((int64_t)nb * t / nt), b1 = (int)((int64_t)nb * (t + 1) / nt);
         for (int b = b0; b < b1 && b * COLS < n_valid; b++) {
             column_block(x, M, K, w, COLS, tile, b);
-            const int width = n_valid - b * COLS < COLS ? n_valid - b * COLS : COLS;
-            for (int m = 0; m < M; m++) {
-                const float *r = tile + m * COLS;
-#ifdef ERNIE_VF16
-                /* Most blocks hold nothing above the row's best so far: two vector compares decide that. NaN is
-                 * "not <=" too, so a NaN always takes the exact path; a best that is NaN already stays. */
-                if (width == COLS && bj[m] >= 0 && !vf16_any_above_or_nan(vf16_load(r), bv[m])
-                    && !vf16_any_above_or_nan(vf16_load(r + 16), bv[m]))
-                    continue;
-#endif
-                for (int j = 0; j < width; j++) keep_best(r[j], (int64_t)b * COLS + j, &bv[m], &bj[m]);
-            }
+            rank_tile(tile, M, n_valid - b * COLS < COLS ? n_valid - b * COLS : COLS, (int64_t)b * COLS, bv, bj);
         }
     }
-    for (int m = 0; m < M; m++) {  /* the threads' runs in column order, then a last partial block */
+    for (int m = 0; m < M; m++) {  /* the threads' runs in column order */
         best_idx[m] = -1;
         for (int t = 0; t < threads; t++)
             if (part_idx[(size_t)t * M + m] >= 0)
                 keep_best(part_val[(size_t)t * M + m], part_idx[(size_t)t * M + m], &best_val[m], &best_idx[m]);
-        for (int n = nb * COLS; n < n_valid; n++) {
-            float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * w[((int64_t)nb * K + k) * COLS + n % COLS];
-            keep_best(acc, n, &best_val[m], &best_idx[m]);
-        }
+    }
+    if (n_valid > nb * COLS) {  /* then a last block narrower than COLS, in the first tile (free now) */
+        columns_plain(x, M, K, w, COLS, tiles, nb * COLS, n_valid);
+        rank_tile(tiles, M, n_valid - nb * COLS, (int64_t)nb * COLS, best_val, best_idx);
     }
     free(tiles);
     free(part_idx);
