@@ -245,7 +245,7 @@ class TritonServer:
                  exit_timeout: int = 15, drain_timeout: float = 10.0, api_key: str | None = None,
                  admin_api_key: str | None = None, extra_args: tuple[str, ...] = (), log_to_console: bool = False,
                  openai_args: tuple[str, ...] = ()):
-        self.settings = dict(settings or {})
+        self.settings = {key.replace("-", "_"): value for key, value in (settings or {}).items()}  # one spelling
         engine_instances = replicas(self.settings, engine_instances)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.host = host
@@ -366,14 +366,12 @@ class TritonServer:
     def _shim_tokenizer_args(self) -> list[str]:
         """The served model's tokenizer, max_model_len and chat template, for the shim's /tokenize & co."""
         from ..config import EngineConfig
-        from .loading import model_dir
+        from .loading import tokenizer_dir
 
-        def get(key: str) -> str:
-            return (self.settings.get(key) or self.settings.get(key.replace("_", "-")) or "").strip()
-
-        args = ["--tokenizer", get("tokenizer") or str(model_dir({"model": get("model")})),
-                "--max-model-len", get("max_model_len") or str(EngineConfig.max_model_len)]
-        return args + (["--chat-template", get("chat_template")] if get("chat_template") else [])
+        params = {key: str(value) for key, value in self.settings.items()}
+        args = ["--tokenizer", str(tokenizer_dir(params)),
+                "--max-model-len", params.get("max_model_len") or str(EngineConfig.max_model_len)]
+        return args + (["--chat-template", params["chat_template"]] if params.get("chat_template") else [])
 
     def _get(self, path: str) -> urllib.request.Request:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -22,11 +22,16 @@ def load_plugins(params: dict[str, str]) -> None:
         load_parser_plugin(path)
 
 
+def tokenizer_dir(params: dict[str, str]) -> Path:
+    """The --tokenizer directory, else the model's."""
+    tok = params.get("tokenizer", "").strip()
+    return Path(tok) if tok else model_dir(params)
+
+
 def load_tokenizer(params: dict[str, str]):
     from ..tokenizer import ErnieTokenizer
 
-    tok = params.get("tokenizer", "").strip()
-    return ErnieTokenizer.from_pretrained(tok or model_dir(params))
+    return ErnieTokenizer.from_pretrained(tokenizer_dir(params))
 
 
 def preprocessor(params: dict[str, str]):
