@@ -10,15 +10,16 @@ from .parsers import parse_complete
 
 
 def render_chat_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                       chat_template_kwargs: dict[str, Any] | None = None,
-                       chat_template: str | None = None) -> tuple[str, list[int]]:
-    """The prompt text and ids for a conversation, with the model's own template."""
+                       chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+                       add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """The prompt text and ids for a conversation, with the model's own template (generation always adds the
+    assistant's opening; /tokenize may leave it out)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
-    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
                                          tokenize=False, chat_template=chat_template,
                                          **(chat_template_kwargs or {}))
     return text, tokenizer.encode(text)

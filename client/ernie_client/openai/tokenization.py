@@ -14,6 +14,8 @@ from typing import Any, Callable
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
+from ernie_serve.chat import render_chat_prompt  # the ernie_tokenizer stage's own rendering
+
 from .errors import OpenAIError
 
 
@@ -56,13 +58,13 @@ class Tokenization:
         tok = self.tokenizer
         if isinstance(req, TokenizeChatRequest):
             try:
-                text = tok.apply_chat_template(req.messages, tools=req.tools or None,
-                                               add_generation_prompt=req.add_generation_prompt,
-                                               chat_template=self.chat_template, **(req.chat_template_kwargs or {}))
+                text, ids = render_chat_prompt(tok, req.messages, req.tools, req.chat_template_kwargs,
+                                               self.chat_template, req.add_generation_prompt)
             except Exception as e:  # noqa: BLE001 - a template error is the request's fault
                 raise OpenAIError(400, f"the chat template could not render the messages: {e}",
                                   param="messages") from None
-            ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
+            if req.add_special_tokens:  # the template writes its own; asked for, the tokenizer's go in too
+                ids = tok.encode(text, add_special_tokens=True)
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
