@@ -129,12 +129,11 @@ def serving_half(args) -> list[dict]:
     from dataclasses import asdict
 
     from ernie_serve import LLM
-    from ernie_serve.serving.launcher import TritonServer, free_port
-    from served_throughput import offline, served, wait_for_shim
+    from served_throughput import make_server, offline, served, served_settings, wait_for_shim
 
     rows = []
     for streams in args.served_streams:
-        settings = {"max_num_seqs": streams, "max_model_len": 512, "max_num_batched_tokens": max(2048, 2 * streams)}
+        settings = served_settings(streams)
         for mode in args.scheduling:
             asynchronous = mode == "async"
             llm = LLM(model=None, disable_progress_bar=True, async_scheduling=asynchronous, **settings)
@@ -143,9 +142,7 @@ def serving_half(args) -> list[dict]:
             del llm
             rows.append(dict(asdict(ref), scheduling=mode, stream_interval=None, vs_offline=1.0))
             for interval in args.stream_intervals:
-                flags = dict(settings, async_scheduling=asynchronous, stream_interval=interval)
-                server = TritonServer({k: str(v) for k, v in flags.items()}, http_port=free_port(),
-                                      grpc_port=free_port(), metrics_port=free_port(), openai_port=free_port())
+                server = make_server(dict(settings, async_scheduling=asynchronous, stream_interval=interval))
                 with server:
                     wait_for_shim(server)
                     for path in args.paths:

@@ -36,16 +36,13 @@ def _pairs(items: list[str]) -> dict[str, str]:
 
 def start(env: dict[str, str], flags: dict[str, str], repository: str | None, streams: int):
     """A started TritonServer (and its shim) whose processes see `env` on top of this one's."""
-    from ernie_serve.serving.launcher import TritonServer, free_port
+    from served_throughput import make_server, served_settings
 
-    settings = {"max_num_seqs": streams, "max_model_len": 512, "max_num_batched_tokens": max(2048, 2 * streams),
-                "stream_interval": 1, **flags}
     saved = dict(os.environ)
     os.environ.update(env)  # the children inherit it at spawn
     try:
-        server = TritonServer({k: str(v) for k, v in settings.items()}, repository=Path(repository) if repository
-                              else None, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              openai_port=free_port())
+        server = make_server(served_settings(streams, stream_interval=1, **flags),
+                             Path(repository) if repository else None)
         server.__enter__()
     finally:
         os.environ.clear()

@@ -137,6 +137,19 @@ def wait_for_shim(server, timeout: float = 60.0) -> None:
             time.sleep(0.2)
 
 
+def served_settings(streams: int, **flags) -> dict:
+    """The server flags the served runs use for `streams` concurrent streams (every stream runs at once)."""
+    return {"max_num_seqs": streams, "max_model_len": 512, "max_num_batched_tokens": max(2048, 2 * streams), **flags}
+
+
+def make_server(settings: dict, repository=None):
+    """A TritonServer (not started) with these flags and the OpenAI shim, every port a free one."""
+    from ernie_serve.serving.launcher import TritonServer, free_port
+
+    return TritonServer({k: str(v) for k, v in settings.items()}, repository=repository, http_port=free_port(),
+                        grpc_port=free_port(), metrics_port=free_port(), openai_port=free_port())
+
+
 def served(server, path: str, streams: int, max_tokens: int) -> Run:
     """One run of `streams` requests through `path` ("grpc", "http" or "shim") of a started server (its shim up:
     wait_for_shim, or its start-up would count as CPU of the first run)."""
