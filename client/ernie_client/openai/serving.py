@@ -2,8 +2,8 @@
 
 OpenAIServing.serve takes a concurrency slot, starts one Triton stream a choice (Generation), answers with JSON or,
 after Triton's first response, with SSE, and releases the slot and records the metrics exactly once however the
-request ends (done, refused, timed out, client gone). OpenAIServingChat and OpenAIServingCompletion turn their request into
-jobs, per-choice states and the chunk stream of their endpoint.
+request ends (done, refused, timed out, client gone). OpenAIServingChat and OpenAIServingCompletion turn their
+request into jobs, per-choice states and the chunk stream of their endpoint.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ class OpenAIServing:
 
     async def serve(self, request: Request, endpoint: str, jobs: list[Job], states: list[ChoiceState], stream: bool,
                     finish: Callable[[], dict], events: Callable[[Generation, Any], AsyncIterator[str]]) -> Response:
-        """A slot, the Generation, the answer; slot, metrics and streams released exactly once however it ends."""
+        """A slot, the Generation, the answer; slot, metrics and streams released exactly once however it ends. A
+        failure after the stream started goes out as an OpenAI error event (_with_error_event)."""
         config, backend, metrics, slots = self.config, self.backend, self.metrics, self.slots
         await slots.acquire()
         started = time.monotonic()
@@ -89,7 +90,7 @@ class OpenAIServing:
         except BaseException:
             await close(status="500")
             raise
-        return SSEResponse(events(gen, first), lambda disconnected: close(disconnected))
+        return SSEResponse(_with_error_event(events(gen, first)), lambda disconnected: close(disconnected))
 
 
 
@@ -143,10 +144,9 @@ class OpenAIServingChat:
                              "model": config.public_name, "choices": [], "usage": R.usage(states)})
             yield R.SSE_DONE
 
-        return await self.serving.serve(request, "/v1/chat/completions", jobs, states, req.stream,
-                           lambda: R.chat_completion(rid, created, config.public_name, states, k,
-                                                     req.return_token_ids),
-                           lambda gen, first: _with_error_event(events(gen, first)))
+        finish = lambda: R.chat_completion(rid, created, config.public_name, states, k,  # noqa: E731
+                                           req.return_token_ids)
+        return await self.serving.serve(request, "/v1/chat/completions", jobs, states, req.stream, finish, events)
 
 
 class OpenAIServingCompletion:
@@ -202,10 +202,9 @@ class OpenAIServingCompletion:
                              "model": config.public_name, "choices": [], "usage": R.usage(states)})
             yield R.SSE_DONE
 
-        return await self.serving.serve(request, "/v1/completions", jobs, states, req.stream,
-                           lambda: R.completion(rid, created, config.public_name, states, echo, k,
-                                                req.return_token_ids),
-                           lambda gen, first: _with_error_event(events(gen, first)))
+        finish = lambda: R.completion(rid, created, config.public_name, states, echo, k,  # noqa: E731
+                                      req.return_token_ids)
+        return await self.serving.serve(request, "/v1/completions", jobs, states, req.stream, finish, events)
 
 
 class ClientGone(Exception):
