@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..host_tensor import to_paddle
 from ..kv_blocks import KVBlocks
 from ..model.ernie import ErnieForCausalLM
-from ..host_tensor import to_paddle
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
 from ..step_contract import ArgmaxLogits, KVOp, StepInput, apply_kv_ops

@@ -18,8 +18,8 @@ import numpy as np
 import paddle
 
 from ..cpu_kernels import cpu_attention, cpu_ops
-from .attention_metadata import AttentionMetadata
 from ..host_tensor import to_paddle
+from .attention_metadata import AttentionMetadata
 from .kv_cache import PagedKVCache
 from .reference_attention import MASKED, FreshKV, PagedKV, batched_attention, tiled_causal_attention
 

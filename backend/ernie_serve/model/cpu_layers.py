@@ -21,9 +21,9 @@ import numpy as np
 import paddle
 
 from ..cpu_kernels import build, cpu_gemm, cpu_layer
+from ..host_tensor import empty_host
 from .attention import native_seq_count
 from .attention_metadata import AttentionMetadata
-from ..host_tensor import empty_host
 from .kv_cache import PagedKVCache
 from .layers import MLP, BlockedLinear, RMSNorm
 from .moe import MoE, BlockedExperts

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from ..host_tensor import to_paddle
 from ..kv_blocks import KVBlocks
 from ..quantization import formats as fmt
-from ..host_tensor import to_paddle
 
 
 @dataclass

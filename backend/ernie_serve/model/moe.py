@@ -11,8 +11,8 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..cpu_kernels import cpu_gemm, cpu_ops
-from .config import ErnieModelConfig
 from ..host_tensor import empty_weight, to_paddle
+from .config import ErnieModelConfig
 from .layers import MLP, silu_and_mul
 from .parallel import SINGLE_RANK, ParallelLayout
 
