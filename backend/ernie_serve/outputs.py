@@ -68,3 +68,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed alone (finish_reason "error")
+    # SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then each token's
+    # {token_id: Logprob}, its own and the most likely ones; set once all are computed (a delta stream: on that
+    # output only)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -106,6 +106,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: the prompt's own logprobs, each prompt token's and its `prompt_logprobs` most likely alternatives
+    # (RequestOutput.prompt_logprobs; the first token has none). Such a request does not read the prefix cache.
+    prompt_logprobs: int | None = None
     bad_words: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     guided_decoding: GuidedDecodingParams | None = None
@@ -149,6 +152,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         self.stop = _strings("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
         if len(self.stop) > MAX_STOP_SEQUENCES:
             raise ValueError(f"stop may hold at most {MAX_STOP_SEQUENCES} strings, got {len(self.stop)}")

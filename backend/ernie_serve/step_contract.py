@@ -194,6 +194,11 @@ class DeviceLogits:
         """The logits [R, vocab] as float32 on the host."""
         raise NotImplementedError
 
+    def take(self, rows: np.ndarray) -> "DeviceLogits":
+        """These rows, as they came (before any edit), as DeviceLogits of their own: a step's sampled rows apart
+        from the rows it computed for prompt logprobs."""
+        raise NotImplementedError
+
     def edit(self, edits: "LogitEdits") -> None:
         """Apply the batch's penalties and masks in place, as LogitEdits.apply does on the host."""
         raise NotImplementedError

@@ -39,7 +39,7 @@ CASES = {
                                          num_key_value_heads=1, head_dim=24, tie_word_embeddings=False), "pt"),
 }
 ENGINE = dict(max_model_len=128, max_num_seqs=8, block_size=16, num_gpu_blocks_override=64,
-              max_num_batched_tokens=32, skip_tokenizer_init=True, disable_progress_bar=True)
+              max_num_batched_tokens=32, skip_tokenizer_init=True, disable_progress_bar=True, enable_logprob=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = [np.random.default_rng(i).integers(3, VOCAB, size=n).tolist() for i, n in enumerate((23, 5, 40, 1))]
 
@@ -99,6 +99,26 @@ def test_greedy_tokens_of_every_parallel_layout_equal_one_rank(engines):
         got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY,
                                                            use_tqdm=False)]
         assert got == ref, (name, kind)
+
+
+def test_prompt_logprobs_of_every_parallel_layout_equal_one_rank(engines):
+    """The prompt's rows come back from the ranks after the sampled ones, in 32-token chunks."""
+    name, llms = engines
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+
+    def figures(llm):
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+        return [[None if e is None else {t: (lp.logprob, lp.rank) for t, lp in e.items()} for e in o.prompt_logprobs]
+                for o in outs]
+
+    ref = figures(llms["tp1"])
+    assert [len(r) for r in ref] == [len(p) for p in PROMPTS]
+    for kind, llm in llms.items():
+        for got, want in zip(figures(llm), ref):
+            assert got[0] is None and all(set(g) == set(w) for g, w in zip(got[1:], want[1:])), (name, kind)
+            for g, w in zip(got[1:], want[1:]):
+                for t in w:
+                    assert abs(g[t][0] - w[t][0]) <= 1e-4 * max(1.0, abs(w[t][0])), (name, kind)
 
 
 def test_a_layout_the_model_cannot_take_is_refused_before_any_worker_starts(tiny_model_dir):

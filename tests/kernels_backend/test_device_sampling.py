@@ -266,3 +266,29 @@ def test_a_batch_without_top_k_or_top_p_sorts_nothing(framework, monkeypatch):
               SamplingParams(temperature=1.3, seed=2), SamplingParams(temperature=0.6, seed=3)]
     dev = Sampler("base")(KernelLogits(ops.tensor(logits), ops), _batch(params))
     assert dev.token_ids.tolist() == Sampler("base")(logits, _batch(params)).token_ids.tolist() and not sorts
+
+
+def test_prompt_rows_are_split_off_and_reduced_on_the_device_as_on_the_host(framework):
+    """A step's logits: its sampled rows, then the rows computed for prompt logprobs. Split on the device, each
+    part gives the host's figures, and nothing crosses whole."""
+    from ernie_serve.engine.sampler import prompt_logprobs, split_logits
+
+    rng = np.random.default_rng(9)
+    logits = rng.standard_normal((5, 60)).astype(np.float32)
+    targets, counts = np.array([3, 59, 0], dtype=np.int64), [2, 0, 4]
+    ops = make_tensor_ops(framework)
+    _Copies.copies = 0
+    dev_sampled, dev_prompt = split_logits(_Copies(ops.tensor(logits), ops), 2, 3)
+    host_sampled, host_prompt = split_logits(logits, 2, 3)
+    params = [SamplingParams(temperature=0.0)] * 2
+    assert Sampler()(dev_sampled, _batch(params)).token_ids.tolist() == \
+        Sampler()(host_sampled, _batch(params)).token_ids.tolist()
+    dev, host = prompt_logprobs(dev_prompt, targets, counts), prompt_logprobs(host_prompt, targets, counts)
+    assert [sorted(d) for d in dev] == [sorted(h) for h in host]
+    for d, h in zip(dev, host):
+        for t in h:
+            assert d[t][1] == h[t][1] and abs(d[t][0] - h[t][0]) < 1e-5
+    for row, t, k, h in zip(logits[2:], targets, counts, host):  # the target and the top k
+        top = set(np.argsort(-row)[:k].tolist())
+        assert set(h) == top | {int(t)}
+    assert _Copies.copies == 0

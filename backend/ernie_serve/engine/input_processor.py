@@ -52,10 +52,15 @@ class InputProcessor:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {limit}: "
                              f"it must leave room for at least one generated token")
         p = sampling_params
-        if p.logprobs is not None and not self.config.enable_logprob:
-            raise ValueError("logprobs are off on this server: start it with --enable-logprob")
-        if p.logprobs is not None and p.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {p.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and not self.config.enable_logprob:
+                raise ValueError(f"{name}: logprobs are off on this server: start it with --enable-logprob")
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name} must be <= {self.config.max_logprobs}, got {k}")
+        if p.prompt_logprobs is not None and (hold_kv or self.config.splitwise_role != "mixed"):
+            raise ValueError("prompt_logprobs are not computed in a prefill/decode disaggregated deployment "
+                             f"(splitwise_role={self.config.splitwise_role!r}): serve such requests from a mixed one")
         bad_stop = [t for t in p.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad_stop[:3]}")
@@ -85,5 +90,6 @@ class InputProcessor:
             guided = self.grammars.new_state(p.guided_decoding) if p.guided_decoding is not None else None
             group.append(Request(rid, list(ids), p, self.eos_token_ids, max_tokens,
                                  parent_id=request_id if p.n > 1 else None, index=i, generator=rng,
-                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided))
+                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided,
+                                 prompt_logprobs=[] if p.prompt_logprobs is not None and i == 0 else None))
         return RequestGroup(request_id, group, [TextState(self.tokenizer, r) for r in group])

@@ -360,8 +360,11 @@ class LLMEngine:
         if finished or kind is not RequestOutputKind.DELTA:  # a delta stream's consumers read them at the end
             metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
                                      time.monotonic() if finished else None, sum(r.num_preemptions for r in group))
+        prompt_logprobs = None
+        if leader.prompt_logprobs is not None:
+            prompt_logprobs = self.texts[leader.request_id].prompt_logprobs(leader, kind is RequestOutputKind.DELTA)
         out = RequestOutput(ext_id, None, leader.prompt_token_ids, comps, finished,
-                            max(leader.num_cached_tokens, 0), metrics, error=error)
+                            max(leader.num_cached_tokens, 0), metrics, error=error, prompt_logprobs=prompt_logprobs)
         if finished:
             del self.requests[ext_id]
             for r in group:

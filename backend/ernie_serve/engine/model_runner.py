@@ -14,20 +14,52 @@ from ..step_contract import MAX_BATCHED_QUERY, KVOp, StepExecutor, StepInput
 from .guided import GrammarRows
 from .input_batch import InputBatch
 from .request import Request
-from .sampler import ArgmaxRows, Sampler, SamplingBatch
+from .sampler import ArgmaxRows, Sampler, SamplingBatch, prompt_logprobs, split_logits
 from .spec_decode import Drafts, StepRow
 from .step_plan import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
+class PromptRows:
+    """The rows a step computes logits for after its sampled ones, for prompt logprobs: each predicts the prompt
+    token in `targets`; `owners` says whose they are, in order: (request id, how many rows)."""
+    targets: list[int]
+    owners: list[tuple[str, int]]
+    counts: list[int]  # each row's top count
+
+    def add(self, req: Request, start: int, num_tokens: int, first_row: int, rows: list[int]) -> None:
+        """The positions of a prefill chunk [start, start + num_tokens) whose next token is a prompt token still
+        without its logprobs (a prompt recomputed after a preemption asks for none twice)."""
+        lo = max(start, len(req.prompt_logprobs))
+        hi = min(start + num_tokens, req.num_prompt_tokens - 1)
+        if hi <= lo:
+            return
+        k = req.sampling_params.prompt_logprobs
+        rows.extend(range(first_row + lo - start, first_row + hi - start))
+        self.targets.extend(req.prompt_token_ids[lo + 1 : hi + 1])
+        self.owners.append((req.request_id, hi - lo))
+        self.counts.extend([k] * (hi - lo))
+
+    def logprobs(self, logits) -> dict[str, list[dict]]:
+        """ModelRunnerOutput.prompt_logprobs from these rows' logits."""
+        entries = prompt_logprobs(logits, np.asarray(self.targets, dtype=np.int64), self.counts)
+        out, at = {}, 0
+        for rid, n in self.owners:
+            out[rid] = entries[at : at + n]
+            at += n
+        return out
+
+
+@dataclass
 class PreparedStep:
     """A step ready to run: its StepInput, the sampled rows' SamplingBatch (ArgmaxRows when each takes its argmax
-    alone; None: nothing samples) and the request id owning each sampled row, and for the MTP drafter where each
-    request's tokens sit in it."""
+    alone; None: nothing samples) and the request id owning each sampled row, the rows after those that are for
+    prompt logprobs (None: none), and for the MTP drafter where each request's tokens sit in it."""
     step: StepInput
     batch: SamplingBatch | ArgmaxRows | None
     owners: list[str]
     draft_rows: list[StepRow] | None
+    prompt: PromptRows | None = None
 
 
 _NO_DRAFTS: list[int] = []
@@ -68,6 +100,7 @@ class ModelRunner:
         ids: list[int] = []
         starts, q_lens, keys, tables = [], [], [], []
         rows, batch, owners = [], _BatchBuilder(), []
+        prompt, prompt_rows = None, []
         offset = 0
         # One pass over the step's requests, with a plain decode (one token, no drafts, nothing guided or forking)
         # taking the fewest operations: at hundreds of running requests this loop is the runner's host cost.
@@ -90,6 +123,9 @@ class ModelRunner:
             else:
                 ids.extend(r.all_token_ids[start : start + n - spec])
                 ids.extend(r.spec_token_ids[:spec])
+                if r.prompt_logprobs is not None and r.needs_prompt_logprobs:  # (a one-token step never does)
+                    prompt = prompt or PromptRows([], [], [])
+                    prompt.add(r, start, n - spec, offset, prompt_rows)
             if s.samples:
                 first = offset + n - spec - 1
                 if spec:
@@ -114,16 +150,22 @@ class ModelRunner:
         meta, pos = self.input_batch.attention_metadata(rows_in_batch, np.array(starts, dtype=np.int64),
                                                         np.array(q_lens, dtype=np.int64), MAX_BATCHED_QUERY)
         sampling = batch.build() if rows else None
-        step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta, np.asarray(rows, dtype=np.int64),
-                                    so.kv_ops, np.asarray(keys, dtype=np.int64), type(sampling) is ArgmaxRows)
+        step = StepInput.for_tokens(np.asarray(ids, dtype=np.int64), pos, meta,
+                                    np.asarray(rows + prompt_rows, dtype=np.int64), so.kv_ops,
+                                    np.asarray(keys, dtype=np.int64),
+                                    type(sampling) is ArgmaxRows and not prompt_rows)
         return PreparedStep(step, sampling, owners,
-                            _step_rows(order, meta) if self.drafter is not None else None)
+                            _step_rows(order, meta) if self.drafter is not None else None,
+                            prompt if prompt_rows else None)
 
     def run(self, prepared: PreparedStep) -> ModelRunnerOutput:
         """The forward and the sampling of a prepared step; reads no Request."""
         hidden, logits = self.executor.execute(prepared.step)
         self._last_step = (hidden, prepared.draft_rows) if self.drafter is not None else None
         out = ModelRunnerOutput()
+        if prepared.prompt is not None:
+            logits, prompt_logits = split_logits(logits, len(prepared.owners), len(prepared.prompt.targets))
+            out.prompt_logprobs = prepared.prompt.logprobs(prompt_logits)
         if prepared.batch is None:
             return out
         result = self.sampler(logits, prepared.batch)

@@ -25,6 +25,7 @@ class TextState:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._logprobs: list[dict[int, Logprob]] = []  # the request's logprobs as outputs carry them
         self._cumulative = 0.0
+        self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # converted once, when complete
         self.deferred = self.detok is not None and not self.stops and p.output_kind is RequestOutputKind.FINAL_ONLY
 
     @property
@@ -45,6 +46,16 @@ class TextState:
             if tok in d:
                 self._cumulative += d[tok][0]
         return self._logprobs[start:]
+
+    def prompt_logprobs(self, req: Request, delta: bool) -> list[dict[int, Logprob] | None] | None:
+        """RequestOutput.prompt_logprobs once all are computed (None before; a delta stream gets them once)."""
+        if self._prompt_logprobs is None:
+            if req.prompt_logprobs is None or req.needs_prompt_logprobs:
+                return None
+            self._prompt_logprobs = [None] + [{t: Logprob(v, r) for t, (v, r) in d.items()}
+                                              for d in req.prompt_logprobs]
+            return self._prompt_logprobs
+        return None if delta else self._prompt_logprobs
 
     def logprobs_so_far(self, req: Request) -> tuple[list[dict[int, Logprob]], float]:
         """Every output token's logprobs and their sum."""

@@ -69,6 +69,9 @@ class Request:
     num_computed_tokens_total: int = 0  # all tokens this request ever ran through the model (counts recompute)
     error: str | None = None  # why it ended with FINISHED_ERROR
     guided: "GuidedState | None" = None  # guided decoding: where the output is in its grammar
+    # SamplingParams.prompt_logprobs, on the sequence that computes the prompt (the first of n): one
+    # {token: (logprob, rank)} per prompt token after the first, filled as its prefill chunks run.
+    prompt_logprobs: list[dict] | None = None
     # prompt + output as one list, appended in place: the KV manager and the model runner read it every
     # step, so rebuilding it per call would make each step's Python work grow with the sequence length.
     all_token_ids: list[int] = field(init=False, repr=False)
@@ -110,6 +113,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the prompt must run through the model, so its
+        prefix is not taken from the cache (vLLM's rule too)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

@@ -545,18 +545,64 @@ def _logprob_dicts(rows: np.ndarray, params: list[SamplingParams], token_ids: np
                    t: TopLogprobs) -> list[dict[int, tuple[float, int]] | None]:
     """SamplerOutput.logprobs: per asking row {token: (logprob, rank)} for its sampled token and its top tokens."""
     out: list[dict[int, tuple[float, int]] | None] = [None] * len(params)
+    for r, d in zip(rows.tolist(), _as_dicts(t, token_ids[rows], [params[r].logprobs for r in rows])):
+        out[r] = d
+    return out
+
+
+def _as_dicts(t: TopLogprobs, token_ids: np.ndarray, counts: list[int]) -> list[dict[int, tuple[float, int]]]:
+    """Per row of t: {token: (logprob, rank)} for its token (token_ids) and its counts[i] most likely tokens."""
     n = t.top.shape[1]
     # every token more likely than a top-n token is in the top n, so its rank is the position of the first
     # token with the same logprob
     starts = np.ones(t.top.shape, dtype=bool)
     starts[:, 1:] = t.top[:, 1:] != t.top[:, :-1]
     top_rank = np.maximum.accumulate(np.where(starts, np.arange(n), 0), axis=1) + 1
-    for i, r in enumerate(rows):
-        d = {int(token_ids[r]): (float(t.sampled[i]), int(t.sampled_rank[i]))}
-        for j in range(min(params[r].logprobs, n)):
+    out = []
+    for i, (tok, k) in enumerate(zip(token_ids.tolist(), counts)):
+        d = {tok: (float(t.sampled[i]), int(t.sampled_rank[i]))}
+        for j in range(min(k, n)):
             if np.isfinite(t.top[i, j]):  # masked vocabulary tail is not a candidate
                 d.setdefault(int(t.top_ids[i, j]), (float(t.top[i, j]), int(top_rank[i, j])))
-        out[r] = d
+        out.append(d)
+    return out
+
+
+def split_logits(logits: "np.ndarray | paddle.Tensor | DeviceLogits", num_sampled: int,
+                 num_prompt: int) -> tuple[Any, Any]:
+    """A step's logits as (its first num_sampled rows, the num_prompt rows after them): the sampled rows and the
+    rows computed for prompt logprobs (None where there are none)."""
+    sampled = np.arange(num_sampled)
+    prompt = np.arange(num_sampled, num_sampled + num_prompt)
+    if isinstance(logits, DeviceLogits):
+        return (logits.take(sampled) if num_sampled else None), logits.take(prompt)
+    raw = _as_float32_matrix(logits)
+    if raw.shape[0] != num_sampled + num_prompt:
+        raise ValueError(f"logits of shape {list(raw.shape)} for {num_sampled} sampled and {num_prompt} prompt rows")
+    return (raw[:num_sampled] if num_sampled else None), raw[num_sampled:]
+
+
+# rows of a prompt's logits reduced at once on the host: bounds the log-softmax's temporaries for a long chunk
+PROMPT_ROWS_AT_ONCE = 256
+
+
+def prompt_logprobs(logits: "np.ndarray | paddle.Tensor | DeviceLogits", targets: np.ndarray,
+                    counts: list[int]) -> list[dict[int, tuple[float, int]]]:
+    """Per row: the logprob and rank of its target (the prompt token its position predicts) and its counts[i]
+    most likely tokens, from the raw log-softmax: the figures a sampled token's logprobs have."""
+    if not len(targets):
+        return []
+    if isinstance(logits, DeviceLogits):
+        n = min(max(counts), logits.vocab_size)
+        return _as_dicts(logits.top_logprobs(np.arange(len(targets)), targets, n), targets, counts)
+    raw = _as_float32_matrix(logits)
+    if raw.shape[0] != len(targets):
+        raise ValueError(f"logits of shape {list(raw.shape)} for {len(targets)} prompt rows")
+    n = min(max(counts), raw.shape[1])
+    out = []
+    for lo in range(0, len(targets), PROMPT_ROWS_AT_ONCE):
+        hi = lo + PROMPT_ROWS_AT_ONCE
+        out += _as_dicts(_top_logprobs(raw[lo:hi], targets[lo:hi], n), targets[lo:hi], counts[lo:hi])
     return out
 
 

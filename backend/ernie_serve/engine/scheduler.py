@@ -107,7 +107,8 @@ class Scheduler:
             seats = 1 + len(req.forks)  # n > 1 siblings join as soon as the prompt is computed
             if len(self.running) + seats > self.config.max_num_seqs:
                 break
-            hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 else []
+            hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 and not req.needs_prompt_logprobs \
+                else []
             remaining = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
             n = min(remaining, budget, chunk_limit)
             if n < remaining and (not self.config.enable_chunked_prefill
@@ -150,6 +151,8 @@ class Scheduler:
         """Apply one step's results; returns the requests that sampled (forked children included)."""
         updates = []
         errors, all_sampled, all_logprobs = out.errors, out.sampled, out.logprobs
+        if out.prompt_logprobs:
+            self._add_prompt_logprobs(so, out.prompt_logprobs)
         for s in so.scheduled:
             req = s.request
             if req.is_finished:  # ended while the step ran (async scheduling: a stop string, an abort)
@@ -196,6 +199,16 @@ class Scheduler:
                 updates.append(RequestUpdate(child, self.append_tokens(child, out.sampled[child.request_id],
                                                                  out.logprobs[child.request_id])))
         return updates
+
+    @staticmethod
+    def _add_prompt_logprobs(so: SchedulerOutput, computed: dict[str, list[dict]]) -> None:
+        """The prompt logprobs a step computed, appended in prompt order (the runner asks only for those not yet
+        there, so a prompt recomputed after a preemption adds none twice)."""
+        for s in so.scheduled:
+            req = s.request
+            new = computed.get(req.request_id)
+            if new and req.prompt_logprobs is not None and not req.is_finished:
+                req.prompt_logprobs.extend(new)
 
     def set_drafts(self, drafts: dict[Request, list[int]], probs: dict[Request, list] | None = None) -> None:
         """Speculative tokens to verify next step (from a proposer, for decoding requests); `probs`: the

@@ -51,3 +51,5 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict | None]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # requests that failed alone this step, and why
+    # Per request id: the logprobs of the prompt tokens this step's chunk predicted, in prompt order.
+    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)

@@ -34,6 +34,9 @@ class KernelLogits(DeviceLogits):
     def numpy(self) -> np.ndarray:
         return self.ops.to_host(self.logits)
 
+    def take(self, rows: np.ndarray) -> "KernelLogits":
+        return KernelLogits(self.ops.rows(self.raw, self.ops.tensor(rows)), self.ops)
+
     def edit(self, edits: LogitEdits) -> None:
         ops = self.ops
         x = ops.cast(self.logits, "float32")
