@@ -184,6 +184,14 @@ class FakeTritonClient:
                                            "(max_waiting_requests=2)")
             return
         first = {"prompt_token_ids": list(range(1, n_in + 1))}  # the ensemble sends the prompt once
+        if sp.get("prompt_logprobs") is not None:  # prompt token j is " p<j>", at -0.25, ranked 2nd after " y"
+            k = sp["prompt_logprobs"]
+            first["prompt_logprobs"] = json.dumps(
+                [{"token_id": 1, "token": " p1", "logprob": None, "rank": None, "top_logprobs": []}]
+                + [{"token_id": j, "token": f" p{j}", "logprob": -0.25, "rank": 2,
+                    "top_logprobs": [{"token_id": 77, "token": " y", "logprob": -0.1},
+                                     {"token_id": j, "token": f" p{j}", "logprob": -0.25}][:k]}
+                   for j in range(2, n_in + 1)])
         if "think" in prompt:
             step = dict(text_output="let me think</think>") if raw else dict(text_output="",
                                                                              reasoning_content="let me think")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import numpy as np
 import pytest
 
 from openai_shim_helpers import free_port
@@ -433,3 +434,36 @@ def test_tokenize_counts_the_prompt_tokens_the_server_counts(other_shim, tiny_mo
     counted = httpx.post(f"{running.url}/tokenize", json={"messages": chat}).json()["count"]
     assert client.chat.completions.create(model="ernie", messages=chat,
                                           max_tokens=1).usage.prompt_tokens == counted
+
+
+def test_prompt_logprobs_through_triton_equal_the_offline_engines(other_shim, tiny_model_dir):
+    """lm-eval's loglikelihood request (local-completions, tokenizer_backend=remote): token ids from /tokenize, echo,
+    logprobs 1, max_tokens 1. Through the shim and the ensemble, each prompt token's logprob is the offline engine's;
+    vLLM's prompt_logprobs on a chat covers every prompt token."""
+    from ernie_serve import LLM, SamplingParams
+
+    running, client = other_shim(tokenizer=str(tiny_model_dir), max_model_len=2048, served_model_name="ernie-tiny")
+    ids = httpx.post(f"{running.url}/tokenize", json={"prompt": "The capital of France is Paris"}).json()["tokens"]
+    r = httpx.post(f"{running.url}/v1/completions", timeout=120,
+                   json={"model": "ernie-tiny", "prompt": [ids], "max_tokens": 1, "logprobs": 1, "echo": True,
+                         "temperature": 0, "seed": 1234}).json()
+    assert "choices" in r, r
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and all(len(t) >= 1 for t in lp["top_logprobs"][1:])
+    llm = LLM(str(tiny_model_dir), enable_logprob=True, disable_progress_bar=True)
+    try:
+        (offline,) = llm.generate(prompt_token_ids=[ids], use_tqdm=False,
+                                  sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))
+    finally:
+        llm.engine.close()
+    want = [offline.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+    assert np.allclose(lp["token_logprobs"][1:len(ids)], want, rtol=1e-4, atol=1e-4)
+    # is_greedy as lm-eval decides it: the token's logprob is the best of its top_logprobs
+    greedy = [v == max(top.values()) for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:])]
+    assert greedy == [offline.prompt_logprobs[i][t].rank == 1 for i, t in enumerate(ids) if i] + [True]
+    chat = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 1})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert len(entries) == chat.usage.prompt_tokens and entries[0] is None
+    assert all(all(v["logprob"] <= 0 for v in e.values()) for e in entries[1:])

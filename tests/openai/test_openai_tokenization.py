@@ -97,3 +97,13 @@ def test_ernie_serve_hands_the_shim_the_served_models_tokenizer_length_and_templ
     server = TritonServer({"model": str(tmp_path), "tokenizer": str(tmp_path / "tok")}, openai_port=1,
                           run_dir=tmp_path / "run2")
     assert server._shim_tokenizer_args()[:4] == ["--tokenizer", str(tmp_path / "tok"), "--max-model-len", "2048"]
+
+
+def test_a_token_id_prompt_is_echoed_as_the_served_tokenizers_text(served):
+    """lm-eval's loglikelihood requests send token ids with echo: the shim's tokenizer shows them as text."""
+    url, tok = served()
+    ids = tok.encode("The weather in Paris is mild.", add_special_tokens=False)
+    r = httpx.post(f"{url}/v1/completions", json={"model": "ernie", "prompt": [ids], "max_tokens": 2, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == tok.decode(ids) + " w0 w7"
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": [5, tok.vocab_size], "max_tokens": 1, "echo": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"

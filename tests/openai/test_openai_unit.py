@@ -287,6 +287,46 @@ def test_logprobs_chat_and_completions(shim):
     assert lp.top_logprobs == [{" w0": -0.5}, {" w7": -0.5}] and lp.text_offset == [0, 3]
 
 
+def test_echo_with_logprobs_starts_with_the_prompts_tokens_streamed_or_not(shim):
+    """OpenAI's legacy echo + logprobs (lm-eval's loglikelihood request): the prompt's tokens first, the first
+    with null figures, offsets from the start of the echoed text."""
+    client, _, fake = shim()
+    c = client.completions.create(model="ernie", prompt="a b c", max_tokens=2, logprobs=1, echo=True)
+    assert json.loads(fake.requests[-1]["sampling_parameters"].reshape(-1)[0])["prompt_logprobs"] == 1
+    lp = c.choices[0].logprobs
+    assert c.choices[0].text == "a b c w0 w7"
+    assert lp.tokens == [" p1", " p2", " p3", " w0", " w7"]
+    assert lp.token_logprobs == [None, -0.25, -0.25, -0.5, -0.5]
+    assert lp.top_logprobs == [None, {" y": -0.1}, {" y": -0.1}, {" w0": -0.5}, {" w7": -0.5}]
+    assert lp.text_offset == [0, 3, 6, 9, 12]
+    chunks = list(client.completions.create(model="ernie", prompt="a b c", max_tokens=2, logprobs=1, echo=True,
+                                            stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((s.tokens for s in streamed), []) == lp.tokens
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == c.choices[0].text
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(shim):
+    _, running, fake = shim()
+    body = {"model": "ernie", "prompt": "a b", "max_tokens": 1, "prompt_logprobs": 2}
+    r = httpx.post(running.url + "/v1/completions", json=body, timeout=20).json()
+    assert r["choices"][0]["prompt_logprobs"] == [
+        None, {"2": {"logprob": -0.25, "rank": 2, "decoded_token": " p2"},
+               "77": {"logprob": -0.1, "rank": 1, "decoded_token": " y"}}]
+    assert r["choices"][0]["logprobs"] is None  # echo not asked: the legacy logprobs stay off
+    chat = httpx.post(running.url + "/v1/chat/completions", timeout=20,
+                      json={"model": "ernie", "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(list(e) == [str(i)] for i, e in enumerate(chat["prompt_logprobs"][1:], 2))  # k = 0: its own only
+    plain = httpx.post(running.url + "/v1/completions", timeout=20,
+                       json={"model": "ernie", "prompt": "a b", "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    sent = fake.requests[-1].get("sampling_parameters")
+    assert sent is None or "prompt_logprobs" not in json.loads(sent.reshape(-1)[0])
+
+
 def test_logprobs_are_a_clear_400_when_the_ensemble_has_no_logprobs_output(shim):
     client, _, fake = shim(FakeTritonClient(ensemble_config(outputs=("text_output", "finish_reason"))))
     with pytest.raises(openai.BadRequestError) as e:
@@ -370,7 +410,8 @@ def _error(exc: openai.APIStatusError) -> dict:
     ({"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e", "f"]}, "stop"),
-    ({"messages": CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"messages": CHAT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"messages": CHAT, "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"messages": CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"messages": CHAT, "function_call": "auto"}, "function_call"),
     ({"messages": CHAT, "modalities": ["text", "audio"]}, "modalities"),

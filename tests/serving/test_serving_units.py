@@ -15,7 +15,7 @@ from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, Reque
 from ernie_serve.serving.control import AbortListener, send_abort
 from ernie_serve.serving.engine_model import SHUT_DOWN, EngineModel
 from ernie_serve.serving.errors import InBandError, InvalidInput, in_band_error
-from ernie_serve.serving.postprocess import OUTPUT_NAMES, OrderError, Postprocessor
+from ernie_serve.serving.postprocess import OUTPUT_NAMES, OrderError, Postprocessor, TokenTexts
 from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.repository import get_parameter, render_repository
 from ernie_serve.serving.request import parse_request
@@ -782,3 +782,38 @@ def test_coalesced_responses_give_the_same_result_as_one_token_each_and_as_non_s
     if tool:
         assert [c["name"] for c in whole[2]] == ["get_weather"]
         assert json.loads(whole[2][0]["arguments"]) == {"city": "Paris", "days": 2}
+
+
+def test_prompt_logprobs_go_out_on_the_first_response_only_with_their_token_texts(tokenizer):
+    """ernie_moe: an entry per prompt token (the first with a null logprob) on the first response, "" afterwards
+    and for a request that did not ask; the detokenizer adds each entry's token text."""
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    sink = Sink()
+    inputs = {"input_ids": np.array([[1, 2, 3]], np.int32),
+              "request_json": s(json.dumps({"sampling": {"max_tokens": 4, "prompt_logprobs": 1}, "stream": True,
+                                            "meta": {}}))}
+    model.submit(inputs, sink, "pl")
+    rid = next(iter(engine.callbacks))
+    ids, cb = engine.callbacks[rid]
+    prompt_lps = [None, {2: Logprob(-1.5, 3), 9: Logprob(-0.2, 1)}, {3: Logprob(-0.4, 1)}]
+    for n in range(2):
+        comp = CompletionOutput(0, "t", [7], finish_reason="length" if n else None, text_delta="t",
+                                token_ids_delta=[7])
+        cb(RequestOutput(rid, None, ids, [comp], n == 1, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2),
+                         prompt_logprobs=prompt_lps if n == 0 else None), None)
+        sink.wait_sent(n + 1)
+    assert sink.done.wait(2)
+    first = json.loads(sink.sent[0][0]["prompt_logprobs"][0, 0])
+    assert first == [{"token_id": 1, "logprob": None, "rank": None, "top_logprobs": []},
+                     {"token_id": 2, "logprob": -1.5, "rank": 3, "top_logprobs": [{"token_id": 9, "logprob": -0.2}]},
+                     {"token_id": 3, "logprob": -0.4, "rank": 1, "top_logprobs": [{"token_id": 3, "logprob": -0.4}]}]
+    assert sink.sent[1][0]["prompt_logprobs"][0, 0] == b""
+    model.shutdown()
+    post = Postprocessor(tokenizer)
+    out = post.process(dict(moe_response("k", 0, "x", finish="stop"),
+                            prompt_logprobs=sink.sent[0][0]["prompt_logprobs"]))
+    got = json.loads(out["prompt_logprobs"][0, 0])
+    assert [e["token"] for e in got] == [TokenTexts(tokenizer)(i)[0] for i in (1, 2, 3)]
+    assert got[1]["top_logprobs"][0]["token"] == TokenTexts(tokenizer)(9)[0]
+    assert post.process(moe_response("j", 0, "x", finish="stop"))["prompt_logprobs"][0, 0] == b""

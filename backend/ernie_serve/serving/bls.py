@@ -16,7 +16,8 @@ from .errors import ServingError
 log = logging.getLogger(__name__)
 TOKENIZER_OUTPUTS = ["input_ids", "request_json"]
 ENGINE_OUTPUTS = ["request_key", "response_index", "token_ids", "text_delta", "engine_finish_reason",
-                  "num_input_tokens", "num_output_tokens", "num_cached_tokens", "request_meta", "prompt_ids", "logprobs"]
+                  "num_input_tokens", "num_output_tokens", "num_cached_tokens", "request_meta", "prompt_ids", "logprobs",
+                  "prompt_logprobs"]
 
 
 class BlsPipeline:

@@ -89,6 +89,8 @@ class _Live:
     meta: str
     prompt_ids: list[int]
     num_logprobs: int | None = None  # SamplingParams.logprobs: None = no logprobs output
+    num_prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs: None = no prompt_logprobs output
+    prompt_logprobs: list[dict] | None = None  # their entries, once the engine has computed them
     errors_in_band: bool = False  # end with a FINAL response carrying the error (module docstring)
     index: int = 0
     num_output_tokens: int = 0  # generated so far, as of the steps taken into token_ids
@@ -128,14 +130,24 @@ def new_logprob_entries(live: _Live, comp) -> list[dict]:
     """
     if live.num_logprobs is None or not comp.logprobs:
         return []
-    entries = []
-    for tid, cands in zip(comp.token_ids, comp.logprobs):
-        sampled = cands.get(tid)
-        top = sorted(cands.items(), key=lambda kv: -kv[1].logprob)[: live.num_logprobs]
-        entries.append({"token_id": int(tid), "logprob": _finite(sampled.logprob) if sampled else -9999.0,
-                        "rank": sampled.rank if sampled else None,
-                        "top_logprobs": [{"token_id": int(t), "logprob": _finite(lp.logprob)} for t, lp in top]})
-    return entries
+    return [_logprob_entry(tid, cands, live.num_logprobs) for tid, cands in zip(comp.token_ids, comp.logprobs)]
+
+
+def prompt_logprob_entries(live: _Live, out: RequestOutput) -> list[dict]:
+    """RequestOutput.prompt_logprobs as the `prompt_logprobs` output's entries: one per prompt token, the first
+    with a null logprob (nothing predicts it), each as the `logprobs` output's."""
+    first = {"token_id": int(out.prompt_token_ids[0]), "logprob": None, "rank": None, "top_logprobs": []}
+    return [first] + [_logprob_entry(tid, cands, live.num_prompt_logprobs)
+                      for tid, cands in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+
+
+def _logprob_entry(tid: int, cands: dict, k: int) -> dict:
+    """One token's entry: its logprob and rank, and its k most likely alternatives."""
+    sampled = cands.get(tid)
+    top = sorted(cands.items(), key=lambda kv: -kv[1].logprob)[:k]
+    return {"token_id": int(tid), "logprob": _finite(sampled.logprob) if sampled else -9999.0,
+            "rank": sampled.rank if sampled else None,
+            "top_logprobs": [{"token_id": int(t), "logprob": _finite(lp.logprob)} for t, lp in top]}
 
 
 def decode_engine_inputs(inputs: dict[str, np.ndarray]) -> tuple[list[int], dict[str, Any]]:
@@ -200,7 +212,7 @@ class EngineModel:
             if not params.detokenize:
                 meta["decode_ids"] = {"skip_special_tokens": params.skip_special_tokens}
             live = _Live(key, sink, bool(req.get("stream", meta.get("stream", False))),
-                         json.dumps(meta, ensure_ascii=False), ids, params.logprobs,
+                         json.dumps(meta, ensure_ascii=False), ids, params.logprobs, params.prompt_logprobs,
                          errors_in_band=meta.get("errors_in_band") is True)
             with self._lock:
                 if self._draining:
@@ -272,7 +284,10 @@ class EngineModel:
                     self._end_with_error(live, out, ending.code, ending.message)
             return
         logprobs = new_logprob_entries(live, comp)
+        prompt_logprobs = prompt_logprob_entries(live, out) if out.prompt_logprobs is not None else None
         with self._lock:
+            if prompt_logprobs is not None:
+                live.prompt_logprobs = prompt_logprobs
             live.num_output_tokens = num_output_tokens
             live.token_ids.extend(comp.token_ids_delta)
             live.text.append(comp.text_delta)
@@ -327,6 +342,9 @@ class EngineModel:
             # JSON list, one entry per token in token_ids; "" when the request asked for no logprobs
             "logprobs": _str_tensor("" if live.num_logprobs is None
                                     else json.dumps(logprobs, separators=(",", ":"))),
+            # JSON list, one entry per prompt token, on the first response of a request that asked; "" otherwise
+            "prompt_logprobs": _str_tensor(json.dumps(live.prompt_logprobs, separators=(",", ":"))
+                                           if first and live.prompt_logprobs is not None else ""),
         }
         live.index += 1
         return outputs, out.finished

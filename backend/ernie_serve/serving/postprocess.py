@@ -38,7 +38,7 @@ from .errors import InvalidInput, ServingError, raise_in_band_error
 log = logging.getLogger(__name__)
 OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "finish_reason", "num_input_tokens",
                 "num_output_tokens", "num_cached_tokens", "output_ids", "logprobs", "num_reasoning_tokens",
-                "prompt_token_ids")
+                "prompt_token_ids", "prompt_logprobs")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SP_SPACE = "\u2581"
 
@@ -246,21 +246,24 @@ class Postprocessor:
             "num_output_tokens": _out_int(num_output),
             "num_cached_tokens": _out_int(_int(inputs, "num_cached_tokens")),
             "output_ids": np.array([token_ids], dtype=np.int32).reshape(1, len(token_ids)),
-            "logprobs": _out_str(self._logprobs(inputs)),
+            "logprobs": _out_str(self._logprobs(inputs, "logprobs")),
             # cumulative, as num_output_tokens is; 0 without a reasoning parser
             "num_reasoning_tokens": _out_int(state.parser.num_reasoning_tokens if state.parser is not None else 0),
             # ernie_moe sends the prompt on the first response only (so does this output)
             "prompt_token_ids": _ids_out(_ids(inputs, "prompt_ids")),
+            # ernie_moe's, on the first response of a request that asked for them
+            "prompt_logprobs": _out_str(self._logprobs(inputs, "prompt_logprobs")),
         }
 
-    def _logprobs(self, inputs: dict[str, np.ndarray]) -> str:
-        raw = _str(inputs, "logprobs")
+    def _logprobs(self, inputs: dict[str, np.ndarray], name: str) -> str:
+        """ernie_moe's `logprobs` or `prompt_logprobs` entries with their token texts."""
+        raw = _str(inputs, name)
         if not raw:
             return ""
         try:
             entries = json.loads(raw)
         except json.JSONDecodeError:
-            raise InvalidInput("logprobs", "is not valid JSON") from None
+            raise InvalidInput(name, "is not valid JSON") from None
         return json.dumps(self.token_texts.fill(entries), ensure_ascii=False, separators=(",", ":"))
 
     def _sweep(self, now: float) -> None:

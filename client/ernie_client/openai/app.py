@@ -70,7 +70,10 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
                               code="invalid_api_key")
 
     serving = OpenAIServing(config, backend, metrics, slots)
-    chat, completion = OpenAIServingChat(serving), OpenAIServingCompletion(serving)
+    tokenization = (Tokenization(config.tokenizer, config.max_model_len, config.chat_template)
+                    if config.tokenizer else None)
+    chat = OpenAIServingChat(serving)
+    completion = OpenAIServingCompletion(serving, tokenization.decode_prompt if tokenization is not None else None)
 
     # ------------------------------------------------------------------ plain endpoints
     @app.get("/health")
@@ -89,8 +92,6 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
         return {"object": "list", "data": [{"id": config.public_name, "object": "model", "created": 0,
                                             "owned_by": "ernie-triton", "root": config.model_name}]}
 
-    tokenization = (Tokenization(config.tokenizer, config.max_model_len, config.chat_template)
-                    if config.tokenizer else None)
     app.include_router(tokenization_router(tokenization, check_auth, serving.check_model))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])

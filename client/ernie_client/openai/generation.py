@@ -44,6 +44,7 @@ class ChoiceState:
     tool_calls: dict[int, dict] = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
     engine_finish_reason: str | None = None
     ended: bool = False
     num_input_tokens: int | None = None
@@ -60,6 +61,8 @@ class ChoiceState:
         self.token_ids.extend(step.token_ids)
         if step.logprobs:
             self.logprobs.extend(step.logprobs)
+        if step.prompt_logprobs:
+            self.prompt_logprobs = step.prompt_logprobs
         for name in ("num_input_tokens", "num_output_tokens", "num_cached_tokens", "num_reasoning_tokens",
                      "prompt_token_ids"):
             if getattr(step, name) is not None:

@@ -10,8 +10,9 @@ choice i uses seed + i so the choices differ but the whole request stays reprodu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from .errors import bad_request
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # SamplingParams fields that travel in the sampling_parameters JSON (the rest have tensors).
@@ -73,6 +74,8 @@ def _sampling_fields(req: ChatCompletionRequest | CompletionRequest, max_tokens:
             sp[name] = getattr(req, name)
     if req.num_logprobs is not None:
         sp["logprobs"] = req.num_logprobs
+    if req.num_prompt_logprobs is not None:
+        sp["prompt_logprobs"] = req.num_prompt_logprobs
     f["sampling_parameters"] = sp
     f["exclude_input_in_output"] = True
     f["return_num_input_tokens"] = True
@@ -104,14 +107,21 @@ def chat_jobs(req: ChatCompletionRequest) -> list[Job]:
     return [Job(i, _with_seed(base, req.seed, i)) for i in range(req.n)]
 
 
-def completion_jobs(req: CompletionRequest) -> list[Job]:
+def completion_jobs(req: CompletionRequest, decode: Callable[[list[int]], str] | None = None) -> list[Job]:
+    """`decode`: the served tokenizer's, for echoing a token-id prompt as text (without it, echo needs text)."""
     base = _sampling_fields(req, req.generation_limit)
     jobs = []
     for p, prompt in enumerate(req.prompt_list()):
+        echoed = prompt if isinstance(prompt, str) else None
+        if req.echo and echoed is None:
+            if decode is None:
+                raise bad_request("echo with a token-id prompt needs the served tokenizer to show it as text: start "
+                                  "the shim with --tokenizer (ernie-serve passes it)", "echo")
+            echoed = decode(prompt)
         for j in range(req.n):
             i = p * req.n + j
             # skip_parsers: a completion is the model's raw text (</think> and all), never split into reasoning
             key = "text_input" if isinstance(prompt, str) else "input_token_ids"
             jobs.append(Job(i, dict(_with_seed(base, req.seed, j), skip_parsers=True, **{key: prompt}),
-                            prompt_text=prompt if isinstance(prompt, str) else None))
+                            prompt_text=echoed))
     return jobs

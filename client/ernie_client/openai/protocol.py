@@ -103,13 +103,13 @@ class _GenerationFields(_Model):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    prompt_logprobs: Any = None  # vLLM's; declared only to be refused: the prompt's logprobs are not computed
+    # vLLM's: each prompt token's logprob and its k most likely alternatives (the response's prompt_logprobs)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_common(self):
-        if self.prompt_logprobs is not None:
-            raise bad_request("prompt_logprobs is not supported (the prompt's logprobs are not computed)",
-                              "prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         stops = self.stop_list()
@@ -179,6 +179,11 @@ class ChatCompletionRequest(_GenerationFields):
         """vLLM's meaning: None = no logprobs, 0 = only the sampled token's, k = plus the top k."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to ask the ensemble for (None: none)."""
+        return self.prompt_logprobs
+
     def active_tools(self) -> list[Tool] | None:
         return None if self.tool_choice == "none" else (self.tools or None)
 
@@ -196,16 +201,10 @@ class CompletionRequest(_GenerationFields):
             raise bad_request("suffix (insertion) is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request(f"best_of must equal n ({self.n}) when given, got {self.best_of}", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)",
-                              "echo")
         prompts = self.prompt_list()
         if not prompts:
             raise bad_request("prompt must be a non-empty string, list of strings, list of token ids or list of "
                               "lists of token ids", "prompt")
-        if self.echo and any(isinstance(p, list) for p in prompts):
-            raise bad_request("echo with a token-id prompt is not supported (the shim holds no tokenizer to show "
-                              "it as text)", "echo")
         if len(prompts) * self.n > MAX_N:
             raise bad_request(f"at most {MAX_N} choices per request (prompts x n), got {len(prompts) * self.n}",
                               "prompt")
@@ -237,6 +236,17 @@ class CompletionRequest(_GenerationFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """OpenAI's legacy echo + logprobs: the logprobs cover the prompt's tokens too (the first one's null)."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to ask the ensemble for: vLLM's prompt_logprobs, and what echo + logprobs shows."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
 
 def lone_surrogate_path(body: Any) -> str | None:

@@ -41,14 +41,34 @@ def chat_logprobs(entries: list[TokenLogprob], k: int) -> dict:
 
 
 def completion_logprobs(entries: list[TokenLogprob], k: int, offset: int = 0) -> dict:
+    """OpenAI's legacy shape; with echo the prompt's tokens come first, the first with null figures."""
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)
         tokens.append(e.token)
         offset += len(e.token)
-    return {"tokens": tokens, "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": [{t: _finite(lp) for _, t, lp in e.top[:k]} for e in entries],
+    return {"tokens": tokens,
+            "token_logprobs": [None if e.logprob is None else _finite(e.logprob) for e in entries],
+            "top_logprobs": [None if e.logprob is None else {t: _finite(lp) for _, t, lp in e.top[:k]}
+                             for e in entries],
             "text_offset": offsets}
+
+
+def prompt_logprobs(entries: list[TokenLogprob] | None, k: int | None) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: null for the first prompt token, then {token_id: {logprob, rank, decoded_token}}
+    with the prompt token and its k most likely alternatives."""
+    if k is None or entries is None:
+        return None
+    out: list[dict | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": _finite(e.logprob), "rank": e.rank, "decoded_token": e.token}}
+        for rank, (tid, tok, lp) in enumerate(e.top[:k], 1):
+            d.setdefault(str(tid), {"logprob": _finite(lp), "rank": rank, "decoded_token": tok})
+        out.append(d)
+    return out
 
 
 def chat_message(s: ChoiceState) -> dict:
@@ -62,7 +82,7 @@ def chat_message(s: ChoiceState) -> dict:
 
 
 def chat_completion(rid: str, created: int, model: str, states: list[ChoiceState], num_logprobs: int | None,
-                    return_token_ids: bool) -> dict:
+                    return_token_ids: bool, num_prompt_logprobs: int | None = None) -> dict:
     choices = []
     for s in states:
         c = {"index": s.index, "message": chat_message(s),
@@ -72,22 +92,30 @@ def chat_completion(rid: str, created: int, model: str, states: list[ChoiceState
             c["message"]["prompt_token_ids"] = s.prompt_token_ids
             c["message"]["completion_token_ids"] = s.token_ids
         choices.append(c)
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(states)}
+    if num_prompt_logprobs is not None:  # vLLM's place for a chat: the response's, the choices share the prompt
+        body["prompt_logprobs"] = prompt_logprobs(states[0].prompt_logprobs, num_prompt_logprobs)
+    return body
 
 
 def completion(rid: str, created: int, model: str, states: list[ChoiceState], echo_prompts: dict[int, str],
-               num_logprobs: int | None, return_token_ids: bool) -> dict:
+               num_logprobs: int | None, return_token_ids: bool, num_prompt_logprobs: int | None = None) -> dict:
+    """`echo_prompts`: each echoed choice's prompt text; with logprobs their entries start with the prompt's."""
     choices = []
     for s in states:
         prefix = echo_prompts.get(s.index, "")
         # A completion is raw text: the shim asks for skip_parsers; an ensemble without that input may
         # still have split it into reasoning and content, so join them back (a no-op otherwise).
         text = "".join(r + t for r, t in zip(s.reasoning, s.text))
+        entries, offset = s.logprobs, len(prefix)
+        if s.index in echo_prompts and s.prompt_logprobs is not None:
+            entries, offset = s.prompt_logprobs + s.logprobs, 0
         c = {"index": s.index, "text": prefix + text,
-             "logprobs": completion_logprobs(s.logprobs, num_logprobs, len(prefix))
-             if num_logprobs is not None else None,
+             "logprobs": completion_logprobs(entries, num_logprobs, offset) if num_logprobs is not None else None,
              "finish_reason": s.finish_reason}
+        if num_prompt_logprobs is not None:
+            c["prompt_logprobs"] = prompt_logprobs(s.prompt_logprobs, num_prompt_logprobs)
         if return_token_ids:
             c["prompt_token_ids"] = s.prompt_token_ids
             c["completion_token_ids"] = s.token_ids

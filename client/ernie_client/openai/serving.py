@@ -145,21 +145,23 @@ class OpenAIServingChat:
             yield R.SSE_DONE
 
         finish = lambda: R.chat_completion(rid, created, config.public_name, states, k,  # noqa: E731
-                                           req.return_token_ids)
+                                           req.return_token_ids, req.prompt_logprobs)
         return await self.serving.serve(request, "/v1/chat/completions", jobs, states, req.stream, finish, events)
 
 
 class OpenAIServingCompletion:
     """POST /v1/completions."""
 
-    def __init__(self, serving: OpenAIServing):
+    def __init__(self, serving: OpenAIServing, decode: Callable[[list[int]], str] | None = None):
+        """`decode`: the served tokenizer's, to echo a token-id prompt as text."""
         self.serving = serving
+        self.decode = decode
 
     async def create(self, request: Request) -> Response:
         config, metrics = self.serving.config, self.serving.metrics
         req: CompletionRequest = await parse_body(request, CompletionRequest)
         self.serving.check_model(req.model)
-        jobs = completion_jobs(req)
+        jobs = completion_jobs(req, self.decode)
         states = [ChoiceState(j.index, counts_prompt=j.index % req.n == 0, max_tokens=req.generation_limit)
                   for j in jobs]
         echo = {j.index: j.prompt_text for j in jobs} if req.echo else {}
@@ -178,16 +180,18 @@ class OpenAIServingCompletion:
             offsets = {j.index: len(echo.get(j.index, "")) for j in jobs}
             async for i, step in _steps(gen, first, states, "/v1/completions", metrics, gen.started):
                 s = states[i]
-                text = ""
+                text, entries = "", (step.logprobs or []) if step is not None else []
                 if i not in started:
                     started.add(i)
                     text = echo.get(i, "")
+                    if req.echo_logprobs and s.prompt_logprobs is not None:  # the prompt's entries come first
+                        entries, offsets[i] = s.prompt_logprobs + entries, 0
                 if step is not None:
                     text += step.reasoning + step.text
                 lp = None
-                if k is not None and step is not None and step.logprobs:
-                    lp = R.completion_logprobs(step.logprobs, k, offsets[i])
-                    offsets[i] += sum(len(e.token) for e in step.logprobs)
+                if k is not None and entries:
+                    lp = R.completion_logprobs(entries, k, offsets[i])
+                    offsets[i] += sum(len(e.token) for e in entries)
                 if text or lp or s.ended:
                     c = {"index": i, "text": text, "logprobs": lp, "finish_reason": s.finish_reason}
                     if req.return_token_ids:
@@ -203,7 +207,7 @@ class OpenAIServingCompletion:
             yield R.SSE_DONE
 
         finish = lambda: R.completion(rid, created, config.public_name, states, echo, k,  # noqa: E731
-                                      req.return_token_ids)
+                                      req.return_token_ids, req.prompt_logprobs)
         return await self.serving.serve(request, "/v1/completions", jobs, states, req.stream, finish, events)
 
 

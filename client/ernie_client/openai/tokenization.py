@@ -73,12 +73,19 @@ class Tokenization:
         return out
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, str]:
+        return {"prompt": self._decode(req.tokens, "tokens")}
+
+    def decode_prompt(self, token_ids: list[int]) -> str:
+        """A token-id prompt as the text a completion's echo shows."""
+        return self._decode(token_ids, "prompt")
+
+    def _decode(self, token_ids: list[int], param: str) -> str:
         vocab = self.tokenizer.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise OpenAIError(400, f"tokens must be in [0, {vocab}) (the tokenizer's vocabulary), got {bad[:5]}",
-                              param="tokens")
-        return {"prompt": self.tokenizer.decode(req.tokens)}
+            raise OpenAIError(400, f"{param}: token ids must be in [0, {vocab}) (the tokenizer's vocabulary), got "
+                              f"{bad[:5]}", param=param)
+        return self.tokenizer.decode(token_ids)
 
     def info(self) -> dict[str, Any]:
         tok = self.tokenizer

@@ -38,10 +38,11 @@ _OPTIONAL_FLAGS = ("stream", "exclude_input_in_output", "return_num_input_tokens
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: list[tuple[int, str, float]] = field(default_factory=list)  # best first
     bytes: list[int] | None = None  # the server's (exact for a byte-fallback piece); else token's UTF-8
     top_bytes: list[list[int] | None] = field(default_factory=list)
+    rank: int | None = None  # 1 + the number of tokens more likely, where the server says
 
 
 @dataclass
@@ -58,6 +59,7 @@ class StepOutput:
     num_reasoning_tokens: int | None = None
     prompt_token_ids: list[int] | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, on a choice's first response
 
 
 @dataclass
@@ -86,13 +88,18 @@ def parse_logprobs(raw: Any, token_ids: list[int]) -> list[TokenLogprob]:
     `{token_id: {"logprob", "rank", "decoded_token"}}` (the sampled id is then taken from output_ids)."""
     out = []
     for k, entry in enumerate(raw or []):
+        if entry is None:  # vLLM's prompt_logprobs start so: the first prompt token has none
+            tid = token_ids[k] if k < len(token_ids) else -1
+            out.append(TokenLogprob(tid, _decoded_token(tid, None), None))
+            continue
         if "logprob" in entry:
             tid = int(entry.get("token_id", token_ids[k] if k < len(token_ids) else -1))
             tops = entry.get("top_logprobs") or []
             top = [(int(t.get("token_id", -1)), _decoded_token(int(t.get("token_id", -1)), t.get("token")),
                     float(t["logprob"])) for t in tops]
-            out.append(TokenLogprob(tid, _decoded_token(tid, entry.get("token")), float(entry["logprob"]), top,
-                                    entry.get("bytes"), [t.get("bytes") for t in tops]))
+            lp = entry["logprob"]
+            out.append(TokenLogprob(tid, _decoded_token(tid, entry.get("token")), None if lp is None else float(lp),
+                                    top, entry.get("bytes"), [t.get("bytes") for t in tops], entry.get("rank")))
             continue
         cands = {int(t): v for t, v in entry.items()}
         tid = token_ids[k] if k < len(token_ids) else min(cands, key=lambda t: cands[t].get("rank") or 0)
@@ -131,6 +138,9 @@ def decode_response(result) -> StepOutput:
     lp = as_json("logprobs")
     if lp:
         step.logprobs = parse_logprobs(lp, step.token_ids)
+    lp = as_json("prompt_logprobs")
+    if lp:
+        step.prompt_logprobs = parse_logprobs(lp, step.prompt_token_ids or [])
     return step
 
 
@@ -239,9 +249,10 @@ class TritonBackend:
                 sp[_FOLDABLE[name]] = value
             elif name not in _OPTIONAL_FLAGS:
                 raise OpenAIError(400, f"the Triton model {self.model_name!r} has no input for {name!r}", name)
-        if sp.get("logprobs") is not None and spec.outputs and "logprobs" not in spec.outputs:
-            raise OpenAIError(400, f"logprobs are not available: the Triton model {self.model_name!r} has no "
-                              "'logprobs' output", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            if sp.get(name) is not None and spec.outputs and name not in spec.outputs:
+                raise OpenAIError(400, f"{name} are not available: the Triton model {self.model_name!r} has no "
+                                  f"{name!r} output", name)
         if sp:
             if "sampling_parameters" not in spec.inputs:
                 raise OpenAIError(400, f"the Triton model {self.model_name!r} takes no sampling_parameters; "
