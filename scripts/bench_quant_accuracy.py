@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "backend"))
 from ernie_serve import LLM, SamplingParams  # noqa: E402  (first: it sets the MKL/threads env paddle reads)
 import paddle  # noqa: E402
 from ernie_serve.model.attention import AttentionMetadata  # noqa: E402
-from ernie_serve.quantization.checkpoint import quantize_checkpoint  # noqa: E402
-from ernie_serve.quantization.layers import weight_memory_report  # noqa: E402
+from ernie_serve.model.quantize_checkpoint import quantize_checkpoint  # noqa: E402
+from ernie_serve.model.quantized_layers import weight_memory_report  # noqa: E402
 
 FORMATS = ("fp32", "wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 OFFLINE = ("wint2", "w4a8")  # served from a pre-quantized checkpoint

@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 
-from ernie_serve.quantization.checkpoint import calibration_ids, quantize_checkpoint  # noqa: E402
-from ernie_serve.quantization.layers import METHODS  # noqa: E402
+from ernie_serve.model.quantize_checkpoint import calibration_ids, quantize_checkpoint  # noqa: E402
+from ernie_serve.model.quantized_layers import METHODS  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 
-from ernie_serve.quantization.checkpoint import shard_checkpoint  # noqa: E402
+from ernie_serve.model.quantize_checkpoint import shard_checkpoint  # noqa: E402
 from ernie_serve.quantization.formats import METHODS  # noqa: E402
 
 

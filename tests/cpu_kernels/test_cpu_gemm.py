@@ -12,7 +12,7 @@ import pytest
 
 from ernie_serve.cpu_kernels import cpu_gemm
 from ernie_serve.quantization import formats as fmt
-from ernie_serve.quantization.layers import QuantLinear
+from ernie_serve.model.quantized_layers import QuantLinear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler to build cpu_gemm.c")
 
@@ -119,7 +119,7 @@ def test_without_a_compiler_it_is_not_built_and_says_why(tmp_path):
 def test_quantized_experts_batched_in_one_call_equal_the_per_expert_path(method, offset):
     """Every routed expert runs in one cpu_qgemm.c call per matrix (QuantMoEExperts.packed_forward); it must give the
     per-expert loop's result exactly (the same rows quantize the same way), under expert parallelism too."""
-    from ernie_serve.quantization.layers import QuantMoEExperts
+    from ernie_serve.model.quantized_layers import QuantMoEExperts
 
     rng = np.random.default_rng(7)
     num, h, inter, t, k = 8, 128, 96, 12, 2

@@ -14,8 +14,8 @@ from ernie_serve.demo.tiny_model import random_weights
 from ernie_serve.step_contract import StepInput
 from ernie_serve.model.checkpoint_writer import write_checkpoint
 from ernie_serve.model.cpu_layers import CpuDecoderStack
-from ernie_serve.quantization.layers import QuantLinear
-from ernie_serve.quantization.checkpoint import quantize_checkpoint
+from ernie_serve.model.quantized_layers import QuantLinear
+from ernie_serve.model.quantize_checkpoint import quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="the CPU kernels are not built here")
 

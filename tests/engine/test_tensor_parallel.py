@@ -24,7 +24,7 @@ from ernie_serve.step_contract import StepInput
 from ernie_serve.model.attention import AttentionMetadata
 from ernie_serve.model.checkpoint_writer import pt_to_paddle, write_checkpoint
 from ernie_serve.model.config import ErnieModelConfig
-from ernie_serve.quantization.checkpoint import quantize_checkpoint, shard_checkpoint
+from ernie_serve.model.quantize_checkpoint import quantize_checkpoint, shard_checkpoint
 
 VOCAB = 512
 BASE = dict(architectures=["Ernie4_5_MoeForCausalLM"], vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,

@@ -165,7 +165,7 @@ def test_a_checkpoint_without_a_head_is_refused_at_start(tmp_path):
 
 
 def test_a_c8_cache_with_dynamic_scales_gives_the_head_its_own_layer_and_static_scales_are_refused(tmp_path):
-    from ernie_serve.quantization.checkpoint import quantize_checkpoint
+    from ernie_serve.model.quantize_checkpoint import quantize_checkpoint
 
     config = dict(QUANT, quantization_config={"kv_cache_quant_type": "int8"})
     dynamic = tmp_path / "c8dyn"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ernie_serve.quantization.checkpoint import quantize_checkpoint
+from ernie_serve.model.quantize_checkpoint import quantize_checkpoint
 from kb_helpers import QUANT, engine, greedy, prefill_step, prompts, step_logits, write
 
 

@@ -114,7 +114,7 @@ def test_a_tied_model_serves_lookups_and_logits_from_one_blocked_copy(tmp_path):
     from ernie_serve.model.attention import AttentionMetadata
     from ernie_serve.model.checkpoint_writer import write_checkpoint
     from ernie_serve.model.loader import load_model
-    from ernie_serve.quantization.layers import model_memory_bytes
+    from ernie_serve.model.quantized_layers import model_memory_bytes
 
     config = dict(CONFIGS["tiny"], tie_word_embeddings=True, vocab_size=1000)
     write_checkpoint(tmp_path, config, random_weights(config))

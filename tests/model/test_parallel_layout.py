@@ -14,9 +14,9 @@ from ernie_serve.model.checkpoint_writer import pt_to_paddle, write_checkpoint
 from ernie_serve.model.config import ErnieModelConfig
 from ernie_serve.model.loader import load_model
 from ernie_serve.model.parallel import ParallelLayout
-from ernie_serve.quantization.checkpoint import checkpoint_tensors, quantize_checkpoint, shard_checkpoint
+from ernie_serve.model.quantize_checkpoint import checkpoint_tensors, quantize_checkpoint, shard_checkpoint
 from ernie_serve.quantization.formats import QUANT_TENSOR_SUFFIXES
-from ernie_serve.quantization.layers import QuantLinear, QuantMoEExperts
+from ernie_serve.model.quantized_layers import QuantLinear, QuantMoEExperts
 
 SMALL = dict(CONFIGS["tiny"], vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              head_dim=24, moe_intermediate_size=32, moe_layer_start_index=1, moe_layer_end_index=1,

@@ -17,8 +17,8 @@ from ernie_serve.model.kv_cache import PagedKVCache
 from ernie_serve.model.layers import Linear
 from ernie_serve.model.loader import load_model
 from ernie_serve.model.moe import FusedExperts
-from ernie_serve.quantization.checkpoint import quantize_checkpoint
-from ernie_serve.quantization.layers import QuantLinear, QuantMoEExperts, weight_memory_report
+from ernie_serve.model.quantize_checkpoint import quantize_checkpoint
+from ernie_serve.model.quantized_layers import QuantLinear, QuantMoEExperts, weight_memory_report
 
 # K of every matrix (hidden 128, q 128, dense 256, experts 64) is a multiple of 64, as wint2 needs.
 CONFIG = {"architectures": ["Ernie4_5_MoeForCausalLM"], "vocab_size": 512, "hidden_size": 128,

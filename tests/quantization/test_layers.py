@@ -6,7 +6,7 @@ import pytest
 
 from ernie_serve.quantization import formats as F
 from ernie_serve.model.moe import FusedExperts
-from ernie_serve.quantization.layers import METHODS, QuantLinear, QuantMoEExperts, model_memory_bytes
+from ernie_serve.model.quantized_layers import METHODS, QuantLinear, QuantMoEExperts, model_memory_bytes
 
 K, N, T = 256, 160, 7
 

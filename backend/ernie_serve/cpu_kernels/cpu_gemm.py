@@ -2,7 +2,7 @@
 
 y = (x @ W) * scale at every row count: float32 W in the column-blocked serving layout (model/layers.BlockedLinear,
 model/moe.BlockedExperts; pack_columns), int8 or int4 codes of the weight-only formats in the integer kernel's
-layout (quantization/layers.QuantLinear; pack_codes), and every routed expert of a layer in one call. Without the
+layout (model/quantized_layers.QuantLinear; pack_codes), and every routed expert of a layer in one call. Without the
 library `available()` is False and callers keep their Paddle path.
 """
 from __future__ import annotations

@@ -149,7 +149,7 @@ def _kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, l
 
 
 def _log_weight_memory(model, where: str) -> None:
-    from ..quantization.layers import weight_memory_report
+    from ..model.quantized_layers import weight_memory_report
 
     mem = weight_memory_report(model)
     log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "

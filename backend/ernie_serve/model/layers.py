@@ -166,7 +166,7 @@ def make_linear(in_features: int, out_features: int, quant_method: str | None = 
     if quant_method is None:
         return Linear(in_features, out_features)
     # Imported here: the quantization layers are built from this module's blocks.
-    from ..quantization.layers import QuantLinear
+    from .quantized_layers import QuantLinear
 
     return QuantLinear(quant_method, in_features, out_features)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from ..quantization.layers import QuantLinear, QuantMoEExperts
+from .quantized_layers import QuantLinear, QuantMoEExperts
 from ..quantization.plan import QuantPlan
 from .checkpoint_map import (Assembler, Target, fill_from_checkpoint, fill_mtp, note_checkpoint_layout,
                              rank_kv_scales, tensor_directory)

@@ -39,7 +39,7 @@ class FusedExperts(nn.Layer):
     """All routed experts in fp32, stacked: up_gate [E, H, 2I] (gate half first), down [E, I, H].
 
     Parameters, so autograd trains through it (demo/fit.py); the quantized twin is
-    ernie_serve.quantization.layers.QuantMoEExperts, and both run grouped_expert_forward.
+    ernie_serve.model.quantized_layers.QuantMoEExperts, and both run grouped_expert_forward.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -243,7 +243,7 @@ def make_experts(cfg: ErnieModelConfig, quant_method: str | None, layout: Parall
     num, inter = len(layout.experts(cfg)), layout.expert_intermediate(cfg)
     if quant_method is None:
         return FusedExperts(num, cfg.hidden_size, inter)
-    from ..quantization.layers import QuantMoEExperts  # built from this module: imported late
+    from .quantized_layers import QuantMoEExperts  # built from this module: imported late
 
     return QuantMoEExperts.empty(quant_method, num, cfg.hidden_size, inter)
 

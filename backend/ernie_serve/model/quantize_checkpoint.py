@@ -24,16 +24,17 @@ import numpy as np
 import paddle
 from tqdm.auto import tqdm
 
-from ..model.attention import AttentionMetadata
-from ..model.checkpoint_writer import write_checkpoint
-from ..model.config import ErnieModelConfig
-from ..model.kv_cache import PagedKVCache
-from ..model.layers import Linear, silu_and_mul
-from ..model.loader import load_model
-from ..model.moe import FusedExperts
-from ..model.parallel import ParallelLayout
-from .layers import QuantLinear, QuantMoEExperts, quantize_float
-from .plan import QuantPlan
+from ..quantization.plan import QuantPlan
+from .attention import AttentionMetadata
+from .checkpoint_writer import write_checkpoint
+from .config import ErnieModelConfig
+from .kv_cache import PagedKVCache
+from .layers import Linear, silu_and_mul
+from .loader import load_model
+from .moe import FusedExperts
+from .parallel import ParallelLayout
+from .quantized_layers import QuantLinear, QuantMoEExperts, quantize_float
+
 
 
 def calibration_ids(vocab_size: int, num_seqs: int = 8, seq_len: int = 64, seed: int = 0) -> list[list[int]]:
