@@ -1,5 +1,5 @@
 """The step contract: the types that cross between the engine's core (scheduler, model runner, sampler) and the
-executors that run a step (the reference backend: engine/model_shard.py and its tensor-parallel workers; the
+executors that run a step (the reference backend: reference_backend/shard.py and its tensor-parallel workers; the
 kernels backend: kernels_backend/). Neutral on purpose: it imports neither side, so an executor depends on this
 module and not on the engine, and the engine picks an executor without the two importing each other.
 
@@ -13,7 +13,7 @@ module and not on the engine, and the engine picks an executor without the two i
 StepInput holds no Request: token ids, positions, the attention metadata's index arrays, the KV swaps/copies to
 apply first and which rows to compute logits for, so it crosses a process boundary as a JSON header plus raw
 array bytes (no pickling). Tensor-parallel workers are not sent it whole: the driver sends what changed since the
-last step (engine/persistent_batch.py) and each worker rebuilds this same StepInput from its own copy of the
+last step (tensor_parallel/persistent_batch.py) and each worker rebuilds this same StepInput from its own copy of the
 block tables. `row_keys` names each row's request for that; the shards never read it.
 """
 from __future__ import annotations
@@ -122,8 +122,8 @@ def kv_ops_from_json(ops: list[list]) -> list[KVOp]:
 
 
 class StepExecutor(Protocol):
-    """Runs a StepInput on the whole model: engine/model_shard.ModelShard (the reference backend, one rank),
-    engine/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
+    """Runs a StepInput on the whole model: reference_backend/shard.ModelShard (the reference backend, one rank),
+    tensor_parallel/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
     backend). `cache` is the engine's view of the KV pool (num_blocks, and read_blocks /
     write_blocks of whole blocks with all the model's KV heads, across the ranks under tensor parallelism).
     execute returns (the step's final hidden states, the sampled rows' logits as a Paddle tensor or NumPy).

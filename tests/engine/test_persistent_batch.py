@@ -1,4 +1,4 @@
-"""Tensor-parallel workers rebuild each step from a delta (engine/persistent_batch.py): the StepInput a worker
+"""Tensor-parallel workers rebuild each step from a delta (tensor_parallel/persistent_batch.py): the StepInput a worker
 rebuilds equals, array for array, the one the driver encoded, whatever the scheduler did to the requests."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from itertools import count
 import numpy as np
 import pytest
 
-from ernie_serve.engine.persistent_batch import PersistentBatch, StepDelta, StepDeltaEncoder
+from ernie_serve.tensor_parallel.persistent_batch import PersistentBatch, StepDelta, StepDeltaEncoder
 from ernie_serve.step_contract import MAX_BATCHED_QUERY, KVOp, StepInput
 from ernie_serve.model.attention_metadata import AttentionMetadata
 

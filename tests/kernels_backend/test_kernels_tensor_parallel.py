@@ -1,5 +1,5 @@
 """The kernels backend across ranks: tensor and expert parallelism over gloo, each rank's kernels in triton's
-interpreter, rank 0 in the test's process and the others in worker processes (engine/workers.py).
+interpreter, rank 0 in the test's process and the others in worker processes (tensor_parallel/workers.py).
 
 The oracle is outside this project where it can be: HF transformers' greedy tokens on checkpoints transformers
 wrote (GQA, one KV head replicated over the ranks, a dense model with head_dim != hidden / heads). MTP and

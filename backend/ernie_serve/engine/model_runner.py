@@ -1,6 +1,6 @@
 """The driver half of the model runner: turns a SchedulerOutput into a StepInput, has the model run it,
 samples. It is the only part that reads Requests; the executor runs the StepInput on the model (a
-ModelShard in this process, or every tensor-parallel rank at once, engine/workers.py) and hands back the
+ModelShard in this process, or every tensor-parallel rank at once, tensor_parallel/workers.py) and hands back the
 sampled rows' logits, so sampling, penalties and guided decoding never depend on how the model is split.
 """
 from __future__ import annotations

@@ -33,7 +33,7 @@ from ..step_contract import StepInput
 
 
 class DraftHead(Protocol):
-    """An executor's MTP head over its own KV cache (engine/model_shard.py, kernels_backend/shard.py)."""
+    """An executor's MTP head over its own KV cache (reference_backend/shard.py, kernels_backend/shard.py)."""
 
     block_size: int
 

@@ -77,7 +77,7 @@ class Request:
     all_token_ids: list[int] = field(init=False, repr=False)
     output_token_ids: list[int] = field(init=False, default_factory=list)  # append via append_output
     # An int naming this request in a StepInput's row_keys: request_id is a string of any length, and
-    # tensor-parallel workers keep each request's block table under this key (engine/persistent_batch.py).
+    # tensor-parallel workers keep each request's block table under this key (tensor_parallel/persistent_batch.py).
     row_key: int = field(init=False, repr=False, default_factory=lambda: next(_row_keys))
     # Every token is its logits' argmax and nothing else (sampler.takes_argmax_only), decided once: a step of
     # such rows builds no per-row sampling metadata.

@@ -6,9 +6,9 @@ on device tensors, in Paddle or torch (framework.py), with CUDA graphs for decod
     model.py         the forward: RMSNorm+residual, qkv GEMM, RoPE, KV write, unified attention, router, fused MoE
     step_buffers.py  a step's index data in persistent device buffers
     cuda_graphs.py   decode steps captured per batch-size bucket and replayed
-    shard.py         the StepExecutor the engine's model runner drives (as engine/model_shard.py for `reference`)
+    shard.py         the StepExecutor the engine's model runner drives (as reference_backend/shard.py for `reference`)
     loading.py       builds it from an EngineConfig: the framework, the weights, the KV pool size, the graphs
 
-The reference backend (model/, engine/model_shard.py) is this path's oracle: tests run both on the same
+The reference backend (model/, reference_backend/shard.py) is this path's oracle: tests run both on the same
 checkpoints and compare tokens and logits.
 """

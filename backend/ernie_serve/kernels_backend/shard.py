@@ -1,6 +1,6 @@
 """The kernels backend's StepExecutor: runs the engine's StepInputs on KernelModel over a DeviceKVCache.
 
-It is what engine/model_shard.ModelShard is for the reference backend, with the same contract to the model
+It is what reference_backend/shard.ModelShard is for the reference backend, with the same contract to the model
 runner: apply the step's KV block moves, run the forward, return the sampled rows' logits, here left on the
 device (device_sampling.KernelLogits: the sampler draws there when the batch allows, else copies them). A
 decode-only step replays a CUDA graph when graphs are on.

@@ -1,7 +1,7 @@
 """The executing half of the model runner: one rank's model shard and KV cache, running StepInputs.
 
 Every tensor-parallel rank holds one (rank 0 in the engine's own process, the others in worker
-processes, engine/workers.py), and all of them run the same StepInput at the same time: the model's
+processes, tensor_parallel/workers.py), and all of them run the same StepInput at the same time: the model's
 collectives keep them in step. A single-rank engine calls its one ModelShard directly.
 """
 from __future__ import annotations

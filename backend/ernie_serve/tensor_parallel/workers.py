@@ -1,6 +1,6 @@
 """Tensor-parallel ranks: rank 0 is the engine's own process, ranks 1..N-1 are worker processes it starts.
 
-    driver (engine process)                         worker k (python -m ernie_serve.engine.workers)
+    driver (engine process)                         worker k (python -m ernie_serve.tensor_parallel.workers)
     scheduler -> ModelRunner -> StepInput
                    StepDeltaEncoder ------pyzmq-----> PersistentBatch -> StepInput
                    shard(rank 0).execute              shard(rank k).execute
@@ -9,7 +9,7 @@
 
 Why this shape. vLLM v1 and FastDeploy both keep the scheduler in one process and run the model in
 one worker per rank, and vLLM's scheduler sends each worker only what changed while every worker keeps
-a persistent batch. So does this engine (engine/persistent_batch.py): one pyzmq message per worker per
+a persistent batch. So does this engine (tensor_parallel/persistent_batch.py): one pyzmq message per worker per
 step carries the step's token ids, the rows to sample, the KV swaps/copies, and per row the request's
 key, where its new tokens start, how many there are and the block ids the worker has not seen yet (the
 whole table when it was rewritten). Each worker keeps the block tables of the last step's rows and
@@ -149,7 +149,7 @@ class RankShard:
             return load_kernels_shard(EngineConfig(**s.engine_config), Path(s.model_dir), model_cfg,
                                       s.num_output_ids or model_cfg.vocab_size, layout, self.ops)
         from ..model.loader import load_model, load_mtp_head
-        from .model_shard import ModelShard
+        from ..reference_backend.shard import ModelShard
 
         model = load_model(s.model_dir, s.num_output_ids, show_progress=False, quantization=s.quantization,
                            layout=layout)
@@ -176,7 +176,7 @@ class TensorParallelExecutor:
             port = sock.bind_to_random_port("tcp://127.0.0.1")
             self._steps.append(sock)
             self._procs.append(subprocess.Popen(
-                [_python(), "-m", "ernie_serve.engine.workers", "--rank", str(rank), "--spec",
+                [_python(), "-m", "ernie_serve.tensor_parallel.workers", "--rank", str(rank), "--spec",
                  json.dumps(asdict(self.spec)), "--steps", f"tcp://127.0.0.1:{port}",
                  "--control", f"tcp://127.0.0.1:{control_port}", "--driver-pid", str(os.getpid())]))
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._steps + [self._control], self._zmq)
