@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .devices import cpu_flag_note, gpu_visible
+from .devices import gpu_visible
 
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
@@ -206,7 +206,8 @@ class EngineConfig:
                              f"{self.cache_queue_port}")
 
     def _refuse_unbuilt(self) -> None:
-        """FastDeploy flags this build does not implement yet: refused with what is supported, never ignored."""
+        """FastDeploy flags this build does not implement yet: refused with what is supported, never ignored. What one
+        execution backend cannot run is that backend's to say (its support.py; executor_factory.check_supported)."""
         def refuse(name: str, why: str) -> None:
             raise ValueError(f"{name}={getattr(self, name)!r} is not supported: {why}")
 
@@ -217,23 +218,6 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             refuse("enable_expert_parallel", "experts are split across the tensor-parallel ranks; it needs "
                                              "tensor_parallel_size > 1")
-        if self.execution_backend == "reference":
-            if self.gpu_memory_utilization != 0.9:
-                refuse("gpu_memory_utilization", "it sizes the KV pool on a GPU (execution_backend='kernels'); the "
-                                                 "reference backend runs on the CPU: size its pool with "
-                                                 "kv_cache_memory (bytes) or num_gpu_blocks_override")
-            if self.use_cudagraph:
-                refuse("use_cudagraph", "CUDA graphs replay the kernels backend's decode steps on a GPU; the "
-                                        "reference backend has none (use execution_backend='kernels')")
-            if self.dtype not in ("auto", "float32"):
-                bf16 = (f" (a bfloat16 path for CPUs with AVX512-BF16 is not built yet; {cpu_flag_note('avx512_bf16')})"
-                        if self.dtype == "bfloat16" else "")
-                refuse("dtype", f"the reference (CPU) backend computes in float32 only{bf16}; use dtype 'auto' or "
-                                "'float32' (on a GPU, execution_backend='kernels' computes in bfloat16)")
-        elif self.use_cudagraph and self.tensor_parallel_size > 1:
-            refuse("use_cudagraph", f"CUDA graphs with tensor_parallel_size={self.tensor_parallel_size} are not "
-                                    "supported yet: capturing the ranks' collectives in a graph is unverified; serve "
-                                    "tensor-parallel engines without use_cudagraph")
         if self.kv_cache_ratio != 0.75:
             refuse("kv_cache_ratio", "it belongs to FastDeploy's V0 scheduler; this V1 scheduler shares one block "
                                      "pool between prefill and decode (only the default 0.75 is accepted)")

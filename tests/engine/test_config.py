@@ -5,6 +5,7 @@ import pytest
 
 from ernie_serve.cli.serve import build_parser, main
 from ernie_serve.config import EngineConfig
+from ernie_serve.engine.executor_factory import check_supported
 from ernie_serve.sampling_params import SamplingParams
 from engine_helpers import make_engine
 
@@ -22,15 +23,25 @@ REFUSED = [
 
 @pytest.mark.parametrize("name,value,hint", REFUSED, ids=[f"{n}={v}" for n, v, _ in REFUSED])
 def test_unbuilt_flags_are_refused_naming_the_flag_and_what_is_supported(name, value, hint):
+    """By the config itself, or by the backend's own support check (what an engine runs before it loads)."""
     with pytest.raises(ValueError) as e:
-        EngineConfig(**{name: value}, execution_backend="reference")
+        check_supported(EngineConfig(**{name: value}, execution_backend="reference"))
     assert f"{name}={value!r} is not supported" in str(e.value) and hint in str(e.value)
 
 
+def test_a_backend_gives_every_reason_at_once_and_an_engine_checks_before_loading(tiny_model_dir):
+    config = EngineConfig(execution_backend="reference", use_cudagraph=True, dtype="float16")
+    with pytest.raises(ValueError, match="use_cudagraph=True is not supported.*; dtype='float16' is not supported"):
+        check_supported(config)
+    with pytest.raises(ValueError, match="use_cudagraph=True is not supported"):
+        make_engine(tiny_model_dir, use_cudagraph=True)
+    check_supported(EngineConfig(execution_backend="reference"))
+
+
 def test_the_kernels_backend_runs_several_ranks_but_not_yet_their_cuda_graphs():
-    assert EngineConfig(execution_backend="kernels", tensor_parallel_size=2).tensor_parallel_size == 2
+    check_supported(EngineConfig(execution_backend="kernels", tensor_parallel_size=2))
     with pytest.raises(ValueError, match="use_cudagraph=True is not supported: CUDA graphs with tensor_parallel_size=2"):
-        EngineConfig(execution_backend="kernels", tensor_parallel_size=2, use_cudagraph=True)
+        check_supported(EngineConfig(execution_backend="kernels", tensor_parallel_size=2, use_cudagraph=True))
 
 
 def test_execution_backend_names_are_checked_and_auto_follows_the_gpu():
@@ -161,7 +172,7 @@ def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32(tiny_model_dir
     with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match=cpu_flag_note("avx512_bf16")):
-        EngineConfig(dtype="bfloat16", execution_backend="reference")
+        check_supported(EngineConfig(dtype="bfloat16", execution_backend="reference"))
     engine = make_engine(tiny_model_dir, dtype="float32", execution_backend="reference")
     engine.add_request("a", [5, 17, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished_requests():

@@ -83,9 +83,11 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
         out["state_ttl_seconds"] = str(args.state_ttl_seconds)
     # Fail here, with the flag's name, rather than inside a model's initialize. data_parallel_size is
     # the launcher's (replicas as Triton instances), not one engine's.
+    from ..engine.executor_factory import check_supported
     from ..serving.pb import engine_config_from_parameters
 
-    engine_config_from_parameters({k: v for k, v in out.items() if k not in ("state_ttl_seconds", "data_parallel_size")})
+    check_supported(engine_config_from_parameters({k: v for k, v in out.items()
+                                                   if k not in ("state_ttl_seconds", "data_parallel_size")}))
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 
 from ..config import EngineConfig
@@ -24,9 +25,20 @@ class LoadedExecutor:
     cpu_threads: int  # the model's CPU threads in this process (0: the model runs on a device)
 
 
+def check_supported(config: EngineConfig) -> None:
+    """Refuse what the config's execution backend cannot run, every reason at once, each naming its flag (vLLM's
+    validate_configuration): each backend's support.py decides from the config alone, importing no framework, so
+    the server's command line is checked before anything starts."""
+    support = import_module(f"..{config.execution_backend}_backend.support", __package__)
+    reasons = support.unsupported(config)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+
+
 def load_executor(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
                   num_output_ids: int | None) -> LoadedExecutor:
     """num_output_ids: the tokenizer's size (None: the checkpoint's vocabulary, skip_tokenizer_init)."""
+    check_supported(config)
     if config.tensor_parallel_size > 1:
         return _tensor_parallel(config, model_dir, model_cfg, num_output_ids)
     if config.execution_backend == "kernels":
