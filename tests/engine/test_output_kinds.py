@@ -96,7 +96,7 @@ def test_final_only_defers_the_text_yet_stop_strings_still_stop_on_time(engine):
     for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
         params = replace(base, stop=[stop], output_kind=kind)
         engine.add_request("s", _prompt(6), params)
-        assert not engine.texts["s"].deferred  # a stop string needs the text every step
+        assert not engine.output.texts["s"].deferred  # a stop string needs the text every step
         outs = []
         while engine.has_unfinished_requests():
             outs += engine.step()
@@ -104,7 +104,7 @@ def test_final_only_defers_the_text_yet_stop_strings_still_stop_on_time(engine):
         assert comp.finish_reason == "stop" and comp.stop_reason == stop
         assert full.text.startswith(comp.text) and stop not in comp.text, kind
     engine.add_request("d", _prompt(6), replace(base, output_kind=RequestOutputKind.FINAL_ONLY))
-    assert engine.texts["d"].deferred
+    assert engine.output.texts["d"].deferred
     while engine.has_unfinished_requests():
         engine.step()
 

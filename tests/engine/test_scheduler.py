@@ -220,3 +220,23 @@ def test_all_token_ids_is_one_list_kept_in_place():
     req.append_output(9)
     assert req.all_token_ids is tokens and tokens == [1, 2, 3, 9]
     assert req.output_token_ids == [9] and req.num_tokens == 4
+
+
+def test_a_held_prefill_keeps_its_blocks_until_released_or_failed():
+    """A prefill-role request (hold_kv) that completes keeps its blocks in `held` for export; released, or failed
+    afterwards (its output processing), they go back to the pool, once."""
+    for ending in ("release", "fail"):
+        sched = make_scheduler()
+        free = sched.kv.num_free_blocks
+        req = make_request("p", [5, 6, 7, 8, 9], max_tokens=1)
+        req.hold_kv = True
+        sched.add(req)
+        step(sched)
+        assert req.status is RequestStatus.FINISHED_LENGTH and sched.held == {"p": req}
+        assert sched.kv.num_free_blocks < free
+        if ending == "release":
+            sched.release_held(req)
+        else:
+            sched.fail(req, "output processing failed")
+            sched.fail(req, "again")
+        assert sched.held == {} and sched.kv.num_free_blocks == free

@@ -231,7 +231,7 @@ class AsyncEngine:
         """Stats snapshot first (a caller woken by its final output sees the state after it), then outputs.
         A finished prefill request's KV is exported before the snapshot, so the blocks it frees are counted."""
         for out in outputs:
-            if out.finished and out.request_id in self.engine.held_kv:
+            if out.finished and out.request_id in self.engine.scheduler.held:
                 self._transfers[out.request_id] = self.engine.export_kv(out.request_id)
         stats = self.engine.stats()
         deliver = []

@@ -1,16 +1,17 @@
-"""The engine loop: add requests, step (schedule -> run -> postprocess), abort. Single-threaded;
-engine/async_engine.py puts it behind a thread-safe front."""
+"""The engine loop: add requests, step (schedule -> run -> update -> outputs), abort. Single-threaded;
+engine/async_engine.py puts it behind a thread-safe front. Requests come in checked by the input processor, the
+scheduler owns their state, the model runner runs each step on the executor, the output processor makes the outputs;
+this module wires them and keeps the loop (and the prefill / decode KV hand-off, which touches all of them)."""
 from __future__ import annotations
 
 import json
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..config import EngineConfig
 from ..model.config import ErnieModelConfig
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .executor_factory import load_executor
@@ -19,14 +20,13 @@ from .input_processor import InputProcessor, RequestGroup
 from .kv_cache_manager import KVCacheManager
 from .kv_transfer import KVTransfer
 from .model_runner import ModelRunner
-from .output_processor import TextState
+from .output_processor import OutputProcessor
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 from .spec_decode import draft_limit, make_proposer
 from .step_plan import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 
 log = logging.getLogger(__name__)
-_NO_DELTA: tuple[list[int], str] = ([], "")
 
 
 class EngineCapacityError(RuntimeError):
@@ -78,9 +78,7 @@ class LLMEngine:
             if self.tokenizer is not None and self.eos_token_ids else None
         self.inputs = InputProcessor(config, self.model_config.vocab_size, self.num_output_ids, self.tokenizer,
                                      self.eos_token_ids, self.grammars)
-        self.requests: dict[str, list[Request]] = {}  # external id -> its n sequences
-        self.texts: dict[str, TextState] = {}
-        self.held_kv: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export
+        self.output = OutputProcessor(self.scheduler)
         # async_scheduling: one thread runs each step's forward and sampling, the step in flight is _inflight
         self._forward: ThreadPoolExecutor | None = None
         self._inflight: tuple[SchedulerOutput, Future] | None = None
@@ -89,7 +87,6 @@ class LLMEngine:
                                                initializer=self._setup_forward_thread)
         self.num_steps = 0
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         from .._env import freeze_startup_objects
 
         freeze_startup_objects()
@@ -131,30 +128,21 @@ class LLMEngine:
         return self.inputs.make_group(request_id, prompt_token_ids, sampling_params, hold_kv)
 
     def add_request_group(self, group: RequestGroup) -> None:
-        if group.request_id in self.requests:
-            raise ValueError(f"request_id {group.request_id!r} is already in use")
-        self.requests[group.request_id] = group.requests
-        for req, text in zip(group.requests, group.texts):
-            self.texts[req.request_id] = text
+        self.output.add(group)
         self.scheduler.add_group(group.requests)
         self.num_prompt_tokens += group.requests[0].num_prompt_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool. Returns its final output."""
-        group = self.requests.get(request_id)
-        if group is None:
-            return None
-        deltas = {}
-        for req in group:
+        for req in self.output.requests.get(request_id, ()):
             if not req.is_finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            deltas[req.request_id] = ([], self.texts[req.request_id].finish_deferred(req))
-        return self._make_output(request_id, group, deltas)
+        return self.output.aborted(request_id)
 
     # ---------------------------------------------------------------- prefill/decode disaggregation
     def export_kv(self, request_id: str) -> KVTransfer:
         """The computed KV of a finished hold_kv request; its blocks are released afterwards."""
-        request = self.held_kv.pop(request_id, None)
+        request = self.scheduler.held.get(request_id)
         if request is None:
             raise ValueError(f"request {request_id!r} holds no KV (add it with hold_kv=True and let it finish)")
         self.wait_for_step()  # the cache is read below
@@ -182,24 +170,32 @@ class LLMEngine:
         if sampling_params.n != 1:
             raise ValueError("n must be 1 for a prefilled request")
         group = self.make_request_group(transfer.request_id, transfer.prompt_token_ids, sampling_params)
-        if transfer.request_id in self.requests:
+        if transfer.request_id in self.output.requests:
             raise ValueError(f"request_id {transfer.request_id!r} is already in use")
         self.wait_for_step()  # blocks are handed out below: none may still be written by a step in flight
         (req,) = group.requests
         if not self.scheduler.add_running(req, transfer.num_computed_tokens):
             raise EngineCapacityError(f"no room for {transfer.blocks.shape[2]} transferred KV blocks "
                                       f"({self.kv.num_free_blocks} free)")
-        self.requests[transfer.request_id] = group.requests
-        self.texts[transfer.request_id] = group.texts[0]
+        self.output.add(group)
         self.num_prompt_tokens += req.num_prompt_tokens
         self.runner.cache.import_blocks(req.block_ids, transfer.blocks)
         tokens = transfer.output_token_ids
         new = self.scheduler.append_tokens(req, tokens, [None] * len(tokens))
-        out = self._outputs([RequestUpdate(req, new)])
+        out = self.output.process([RequestUpdate(req, new)])
         return out[0] if req.is_finished else None
 
+    @property
+    def requests(self) -> dict[str, list[Request]]:
+        """The requests callers know by id (each one's n sequences), until their final output."""
+        return self.output.requests
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return self.output.num_generation_tokens
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.output.requests)
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
@@ -212,7 +208,7 @@ class LLMEngine:
         if so is None:
             return []
         updates = self._update(so, self.runner.execute(so))
-        return self._outputs(updates)
+        return self.output.process(updates)
 
     def _schedule(self) -> SchedulerOutput | None:
         """The next step's plan (None when nothing runs; its KV swaps and copies are applied then)."""
@@ -253,7 +249,7 @@ class LLMEngine:
         following = self._schedule()
         if following is not None:
             self._inflight = self._launch(following)
-        return self._outputs(updates)
+        return self.output.process(updates)
 
     def _launch(self, so: SchedulerOutput) -> tuple[SchedulerOutput, Future]:
         return so, self._forward.submit(self.runner.run, self.runner.prepare(so))
@@ -269,107 +265,6 @@ class LLMEngine:
         return {req: self.proposer.propose(req.all_token_ids, draft_limit(req, limit))
                 for req in self.scheduler.running
                 if req.num_computed_tokens == req.num_tokens - 1 and not req.spec_token_ids}
-
-    def _outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
-        """New text (stop strings are matched here, on text) and one RequestOutput per changed request (for a
-        final-only request, only once it has finished).
-
-        A failure while handling one request's output (its detokenizer, say) fails that request alone.
-        """
-        outputs: list[RequestOutput] = []
-        groups: dict[str, dict[str, tuple[list[int], str]]] = {}  # n > 1: their sequences' deltas, by parent
-        for u in updates:
-            req, new_ids = u.request, u.new_token_ids
-            self.num_generation_tokens += len(new_ids)
-            state = self.texts[req.request_id]
-            text = ""
-            try:
-                if state.detok is None:  # token ids only (skip_tokenizer_init, detokenize=False)
-                    pass
-                elif not state.deferred:
-                    text, stop = state.append(new_ids, final=req.is_finished,
-                                              check_stops=req.num_output_tokens >= req.sampling_params.min_tokens)
-                    if stop is not None:
-                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
-                elif req.is_finished:
-                    text = state.finish_deferred(req)
-            except Exception as e:  # noqa: BLE001 - pinned on this request: it fails, the engine goes on
-                log.exception("output processing failed for request %s", req.request_id)
-                self.scheduler.fail(req, f"output processing failed: {type(e).__name__}: {e}")
-            if req.hold_kv and req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-                self.held_kv[req.request_id] = req
-            if req.parent_id is None:
-                out = self._single_output(req, state, new_ids, text)
-                if out is not None:
-                    outputs.append(out)
-            else:
-                groups.setdefault(req.parent_id, {})[req.request_id] = (new_ids, text)
-        for ext_id, deltas in groups.items():
-            group = self.requests[ext_id]
-            if any(r.status is RequestStatus.FINISHED_ERROR for r in group):  # n > 1: one failed, all end
-                for r in group:
-                    if not r.is_finished:
-                        self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
-            out = self._make_output(ext_id, group, deltas)
-            if out is not None:
-                outputs.append(out)
-        return outputs
-
-    def _make_output(self, ext_id: str, group: list[Request], deltas: dict) -> RequestOutput | None:
-        """An n > 1 group's output as its output_kind asks (None: a final-only request still running)."""
-        leader = group[0]
-        finished = all(r.is_finished for r in group)
-        kind = leader.sampling_params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        comps = [self._completion(r, self.texts[r.request_id], *deltas.get(r.request_id, _NO_DELTA),
-                                  kind is RequestOutputKind.DELTA) for r in group]
-        error = next((r.error for r in group if r.error is not None), None)
-        return self._request_output(ext_id, group, comps, finished, kind, error)
-
-    def _single_output(self, req: Request, state: TextState, new_ids: list[int], text: str) -> RequestOutput | None:
-        """_make_output for the usual request, which is alone in its group (the per-step path: no group dict)."""
-        finished = req.is_finished
-        kind = req.sampling_params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        comps = [self._completion(req, state, new_ids, text, kind is RequestOutputKind.DELTA)]
-        return self._request_output(req.request_id, [req], comps, finished, kind, req.error)
-
-    @staticmethod
-    def _completion(req: Request, state: TextState, new_ids: list[int], new_text: str,
-                    delta: bool) -> CompletionOutput:
-        logprobs = cumulative = None
-        if req.sampling_params.logprobs is not None:
-            if delta:
-                logprobs, cumulative = state.new_logprobs(req), state.cumulative_logprob
-            else:
-                logprobs, cumulative = state.logprobs_so_far(req)
-        if delta:  # the step's own new-id list (built fresh each step), not a copy of every id so far
-            text, ids = new_text, new_ids or []
-            new_ids = ids
-        else:
-            text, ids, new_ids = state.text, list(req.output_token_ids), list(new_ids)
-        return CompletionOutput(req.index, text, ids, req.finish_reason, req.stop_reason, logprobs, cumulative,
-                                new_text, new_ids)
-
-    def _request_output(self, ext_id: str, group: list[Request], comps: list[CompletionOutput], finished: bool,
-                        kind: RequestOutputKind, error: str | None) -> RequestOutput:
-        leader = group[0]
-        metrics = None
-        if finished or kind is not RequestOutputKind.DELTA:  # a delta stream's consumers read them at the end
-            metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
-                                     time.monotonic() if finished else None, sum(r.num_preemptions for r in group))
-        prompt_logprobs = None
-        if leader.prompt_logprobs is not None:
-            prompt_logprobs = self.texts[leader.request_id].prompt_logprobs(leader, kind is RequestOutputKind.DELTA)
-        out = RequestOutput(ext_id, None, leader.prompt_token_ids, comps, finished,
-                            max(leader.num_cached_tokens, 0), metrics, error=error, prompt_logprobs=prompt_logprobs)
-        if finished:
-            del self.requests[ext_id]
-            for r in group:
-                self.texts.pop(r.request_id, None)
-        return out
 
     # ---------------------------------------------------------------- introspection
     def stats(self) -> dict:

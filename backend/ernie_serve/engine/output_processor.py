@@ -1,4 +1,9 @@
-"""Per-request text state: incremental detokenization and stop strings.
+"""Outputs: a step's RequestUpdates in, RequestOutputs out (vLLM v1's output processor). OutputProcessor owns the
+requests callers know by id (a request's n sequences as one group) and each sequence's TextState, and assembles each
+output as the request's output_kind asks; a stop string it finds in the text ends the request through the scheduler,
+which owns every request's state.
+
+TextState is one sequence's text: incremental detokenization and stop strings.
 
 Stop strings are matched on text, so the engine must detokenize to stop on time. Text that could
 still become the start of a stop string is held back from the stream until it is decided, so a
@@ -8,9 +13,21 @@ decoded once, when it finishes (`deferred`).
 """
 from __future__ import annotations
 
-from ..outputs import Logprob, RequestOutputKind
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from ..tokenizer import IncrementalDetokenizer
-from .request import Request
+from .request import Request, RequestStatus
+from .step_plan import RequestUpdate
+
+if TYPE_CHECKING:
+    from .input_processor import RequestGroup
+    from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+_NO_DELTA: tuple[list[int], str] = ([], "")
 
 
 class TextState:
@@ -119,3 +136,125 @@ class TextState:
             if any(s.startswith(tail) for s in self.stops):
                 return len(text) - k
         return len(text)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: "Scheduler"):
+        self.scheduler = scheduler
+        self.requests: dict[str, list[Request]] = {}  # external id -> its n sequences, until its final output
+        self.texts: dict[str, TextState] = {}  # sequence id -> its text
+        self.num_generation_tokens = 0
+
+    def add(self, group: "RequestGroup") -> None:
+        if group.request_id in self.requests:
+            raise ValueError(f"request_id {group.request_id!r} is already in use")
+        self.requests[group.request_id] = group.requests
+        for req, text in zip(group.requests, group.texts):
+            self.texts[req.request_id] = text
+
+    def aborted(self, request_id: str) -> RequestOutput | None:
+        """The final output of a request the scheduler has just ended (None: unknown id)."""
+        group = self.requests.get(request_id)
+        if group is None:
+            return None
+        deltas = {r.request_id: ([], self.texts[r.request_id].finish_deferred(r)) for r in group}
+        return self.group_output(request_id, group, deltas)
+
+    def process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """New text (stop strings are matched here, on text) and one RequestOutput per changed request (for a
+        final-only request, only once it has finished).
+
+        A failure while handling one request's output (its detokenizer, say) fails that request alone.
+        """
+        outputs: list[RequestOutput] = []
+        groups: dict[str, dict[str, tuple[list[int], str]]] = {}  # n > 1: their sequences' deltas, by parent
+        for u in updates:
+            req, new_ids = u.request, u.new_token_ids
+            self.num_generation_tokens += len(new_ids)
+            state = self.texts[req.request_id]
+            text = ""
+            try:
+                if state.detok is None:  # token ids only (skip_tokenizer_init, detokenize=False)
+                    pass
+                elif not state.deferred:
+                    text, stop = state.append(new_ids, final=req.is_finished,
+                                              check_stops=req.num_output_tokens >= req.sampling_params.min_tokens)
+                    if stop is not None:
+                        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+                elif req.is_finished:
+                    text = state.finish_deferred(req)
+            except Exception as e:  # noqa: BLE001 - pinned on this request: it fails, the engine goes on
+                log.exception("output processing failed for request %s", req.request_id)
+                self.scheduler.fail(req, f"output processing failed: {type(e).__name__}: {e}")
+            if req.parent_id is None:
+                out = self._single_output(req, state, new_ids, text)
+                if out is not None:
+                    outputs.append(out)
+            else:
+                groups.setdefault(req.parent_id, {})[req.request_id] = (new_ids, text)
+        for ext_id, deltas in groups.items():
+            group = self.requests[ext_id]
+            if any(r.status is RequestStatus.FINISHED_ERROR for r in group):  # n > 1: one failed, all end
+                for r in group:
+                    if not r.is_finished:
+                        self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+            out = self.group_output(ext_id, group, deltas)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def group_output(self, ext_id: str, group: list[Request], deltas: dict) -> RequestOutput | None:
+        """An n > 1 group's output as its output_kind asks (None: a final-only request still running)."""
+        leader = group[0]
+        finished = all(r.is_finished for r in group)
+        kind = leader.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        comps = [self._completion(r, self.texts[r.request_id], *deltas.get(r.request_id, _NO_DELTA),
+                                  kind is RequestOutputKind.DELTA) for r in group]
+        error = next((r.error for r in group if r.error is not None), None)
+        return self._request_output(ext_id, group, comps, finished, kind, error)
+
+    def _single_output(self, req: Request, state: TextState, new_ids: list[int], text: str) -> RequestOutput | None:
+        """_make_output for the usual request, which is alone in its group (the per-step path: no group dict)."""
+        finished = req.is_finished
+        kind = req.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        comps = [self._completion(req, state, new_ids, text, kind is RequestOutputKind.DELTA)]
+        return self._request_output(req.request_id, [req], comps, finished, kind, req.error)
+
+    @staticmethod
+    def _completion(req: Request, state: TextState, new_ids: list[int], new_text: str,
+                    delta: bool) -> CompletionOutput:
+        logprobs = cumulative = None
+        if req.sampling_params.logprobs is not None:
+            if delta:
+                logprobs, cumulative = state.new_logprobs(req), state.cumulative_logprob
+            else:
+                logprobs, cumulative = state.logprobs_so_far(req)
+        if delta:  # the step's own new-id list (built fresh each step), not a copy of every id so far
+            text, ids = new_text, new_ids or []
+            new_ids = ids
+        else:
+            text, ids, new_ids = state.text, list(req.output_token_ids), list(new_ids)
+        return CompletionOutput(req.index, text, ids, req.finish_reason, req.stop_reason, logprobs, cumulative,
+                                new_text, new_ids)
+
+    def _request_output(self, ext_id: str, group: list[Request], comps: list[CompletionOutput], finished: bool,
+                        kind: RequestOutputKind, error: str | None) -> RequestOutput:
+        leader = group[0]
+        metrics = None
+        if finished or kind is not RequestOutputKind.DELTA:  # a delta stream's consumers read them at the end
+            metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
+                                     time.monotonic() if finished else None, sum(r.num_preemptions for r in group))
+        prompt_logprobs = None
+        if leader.prompt_logprobs is not None:
+            prompt_logprobs = self.texts[leader.request_id].prompt_logprobs(leader, kind is RequestOutputKind.DELTA)
+        out = RequestOutput(ext_id, None, leader.prompt_token_ids, comps, finished,
+                            max(leader.num_cached_tokens, 0), metrics, error=error, prompt_logprobs=prompt_logprobs)
+        if finished:
+            del self.requests[ext_id]
+            for r in group:
+                self.texts.pop(r.request_id, None)
+        return out

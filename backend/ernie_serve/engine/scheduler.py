@@ -32,6 +32,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # finished prefill-role requests whose blocks await export (release_held)
         self.num_preemptions = 0
         self.spec = SpecStats()
         self._lookahead = config.num_lookahead_tokens  # read per running request per step
@@ -260,21 +261,27 @@ class Scheduler:
         self.finish(req, RequestStatus.FINISHED_ERROR)
 
     def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        """End a request wherever it is and free its blocks (a prefill-role request that completes
-        keeps them for export until release_held). On a request that already finished (a stop string
-        found in the text of its last tokens) only the reason changes."""
+        """End a request wherever it is and free its blocks (a prefill-role request that completes keeps them, in
+        `held`, for export until release_held). On a request that already finished (a stop string found in the
+        text of its last tokens) only the reason changes, and a held request that then fails lets its blocks go."""
         already = req.is_finished
         req.status = status
         req.stop_reason = stop_reason
+        keep = req.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         if already:
+            if not keep and self.held.pop(req.request_id, None) is not None:
+                self.kv.free(req)
             return
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if not (req.hold_kv and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)):
+        if keep:
+            self.held[req.request_id] = req
+        else:
             self.kv.free(req)
 
     def release_held(self, req: Request) -> None:
         """Free the blocks of a finished hold_kv request once its KV has been exported."""
+        self.held.pop(req.request_id, None)
         self.kv.free(req)
