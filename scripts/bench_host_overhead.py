@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT / "backend"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_decode_step import CallTimer  # noqa: E402  (seconds spent in wrapped calls, by name)
 
-PHASES = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "sampler"),
-          ("engine", "_outputs"))
+PHASES = (("scheduler", "schedule", "schedule"), ("scheduler", "update_from_output", "update_from_output"),
+          ("runner", "sampler", "sampler"), ("output", "process", "outputs"))  # (owner, method, label)
 
 
 def measure(model: str | None, running: int, workload: str, steps: int, asynchronous: bool, seed: int = 0) -> dict:
@@ -38,9 +38,9 @@ def measure(model: str | None, running: int, workload: str, steps: int, asynchro
     engine = llm.engine
     clock = CallTimer()
     clock.wrap(engine.runner.executor, "execute", "forward")
-    for owner_name, attr in PHASES:
-        owner = {"scheduler": engine.scheduler, "runner": engine.runner, "engine": engine}[owner_name]
-        clock.wrap(owner, attr, attr)
+    for owner_name, attr, label in PHASES:
+        owner = {"scheduler": engine.scheduler, "runner": engine.runner, "output": engine.output}[owner_name]
+        clock.wrap(owner, attr, label)
     rng = np.random.default_rng(seed)
     vocab = min(engine.model_config.vocab_size, 1000)
     # as the serving front asks for a request without stop strings (engine_model.py): each step's delta, token ids
@@ -117,7 +117,7 @@ def main() -> None:
               f"{r['scheduling']:5} "
               f"{r['step_ms']:8.2f} {r['forward_ms']:8.2f} {r['host_ms']:8.2f} "
               f"{100 * r['host_ms'] / r['step_ms']:6.0f}%  "
-              f"{p['schedule']:.2f} / {p['update_from_output']:.2f} / {p['sampler']:.2f} / {p['_outputs']:.2f}")
+              f"{p['schedule']:.2f} / {p['update_from_output']:.2f} / {p['sampler']:.2f} / {p['outputs']:.2f}")
     served = [] if args.served_streams == [0] else serving_half(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"results": results, "served": served}, indent=2))
