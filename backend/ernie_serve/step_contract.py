@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from .kv_blocks import KVBlocks
 from .model.attention_metadata import AttentionMetadata
 
 
@@ -121,18 +122,54 @@ def kv_ops_from_json(ops: list[list]) -> list[KVOp]:
     return [KVOp(kind, src, dst) for kind, src, dst in ops]
 
 
+class KVPoolView(Protocol):
+    """The engine's view of an executor's KV pool: its shape with all the model's KV heads (across the ranks under
+    tensor parallelism), and whole blocks in and out (the prefill / decode hand-off's format). Each backend's cache
+    is one (model/kv_cache.PagedKVCache, kernels_backend/kv_cache.py), and tensor_parallel/workers.AllRanksKV."""
+
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def export_blocks(self, block_ids: list[int]) -> KVBlocks: ...
+    def import_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None: ...
+
+
+class DraftHead(Protocol):
+    """An executor's MTP head over its own KV cache (engine/mtp_drafter.py drives it; reference_backend/shard.py,
+    kernels_backend/shard.py and tensor_parallel/workers.py provide one)."""
+
+    block_size: int
+
+    def take(self, hidden: Any, rows: np.ndarray) -> Any:
+        """hidden[rows], on the executor's device."""
+
+    def run(self, step: StepInput, hidden: Any) -> Any:
+        """The head's output hidden states for step.token_ids (x_{t+1}) and hidden (h_t) at step.positions (t),
+        writing the head's K/V at step.slot_mapping."""
+
+    def logits(self, hidden: Any) -> "np.ndarray | DeviceLogits":
+        """float32 logits [R, vocab] of hidden states the head produced: on the host, or left on the device
+        (DeviceLogits: drafts are then drawn there, and sampling requests' q stays there)."""
+
+
+# What an executor returns for a step's logits rows: host logits (NumPy, or a CPU tensor the sampler reads through
+# DLPack), logits left on the device, an argmax-only step's ArgmaxLogits, or None when the step computes none.
+StepLogits = Any
+
+
 class StepExecutor(Protocol):
-    """Runs a StepInput on the whole model: reference_backend/shard.ModelShard (the reference backend, one rank),
-    tensor_parallel/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard (the kernels
-    backend). `cache` is the engine's view of the KV pool (num_blocks, and read_blocks /
-    write_blocks of whole blocks with all the model's KV heads, across the ranks under tensor parallelism).
-    execute returns (the step's final hidden states, the sampled rows' logits as a Paddle tensor or NumPy).
-    `draft_head` (engine/mtp_drafter.DraftHead) is its MTP head, or None."""
+    """Runs a StepInput on the whole model: reference_backend/shard.ModelShard (one rank),
+    tensor_parallel/workers.TensorParallelExecutor (every rank) or kernels_backend/shard.KernelShard.
+    execute returns (the step's final hidden states, on the executor's device, and the logits of
+    step.sample_rows as StepLogits)."""
 
-    cache: Any
-    draft_head: Any
+    cache: KVPoolView
+    draft_head: DraftHead | None
 
-    def execute(self, step: StepInput) -> tuple[Any, Any]: ...
+    def execute(self, step: StepInput) -> tuple[Any, StepLogits]: ...
 
 
 @dataclass

@@ -89,7 +89,8 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_engine_core_imports_no_framework():
     code = ("import sys, ernie_serve.engine.llm_engine, ernie_serve.engine.async_engine, ernie_serve.engine.scheduler, "
-            "ernie_serve.engine.model_runner, ernie_serve.engine.sampler, ernie_serve.step_contract; "
+            "ernie_serve.engine.model_runner, ernie_serve.engine.sampler, ernie_serve.engine.mtp_drafter, "
+            "ernie_serve.engine.executor_factory, ernie_serve.step_contract; "
             "print(sorted(m for m in ('paddle', 'torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -19,34 +19,16 @@ on its device; a device's logits stay there too, and only the draft tokens come 
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from ..model.attention import AttentionMetadata
+from ..model.attention_metadata import AttentionMetadata
 from ..sampling_params import GREEDY_EPSILON
 from .request import Request
-from ..step_contract import DeviceLogits
 from .sampler import draw, row_filters, sampling_distribution
 from .spec_decode import Drafts, StepRow, draft_limit
-from ..step_contract import StepInput
-
-
-class DraftHead(Protocol):
-    """An executor's MTP head over its own KV cache (reference_backend/shard.py, kernels_backend/shard.py)."""
-
-    block_size: int
-
-    def take(self, hidden: Any, rows: np.ndarray) -> Any:
-        """hidden[rows], on the executor's device."""
-
-    def run(self, step: StepInput, hidden: Any) -> Any:
-        """The head's output hidden states for step.token_ids (x_{t+1}) and hidden (h_t) at step.positions (t),
-        writing the head's K/V at step.slot_mapping."""
-
-    def logits(self, hidden: Any) -> "np.ndarray | DeviceLogits":
-        """float32 logits [R, vocab] of hidden states the head produced: on the host, or left on the device
-        (DeviceLogits: drafts are then drawn there, and sampling requests' q stays there)."""
+from ..step_contract import DeviceLogits, DraftHead, StepInput
 
 
 class MTPDrafter:
