@@ -240,3 +240,21 @@ def test_a_held_prefill_keeps_its_blocks_until_released_or_failed():
             sched.fail(req, "output processing failed")
             sched.fail(req, "again")
         assert sched.held == {} and sched.kv.num_free_blocks == free
+
+
+def test_a_prompt_computing_its_logprobs_is_prefilled_in_bounded_chunks():
+    """Each of its prefill tokens costs a vocabulary-wide row of logits: at most PROMPT_LOGPROBS_CHUNK a step, while
+    another prompt takes the whole budget; without chunked prefill the prompt still goes in one step."""
+    from ernie_serve.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+
+    for chunked in (True, False):
+        sched = make_scheduler(num_blocks=1024, max_model_len=4096, max_num_batched_tokens=4096,
+                               enable_chunked_prefill=chunked)
+        asks = make_request("asks", list(range(3, 1503)), prompt_logprobs=1)
+        asks.prompt_logprobs = []
+        plain = make_request("plain", list(range(3, 1003)))
+        sched.add(asks)
+        sched.add(plain)
+        so = sched.schedule()
+        got = {s.request.request_id: s.num_tokens for s in so.scheduled}
+        assert got == ({"asks": PROMPT_LOGPROBS_CHUNK, "plain": 1000} if chunked else {"asks": 1500, "plain": 1000})

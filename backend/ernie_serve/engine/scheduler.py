@@ -26,6 +26,11 @@ from .spec_decode import SpecStats
 from .step_plan import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 
 
+# Prefill tokens a step of a request computing prompt logprobs: its logits are this many rows of the vocabulary
+# (512 x 103424 float32 = 212 MB for ERNIE-4.5), where the whole budget (8192 tokens) would be 3.4 GB.
+PROMPT_LOGPROBS_CHUNK = 512
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
         self.config = config
@@ -71,7 +76,7 @@ class Scheduler:
             needed = req.num_tokens + spec - req.num_computed_tokens
             n = min(needed, budget)
             if needed > spec + 1:  # still prefilling (or recomputing after preemption)
-                n = min(n, chunk_limit)
+                n = min(n, self._chunk_limit(req, chunk_limit))
                 spec = 0 if n < needed else spec
             elif n < needed:  # no room for all drafts: verify fewer of them
                 spec = max(0, n - 1)
@@ -111,7 +116,7 @@ class Scheduler:
             hits = self.kv.lookup_prefix(req) if req.num_computed_tokens == 0 and not req.needs_prompt_logprobs \
                 else []
             remaining = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
-            n = min(remaining, budget, chunk_limit)
+            n = min(remaining, budget, self._chunk_limit(req, chunk_limit))
             if n < remaining and (not self.config.enable_chunked_prefill
                                   or partial >= self.config.max_num_partial_prefills):
                 break
@@ -127,6 +132,13 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             partial += n < remaining
+
+    def _chunk_limit(self, req: Request, chunk_limit: int) -> int:
+        """A prompt computing its prompt logprobs takes at most PROMPT_LOGPROBS_CHUNK tokens a step (with chunked
+        prefill on): each of its tokens costs a row of logits, vocabulary-wide."""
+        if req.prompt_logprobs is not None and self.config.enable_chunked_prefill and req.needs_prompt_logprobs:
+            return min(chunk_limit, PROMPT_LOGPROBS_CHUNK)
+        return chunk_limit
 
     def _with_lookahead(self, req: Request, n: int, hit_tokens: int = 0) -> int:
         """Slots to cover for n new tokens (after hit_tokens of prefix hits): plus the lookahead that MTP
