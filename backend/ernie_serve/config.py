@@ -7,7 +7,6 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .devices import gpu_visible
 
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
@@ -87,8 +86,6 @@ class EngineConfig:
             self.innode_prefill_ports = ",".join(str(p) for p in self.innode_prefill_ports)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192
-        if self.execution_backend == "auto":
-            self.execution_backend = "kernels" if gpu_visible() else "reference"
         if not self.enable_chunked_prefill:
             # Without chunking a whole prompt must fit one step.
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)

@@ -5,7 +5,7 @@ import pytest
 
 from ernie_serve.cli.serve import build_parser, main
 from ernie_serve.config import EngineConfig
-from ernie_serve.engine.executor_factory import check_supported
+from ernie_serve.engine.executor_factory import check_supported, resolve_backend
 from ernie_serve.sampling_params import SamplingParams
 from engine_helpers import make_engine
 
@@ -49,7 +49,9 @@ def test_execution_backend_names_are_checked_and_auto_follows_the_gpu():
 
     with pytest.raises(ValueError, match="execution_backend must be one of auto, reference, kernels"):
         EngineConfig(execution_backend="cuda")
-    assert EngineConfig().execution_backend == ("kernels" if gpu_visible() else "reference")
+    assert EngineConfig().execution_backend == "auto"  # a config probes no device; the engine's factory resolves it
+    assert resolve_backend(EngineConfig()) == ("kernels" if gpu_visible() else "reference")
+    assert resolve_backend(EngineConfig(execution_backend="reference")) == "reference"
 
 
 @pytest.mark.parametrize("flags", [["--use-cudagraph", "--execution-backend", "reference"],

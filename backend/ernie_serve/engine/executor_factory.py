@@ -7,7 +7,7 @@ processes). A backend is imported only once chosen, so the engine core imports n
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import import_module
 from pathlib import Path
 
@@ -23,13 +23,24 @@ class LoadedExecutor:
     executor: StepExecutor  # .model is the rank-0 model, .cache the engine's view of the KV pool
     num_host_blocks: int  # the CPU tier of the prefix cache (swap_space), in blocks
     cpu_threads: int  # the model's CPU threads in this process (0: the model runs on a device)
+    backend: str = "reference"  # the execution backend it runs ("auto" resolved)
+
+
+def resolve_backend(config: EngineConfig) -> str:
+    """The execution backend the config's names: "auto" is the kernels backend where a GPU is visible, else the
+    reference backend. Decided here, when an engine is built, not when a config is made."""
+    if config.execution_backend != "auto":
+        return config.execution_backend
+    from ..devices import gpu_visible
+
+    return "kernels" if gpu_visible() else "reference"
 
 
 def check_supported(config: EngineConfig) -> None:
     """Refuse what the config's execution backend cannot run, every reason at once, each naming its flag (vLLM's
     validate_configuration): each backend's support.py decides from the config alone, importing no framework, so
     the server's command line is checked before anything starts."""
-    support = import_module(f"..{config.execution_backend}_backend.support", __package__)
+    support = import_module(f"..{resolve_backend(config)}_backend.support", __package__)
     reasons = support.unsupported(config)
     if reasons:
         raise ValueError("; ".join(reasons))
@@ -39,11 +50,16 @@ def load_executor(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelCo
                   num_output_ids: int | None) -> LoadedExecutor:
     """num_output_ids: the tokenizer's size (None: the checkpoint's vocabulary, skip_tokenizer_init)."""
     check_supported(config)
+    backend = resolve_backend(config)
+    config = replace(config, execution_backend=backend)  # what the backend and tensor-parallel workers read
     if config.tensor_parallel_size > 1:
-        return _tensor_parallel(config, model_dir, model_cfg, num_output_ids)
-    if config.execution_backend == "kernels":
-        return _kernels(config, model_dir, model_cfg, num_output_ids)
-    return _single_rank(config, model_dir, model_cfg, num_output_ids)
+        loaded = _tensor_parallel(config, model_dir, model_cfg, num_output_ids)
+    elif backend == "kernels":
+        loaded = _kernels(config, model_dir, model_cfg, num_output_ids)
+    else:
+        loaded = _single_rank(config, model_dir, model_cfg, num_output_ids)
+    loaded.backend = backend
+    return loaded
 
 
 def _kernels(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,

@@ -90,8 +90,9 @@ class LLMEngine:
         from .._env import freeze_startup_objects
 
         freeze_startup_objects()
-        log.info("engine ready: %s, %d KV blocks of %d tokens (%d on the CPU tier), max_num_seqs=%d, "
-                 "max_num_batched_tokens=%d, prefix caching %s, %d CPU threads", model_dir, num_blocks,
+        log.info("engine ready: %s on the %s backend, %d KV blocks of %d tokens (%d on the CPU tier), "
+                 "max_num_seqs=%d, max_num_batched_tokens=%d, prefix caching %s, %d CPU threads", model_dir,
+                 loaded.backend, num_blocks,
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off", self.cpu_threads)
 
