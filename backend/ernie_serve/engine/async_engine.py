@@ -27,9 +27,9 @@ from typing import Callable, Iterator
 from ..config import EngineConfig
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .kv_transfer import KVTransfer
 from .input_processor import RequestGroup
-from .llm_engine import EngineCapacityError, LLMEngine
+from .kv_transfer import EngineCapacityError, KVTransfer
+from .llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput, "Exception | None"], None]

@@ -18,7 +18,7 @@ from .executor_factory import load_executor
 from .guided import GrammarCompiler
 from .input_processor import InputProcessor, RequestGroup
 from .kv_cache_manager import KVCacheManager
-from .kv_transfer import KVTransfer
+from .kv_transfer import KVHandoff, KVTransfer
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .request import Request, RequestStatus
@@ -27,10 +27,6 @@ from .spec_decode import draft_limit, make_proposer
 from .step_plan import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 
 log = logging.getLogger(__name__)
-
-
-class EngineCapacityError(RuntimeError):
-    """The KV pool cannot take what was asked right now (e.g. a transferred sequence)."""
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
@@ -79,6 +75,8 @@ class LLMEngine:
         self.inputs = InputProcessor(config, self.model_config.vocab_size, self.num_output_ids, self.tokenizer,
                                      self.eos_token_ids, self.grammars)
         self.output = OutputProcessor(self.scheduler)
+        self.handoff = KVHandoff(config, self.inputs, self.scheduler, self.kv, executor.cache, self.output,
+                                 self.wait_for_step)
         # async_scheduling: one thread runs each step's forward and sampling, the step in flight is _inflight
         self._forward: ThreadPoolExecutor | None = None
         self._inflight: tuple[SchedulerOutput, Future] | None = None
@@ -143,48 +141,13 @@ class LLMEngine:
     # ---------------------------------------------------------------- prefill/decode disaggregation
     def export_kv(self, request_id: str) -> KVTransfer:
         """The computed KV of a finished hold_kv request; its blocks are released afterwards."""
-        request = self.scheduler.held.get(request_id)
-        if request is None:
-            raise ValueError(f"request {request_id!r} holds no KV (add it with hold_kv=True and let it finish)")
-        self.wait_for_step()  # the cache is read below
-        n = self.kv.num_blocks_for(request.num_computed_tokens)
-        blocks = self.runner.cache.export_blocks(request.block_ids[:n])
-        transfer = KVTransfer(request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                              request.num_computed_tokens, self.config.block_size, blocks)
-        self.scheduler.release_held(request)
-        return transfer
+        return self.handoff.export(request_id)
 
     def add_prefilled_request(self, transfer: KVTransfer, sampling_params: SamplingParams) -> RequestOutput | None:
-        """Continue a request whose prompt KV was computed elsewhere (decode role).
-
-        Returns the final output right away when the transferred tokens already finish it (e.g. the
-        first token was EOS); otherwise its outputs come from step() like any other request's."""
-        if transfer.block_size != self.config.block_size:
-            raise ValueError(f"KV transfer block_size {transfer.block_size} != this engine's {self.config.block_size}")
-        cache = self.runner.cache
-        want = (cache.num_layers, 2, self.kv.num_blocks_for(transfer.num_computed_tokens), transfer.block_size,
-                cache.num_kv_heads, cache.head_dim)
-        if transfer.blocks.shape != want:
-            raise ValueError(f"KV transfer of shape {list(transfer.blocks.shape)} does not fit this engine's cache "
-                             f"(expected {list(want)}): the prefill and decode servers must serve the same model "
-                             f"and speculative_config")
-        if sampling_params.n != 1:
-            raise ValueError("n must be 1 for a prefilled request")
-        group = self.make_request_group(transfer.request_id, transfer.prompt_token_ids, sampling_params)
-        if transfer.request_id in self.output.requests:
-            raise ValueError(f"request_id {transfer.request_id!r} is already in use")
-        self.wait_for_step()  # blocks are handed out below: none may still be written by a step in flight
-        (req,) = group.requests
-        if not self.scheduler.add_running(req, transfer.num_computed_tokens):
-            raise EngineCapacityError(f"no room for {transfer.blocks.shape[2]} transferred KV blocks "
-                                      f"({self.kv.num_free_blocks} free)")
-        self.output.add(group)
+        """Continue a request whose prompt KV was computed elsewhere (decode role); KVHandoff.admit."""
+        req, final = self.handoff.admit(transfer, sampling_params)
         self.num_prompt_tokens += req.num_prompt_tokens
-        self.runner.cache.import_blocks(req.block_ids, transfer.blocks)
-        tokens = transfer.output_token_ids
-        new = self.scheduler.append_tokens(req, tokens, [None] * len(tokens))
-        out = self.output.process([RequestUpdate(req, new)])
-        return out[0] if req.is_finished else None
+        return final
 
     @property
     def requests(self) -> dict[str, list[Request]]:
