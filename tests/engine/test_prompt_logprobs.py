@@ -66,16 +66,18 @@ def _params(**kw) -> SamplingParams:
     return SamplingParams(**dict(dict(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=TOP), **kw))
 
 
-def test_prompt_logprobs_match_transformers_chunked_and_batched(checkpoint):
-    """Prompts of 1 to 90 tokens in 16-token chunks, arriving while others decode."""
+@pytest.mark.parametrize("budget", [16, 3])
+def test_prompt_logprobs_match_transformers_chunked_and_batched(checkpoint, budget):
+    """Prompts of 1 to 90 tokens arriving while others decode, in chunks of what the step's token budget leaves:
+    up to 15 tokens, or (budget 3, two decoding) a single token a step."""
     d, model = checkpoint
-    eng = make_engine(d, max_model_len=256, max_num_batched_tokens=16, enable_logprob=True)
-    prompts = _prompts(0, [1, 2, 17, 33, 90, 5])
-    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    reqs = [(0, "busy", _prompts(1, [40])[0], plain)]
+    eng = make_engine(d, max_model_len=256, max_num_batched_tokens=budget, enable_logprob=True)
+    prompts = _prompts(0, [1, 2, 17, 33, 90, 5] if budget > 3 else [2, 17, 9])
+    plain = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    reqs = [(0, "busy", _prompts(1, [1])[0], plain), (0, "busy2", _prompts(5, [1])[0], plain)]
     reqs += [(1 + i, f"p{i}", p, _params()) for i, p in enumerate(prompts)]
     done = run(eng, reqs)
-    assert done["busy"].prompt_logprobs is None
+    assert done["busy"].prompt_logprobs is None and done["busy2"].prompt_logprobs is None
     for i, p in enumerate(prompts):
         _check(done[f"p{i}"], model, p)
     assert_no_leaks(eng)

@@ -32,6 +32,9 @@ class PromptRows:
         without its logprobs (a prompt recomputed after a preemption asks for none twice)."""
         lo = max(start, len(req.prompt_logprobs))
         hi = min(start + num_tokens, req.num_prompt_tokens - 1)
+        if lo > len(req.prompt_logprobs):  # positions skipped (the prefix cache is not read for such a request)
+            raise RuntimeError(f"request {req.request_id}: prompt logprobs {len(req.prompt_logprobs)}.. were skipped "
+                               f"(this chunk starts at {start})")
         if hi <= lo:
             return
         k = req.sampling_params.prompt_logprobs
@@ -123,9 +126,9 @@ class ModelRunner:
             else:
                 ids.extend(r.all_token_ids[start : start + n - spec])
                 ids.extend(r.spec_token_ids[:spec])
-                if r.prompt_logprobs is not None and r.needs_prompt_logprobs:  # (a one-token step never does)
-                    prompt = prompt or PromptRows([], [], [])
-                    prompt.add(r, start, n - spec, offset, prompt_rows)
+            if r.prompt_logprobs is not None and r.needs_prompt_logprobs:  # a prefill chunk, one token long or more
+                prompt = prompt or PromptRows([], [], [])
+                prompt.add(r, start, n - spec, offset, prompt_rows)
             if s.samples:
                 first = offset + n - spec - 1
                 if spec:
