@@ -49,9 +49,9 @@ def check_supported(config: EngineConfig) -> None:
 def load_executor(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
                   num_output_ids: int | None) -> LoadedExecutor:
     """num_output_ids: the tokenizer's size (None: the checkpoint's vocabulary, skip_tokenizer_init)."""
-    check_supported(config)
     backend = resolve_backend(config)
     config = replace(config, execution_backend=backend)  # what the backend and tensor-parallel workers read
+    check_supported(config)
     if config.tensor_parallel_size > 1:
         loaded = _tensor_parallel(config, model_dir, model_cfg, num_output_ids)
     elif backend == "kernels":
@@ -73,7 +73,7 @@ def _kernels(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
         from .._env import setup_model_process
 
         threads = setup_model_process()
-    return LoadedExecutor(shard, 0 if shard.host_cache is None else shard.host_cache.shape[0], threads)
+    return LoadedExecutor(shard, _host_blocks(shard.host_cache), threads)
 
 
 def _single_rank(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
@@ -84,7 +84,7 @@ def _single_rank(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelCon
 
     threads = setup_model_process()
     shard = load_reference_shard(config, model_dir, model_cfg, num_output_ids, _checked_layout(config, model_cfg))
-    return LoadedExecutor(shard, 0 if shard.host_cache is None else shard.host_cache.shape[0], threads)
+    return LoadedExecutor(shard, _host_blocks(shard.host_cache), threads)
 
 
 def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
@@ -129,12 +129,16 @@ def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieMode
                  spec.get("num_speculative_tokens", 1), spec.get("model") or "the checkpoint's MTP head",
                  c.tensor_parallel_size)
     if kernels:
-        host_cache = executor.shard.host_cache
-        num_host_blocks = 0 if host_cache is None else host_cache.shape[0]
+        num_host_blocks = _host_blocks(executor.shard.host_cache)
     else:
         num_host_blocks = fields["num_host_blocks"]
         log_weight_memory(executor.model, " on rank 0")
     return LoadedExecutor(executor, num_host_blocks, threads)
+
+
+def _host_blocks(host_cache) -> int:
+    """The CPU tier's size in blocks, from the executor's host array (None: no tier)."""
+    return 0 if host_cache is None else host_cache.shape[0]
 
 
 def _checked_layout(config: EngineConfig, model_cfg: ErnieModelConfig):

@@ -216,7 +216,7 @@ class OutputProcessor:
         return self._request_output(ext_id, group, comps, finished, kind, error)
 
     def _single_output(self, req: Request, state: TextState, new_ids: list[int], text: str) -> RequestOutput | None:
-        """_make_output for the usual request, which is alone in its group (the per-step path: no group dict)."""
+        """group_output for the usual request, which is alone in its group (the per-step path: no group dict)."""
         finished = req.is_finished
         kind = req.sampling_params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:

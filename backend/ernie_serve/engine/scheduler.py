@@ -136,7 +136,7 @@ class Scheduler:
     def _chunk_limit(self, req: Request, chunk_limit: int) -> int:
         """A prompt computing its prompt logprobs takes at most PROMPT_LOGPROBS_CHUNK tokens a step (with chunked
         prefill on): each of its tokens costs a row of logits, vocabulary-wide."""
-        if req.prompt_logprobs is not None and self.config.enable_chunked_prefill and req.needs_prompt_logprobs:
+        if req.needs_prompt_logprobs and self.config.enable_chunked_prefill:
             return min(chunk_limit, PROMPT_LOGPROBS_CHUNK)
         return chunk_limit
 
