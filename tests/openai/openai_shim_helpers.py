@@ -1,15 +1,11 @@
 """Helpers shared by the shim tests: free ports and the shim under a real uvicorn in a thread."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ernie_serve.serving.launcher import free_port  # noqa: E402  (ports outside the ephemeral range)
 
 
 class RunningShim:

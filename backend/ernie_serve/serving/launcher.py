@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import repo_root
+from ..ports import free_port, port_in_use  # noqa: F401  (callers import them from here)
 from .control import listener_addresses, send_drain
 from .health import STUB_BINARY, HealthWatch, ernie_samples, requests_in_engines
 from .repository import render_repository
@@ -126,23 +126,6 @@ def fd_log_dir() -> Path | None:
     if not os.access(path, os.W_OK):
         raise ValueError(f"FD_LOG_DIR={value!r}: not writable")
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """True while something listens on host:port (TIME_WAIT leftovers do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def default_repository() -> Path:

@@ -52,7 +52,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -69,6 +68,7 @@ import zmq
 from .._env import setup_model_process
 from ..kv_blocks import KVBlocks
 from ..model.parallel import ParallelLayout
+from ..ports import free_port
 from ..process_groups import STARTUP_TIMEOUT_SECONDS, paddle_group, torch_group
 from .persistent_batch import PersistentBatch, StepDeltaEncoder
 from ..step_contract import StepExecutor, StepInput
@@ -96,6 +96,7 @@ class ShardSpec:
     store_port: int
     group_id: int
     mtp_source: str | None = None  # None: no MTP head; "": the checkpoint's own; else speculative_config.model
+    weight_bits: int = 32  # the reference backend's float weights: 32, or 16 (bfloat16; reference_backend/support.py)
     # the kernels backend's ranks: the tensor framework and the engine's config (its KV pool is sized per rank,
     # then agreed: num_blocks / num_host_blocks above are the reference backend's)
     backend: str = "reference"
@@ -154,7 +155,7 @@ class RankShard:
         model = load_model(s.model_dir, s.num_output_ids, show_progress=False, quantization=s.quantization,
                            layout=layout)
         mtp = None if s.mtp_source is None else load_mtp_head(model, s.model_dir, s.mtp_source or None)
-        return ModelShard(model, s.num_blocks, s.block_size, s.num_host_blocks, mtp)
+        return ModelShard(model, s.num_blocks, s.block_size, s.num_host_blocks, mtp, s.weight_bits)
 
 
 class TensorParallelExecutor:
@@ -162,7 +163,7 @@ class TensorParallelExecutor:
 
     def __init__(self, spec_fields: dict, startup_timeout: float = STARTUP_TIMEOUT_SECONDS):
         """`spec_fields`: ShardSpec's fields but the store port and group id, which are chosen here."""
-        self.spec = ShardSpec(**spec_fields, store_port=_free_port(), group_id=next(_group_ids))
+        self.spec = ShardSpec(**spec_fields, store_port=free_port(), group_id=next(_group_ids))
         self.failure: str | None = None
         self._zmq = zmq.Context()
         self._control = self._zmq.socket(zmq.PULL)  # hello / ready / error messages from the workers
@@ -375,12 +376,6 @@ def _stop(procs: list[subprocess.Popen], sockets: list, ctx: zmq.Context) -> Non
     for sock in sockets:
         sock.close(0)
     ctx.term()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _python() -> str:

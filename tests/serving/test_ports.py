@@ -1,0 +1,28 @@
+"""free_port: listening ports outside the kernel's ephemeral range, never the same twice in a process."""
+from __future__ import annotations
+
+import socket
+
+from ernie_serve import ports
+
+
+def test_ports_are_distinct_bindable_and_not_ephemeral():
+    low, high = ports._ephemeral_range()
+    picked = [ports.free_port() for _ in range(64)]
+    assert len(set(picked)) == len(picked)
+    assert all(not low <= p <= high for p in picked)
+    for p in picked[:8]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_a_port_something_listens_on_is_never_picked(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        held.listen()
+        tries = iter([taken, taken, taken + 1 if taken < 65535 else taken - 1])
+        monkeypatch.setattr(ports, "_ephemeral_range", lambda: (40000, 40001))  # any range: the RNG is replaced
+        monkeypatch.setattr(ports.secrets, "SystemRandom", lambda: type("R", (), {"randint": lambda s, a, b: next(tries)})())
+        ports._HANDED_OUT.discard(taken)
+        assert ports.free_port() != taken
