@@ -48,9 +48,6 @@ def cpu_flags_line() -> str:
         return ""
 
 
-def cpu_flag_note(flag: str) -> str:
-    """'this CPU has <flag>' or 'this CPU lacks <flag>', for messages that refuse what the CPU cannot run."""
-    line = cpu_flags_line()
-    if not line:
-        return f"whether this CPU has {flag} is unknown"
-    return f"this CPU {'has' if flag in line.split(':', 1)[-1].split() else 'lacks'} {flag}"
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where unknown)."""
+    return set(cpu_flags_line().split(":", 1)[-1].split())

@@ -1,11 +1,12 @@
-"""The CPU GEMMs (cpu_gemm.c float32, cpu_qgemm.c int8 / int4) against the dequantized reference, and QuantLinear's
-use of them."""
+"""The CPU GEMMs (cpu_gemm.c float32 / bfloat16, cpu_qgemm.c int8 / int4) against the dequantized reference, and
+QuantLinear's use of them."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import paddle
 import pytest
@@ -143,7 +144,43 @@ def test_the_batched_expert_call_refuses_rows_that_do_not_fit():
         cpu_gemm.moe_gemm(np.ones((2, 3, 64), np.float32), np.array([1, 4]), [blocked, blocked], 32, [scale, scale], 8)
 
 
-@pytest.mark.parametrize("bits", [32, 8, 4])
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16, back in float32: what a bfloat16 weight holds."""
+    return np.asarray(a, ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (3, 64, 96), (8, 128, 40), (9, 256, 64), (17, 32, 33),
+                                   (32, 96, 7), (70, 136, 64)])
+def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k, n):
+    """bits 16: the weight rounded to bfloat16 once (nearest even), then the same float32 arithmetic: the product
+    equals the float32 kernel's on the rounded weight bit for bit, every row count and a last narrow block too."""
+    rng = np.random.default_rng(m * 31 + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    half = cpu_gemm.packed(w, bits=16)
+    assert half.dtype == paddle.int16 and tuple(half.shape) == cpu_gemm.blocked_shape((k, n))
+    np.testing.assert_array_equal(cpu_gemm.unpack_columns(np.from_dlpack(half), 0, n), _bf16(w))
+    got = cpu_gemm.gemm(x, half, n, None, 16).numpy()
+    np.testing.assert_array_equal(got, cpu_gemm.gemm(x, cpu_gemm.packed(_bf16(w)), n, None, 32).numpy())
+    np.testing.assert_allclose(got, x @ _bf16(w), rtol=1e-4, atol=1e-4)
+    rows = np.array([m, max(1, m // 2)])
+    both = cpu_gemm.moe_gemm(np.stack([x, x[::-1]]), rows, [half, half], n, None, 16).numpy()
+    np.testing.assert_array_equal(both[0], got)
+    idx, best = cpu_gemm.gemm_argmax(x, half, n, n, bits=16)
+    assert idx.tolist() == np.argmax(got, axis=1).tolist()
+    np.testing.assert_array_equal(best, got.max(axis=1))
+
+
+def test_a_weight_held_in_another_float_width_is_refused():
+    """A float32 weight read as bfloat16 (or the reverse) would be garbage: the shape fits, the dtype does not."""
+    w = np.ones((64, 32), np.float32)
+    with pytest.raises(ValueError, match="16-bit"):
+        cpu_gemm.gemm(np.ones((2, 64), np.float32), cpu_gemm.packed(w), 32, None, 16)
+    with pytest.raises(ValueError, match="32-bit"):
+        cpu_gemm.gemm_argmax(np.ones((2, 64), np.float32), cpu_gemm.packed(w, bits=16), 32, 32)
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8, 4])
 @pytest.mark.parametrize("m", [1, 5, 8, 19])
 def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
     """gemm / moe_gemm with swiglu=True give silu(gate) * up of the plain product, for every weight format."""
@@ -151,9 +188,9 @@ def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
 
     rng = np.random.default_rng(m + bits)
     k, inter = 96, 64
-    if bits == 32:
+    if bits in (32, 16):
         w = rng.standard_normal((k, 2 * inter)).astype(np.float32)
-        blocked, scale = paddle.to_tensor(cpu_gemm.pack_columns(w)), None
+        blocked, scale = cpu_gemm.packed(w, bits), None
     else:
         q, s = fmt.quantize_weight_only(rng.standard_normal((k, 2 * inter)).astype(np.float32), bits)
         blocked, scale = cpu_gemm.packed_codes(q, bits), paddle.to_tensor(s)

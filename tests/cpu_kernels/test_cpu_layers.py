@@ -126,6 +126,15 @@ def test_the_c_stack_equals_the_python_layers_bit_for_bit_on_other_shapes(ckpt, 
     _same_steps(llm, SHAPES[name]["vocab_size"], calls)
 
 
+@pytest.mark.parametrize("name", ["moe_headdim24_unfused_swiglu", "moe_shared_one_kv_head", "dense_gqa4_headdim80"])
+def test_the_c_stack_equals_the_python_layers_with_bfloat16_weights(ckpt, name, calls):
+    """--dtype bfloat16: every serving-layout weight held in bfloat16, the C stack still equal to the Python layers."""
+    llm = _llm(ckpt(name), dtype="bfloat16")
+    model = llm.engine.runner.executor.model
+    assert model.cpu_layers is not None and model.layers[0].self_attn.qkv_proj.bits == 16
+    _same_steps(llm, SHAPES[name]["vocab_size"], calls)
+
+
 @pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])
 def test_the_c_stack_equals_the_python_layers_on_the_int_formats(ckpt, method, calls, tmp_path):
     name = "moe_headdim24_unfused_swiglu"  # experts, shared experts and SwiGLU as its own pass

@@ -91,3 +91,13 @@ def test_unseen_prompts_generate_without_error(llm, messages, kwargs):
                    chat_template_kwargs=kwargs)[0].outputs[0]
     assert out.finish_reason in ("stop", "length", "tool_calls")
     assert 1 <= len(out.token_ids) <= 48
+
+
+def test_bfloat16_weights_reproduce_every_training_answer(tiny_model_dir):
+    """--dtype bfloat16 on the CPU (every projection, expert and the lm_head rounded to bfloat16) keeps the fitted
+    demo model's greedy answers token for token: the rounding moves logits by less than the fitted margins."""
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", disable_progress_bar=True)
+    assert llm.engine.model.layers[0].self_attn.qkv_proj.bits == 16
+    for ex in EXAMPLES.values():
+        _, answer_ids = encode_example(llm.tokenizer, ex)
+        assert list(chat(llm, ex, max_tokens=len(answer_ids) + 16).token_ids) == answer_ids, ex.name

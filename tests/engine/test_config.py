@@ -16,8 +16,7 @@ REFUSED = [
     ("kv_cache_ratio", 0.5, "V0 scheduler"),
     ("load_choices", "default", "only 'default_v1'"),
     ("use_cudagraph", True, "CUDA graphs replay the kernels backend's decode steps"),
-    ("dtype", "bfloat16", "computes in float32 only (a bfloat16 path for CPUs with AVX512-BF16 is not built yet"),
-    ("dtype", "float16", "use dtype 'auto' or 'float32'"),
+    ("dtype", "float16", "in float32 ('auto', 'float32') or bfloat16 ('bfloat16')"),
 ]
 
 
@@ -56,7 +55,7 @@ def test_execution_backend_names_are_checked_and_auto_follows_the_gpu():
 
 @pytest.mark.parametrize("flags", [["--use-cudagraph", "--execution-backend", "reference"],
                                    ["--kv-cache-ratio", "0.5"], ["--enable-expert-parallel"],
-                                   ["--dtype", "bfloat16", "--execution-backend", "reference"]])
+                                   ["--dtype", "float16", "--execution-backend", "reference"]])
 def test_the_server_refuses_them_before_starting_anything(flags, capsys):
     assert main(flags) == 2
     assert "is not supported" in capsys.readouterr().err
@@ -164,22 +163,30 @@ def test_cache_queue_port_is_the_prefill_servers_and_is_checked(kw, hint):
     EngineConfig(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=8183)
 
 
-def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32(tiny_model_dir):
-    """--dtype as vLLM / FastDeploy users type it: aliases normalized, unknown names refused, and 'float32' (or
-    'auto') runs the reference backend; the bf16 refusal says whether this CPU has the instruction it would need."""
-    from ernie_serve.devices import cpu_flag_note
+def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32_and_bfloat16(tiny_model_dir, monkeypatch):
+    """--dtype as vLLM / FastDeploy users type it: aliases normalized, unknown names refused; 'float32' ('auto') and
+    'bfloat16' run the reference backend (bfloat16 weights, half the bytes), and bfloat16 is refused on a CPU whose
+    flags show neither AVX2 + FMA nor AVX-512, where the C kernels that read it do not vectorize."""
+    from ernie_serve.reference_backend import support
 
     assert EngineConfig(dtype="float", execution_backend="reference").dtype == "float32"
     assert EngineConfig(dtype="half", execution_backend="kernels").dtype == "float16"
     with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
         EngineConfig(dtype="fp8")
-    with pytest.raises(ValueError, match=cpu_flag_note("avx512_bf16")):
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        check_supported(EngineConfig(dtype=dtype, execution_backend="reference"))
+        engine = make_engine(tiny_model_dir, dtype=dtype, execution_backend="reference")
+        engine.add_request("a", [5, 17, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        model = engine.model
+        sizes[dtype] = sum(b.numel().item() * b.element_size() for b in model.buffers())
+        engine.close()
+    assert sizes["bfloat16"] * 2 == sizes["float32"]  # every serving-layout weight at half the bytes
+    monkeypatch.setattr(support, "cpu_flags", lambda: {"sse4_2", "avx"})
+    with pytest.raises(ValueError, match="dtype='bfloat16' is not supported on this CPU.*AVX2 \\+ FMA or AVX-512"):
         check_supported(EngineConfig(dtype="bfloat16", execution_backend="reference"))
-    engine = make_engine(tiny_model_dir, dtype="float32", execution_backend="reference")
-    engine.add_request("a", [5, 17, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.close()
 
 
 def test_the_kernels_backend_takes_its_own_dtype_and_refuses_the_others():

@@ -1,6 +1,10 @@
-/* The float32 GEMM of the CPU serving path, at every row count; int8 / int4 weights go to cpu_qgemm.c.
+/* The float GEMM of the CPU serving path, at every row count; int8 / int4 weights go to cpu_qgemm.c.
  *
  *   y[M, N] = x[M, K] @ W[K, N]      (the dense Linears, lm_head and the routed experts in serving layout)
+ *
+ * W is float32 (bits 32) or bfloat16 (bits 16, --dtype bfloat16: its bits held as 16-bit integers); a bfloat16
+ * weight is widened to float32 as it is streamed (a shift: bf16 is a float32's high half) and multiplied in
+ * float32, so a step reads half the bytes for the same float32 arithmetic on x.
  *
  * Why: at decode a weight is read once per step for a handful of rows, so the step is bound by weight bytes, and
  * Paddle's matmul over [K, N] streams them at 8-10 GB/s here; at prefill sizes this kernel is still ~1.5x MKL.
@@ -28,6 +32,22 @@
 #define ROWS 3   /* AVX2's 16 registers: 6 vf16 accumulators (12 halves) and a weight row (4 halves) */
 #endif
 
+/* A column-blocked weight: float32 values, or bfloat16 ones (bf16 set). */
+typedef struct {
+    const void *p;
+    int bf16;
+} blocked_w;
+
+static inline blocked_w weight_of(const void *p, int bits) {
+    blocked_w w = {p, bits == 16};
+    return w;
+}
+
+/* Element i of a weight, as float32. */
+static inline float weight_at(blocked_w w, int64_t i) {
+    return w.bf16 ? bf16_to_f32(((const uint16_t *)w.p)[i]) : ((const float *)w.p)[i];
+}
+
 #ifdef ERNIE_VF16
 /* Row k of a column block as two vectors of 16 floats. */
 static inline void row_of_32(const float *w, int k, vf16 *w0, vf16 *w1) {
@@ -35,15 +55,21 @@ static inline void row_of_32(const float *w, int k, vf16 *w0, vf16 *w1) {
     *w1 = vf16_load(w + (int64_t)k * COLS + 16);
 }
 
+static inline void row_of_32_bf16(const uint16_t *w, int k, vf16 *w0, vf16 *w1) {
+    *w0 = vf16_load_bf16(w + (int64_t)k * COLS);
+    *w1 = vf16_load_bf16(w + (int64_t)k * COLS + 16);
+}
+
 /* One block of `mb` rows (a compile-time constant in each instance, so the accumulators stay in registers)
- * and the COLS columns whose weights are the contiguous [K, COLS] run at w -> y[m * ldy + j]. */
-#define BLOCK(NAME, mb)                                                                                     \
-static void NAME(const float *x, int K, const float *w, int64_t ldy, float *y) {                            \
+ * and the COLS columns whose weights (of type WT, read by ROW) are the contiguous [K, COLS] run at w
+ * -> y[m * ldy + j]. */
+#define BLOCK(NAME, mb, WT, ROW)                                                                            \
+static void NAME(const float *x, int K, const WT *w, int64_t ldy, float *y) {                               \
     vf16 a0[mb], a1[mb];                                                                                    \
     for (int m = 0; m < mb; m++) { a0[m] = vf16_zero(); a1[m] = vf16_zero(); }                              \
     for (int k = 0; k < K; k++) {                                                                           \
         vf16 w0, w1;                                                                                        \
-        row_of_32(w, k, &w0, &w1);                                                                          \
+        ROW(w, k, &w0, &w1);                                                                                \
         for (int m = 0; m < mb; m++) {                                                                      \
             vf16 xv = vf16_set1(x[(int64_t)m * K + k]);                                                     \
             a0[m] = vf16_fmadd(xv, w0, a0[m]);                                                              \
@@ -56,39 +82,98 @@ static void NAME(const float *x, int K, const float *w, int64_t ldy, float *y) {
     }                                                                                                       \
 }
 typedef void (*block_fn)(const float *, int, const float *, int64_t, float *);
-BLOCK(block_1, 1) BLOCK(block_2, 2) BLOCK(block_3, 3) BLOCK(block_4, 4)
-BLOCK(block_5, 5) BLOCK(block_6, 6) BLOCK(block_7, 7) BLOCK(block_8, 8)
+typedef void (*block_bf16_fn)(const float *, int, const uint16_t *, int64_t, float *);
+#define BLOCKS(P, WT, ROW)                                                                                  \
+BLOCK(P##1, 1, WT, ROW) BLOCK(P##2, 2, WT, ROW) BLOCK(P##3, 3, WT, ROW) BLOCK(P##4, 4, WT, ROW)             \
+BLOCK(P##5, 5, WT, ROW) BLOCK(P##6, 6, WT, ROW) BLOCK(P##7, 7, WT, ROW) BLOCK(P##8, 8, WT, ROW)
+BLOCKS(block_, float, row_of_32)
+BLOCKS(block_bf16_, uint16_t, row_of_32_bf16)
 static const block_fn blocks[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
+static const block_bf16_fn blocks_bf16[9] = {0, block_bf16_1, block_bf16_2, block_bf16_3, block_bf16_4, block_bf16_5,
+                                             block_bf16_6, block_bf16_7, block_bf16_8};
 #endif
 
 /* Columns [n0, n1) plainly (a last block narrower than COLS) -> y[m * ldy + n - n0]. */
-static void columns_plain(const float *x, int M, int K, const float *w, int64_t ldy, float *y, int n0, int n1) {
+static void columns_plain(const float *x, int M, int K, blocked_w w, int64_t ldy, float *y, int n0, int n1) {
     for (int m = 0; m < M; m++)
         for (int n = n0; n < n1; n++) {
             float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * w[((int64_t)(n / COLS) * K + k) * COLS + n % COLS];
+            for (int k = 0; k < K; k++)
+                acc += x[(int64_t)m * K + k] * weight_at(w, ((int64_t)(n / COLS) * K + k) * COLS + n % COLS);
             y[m * ldy + n - n0] = acc;
         }
 }
 
-/* Rows [0, M) of x times column block b (a full one) -> y[m * ldy + j], j < COLS. */
-static void column_block(const float *x, int M, int K, const float *w, int64_t ldy, float *y, int b) {
+/* Column block b of a weight as the row blocks read it: float32 values, or bfloat16 bits widened per row block. */
+typedef struct {
+    const float *f32;
+    const uint16_t *bf16;
+} block_src;
+
+#ifdef ERNIE_VF16
+/* A bfloat16 column block [K, COLS] widened into this thread's float32 scratch `slot` (0 or 1: SwiGLU holds its
+ * gate and up blocks at once; kept and grown, never freed: one pair per kernel thread), or NULL out of memory. */
+static const float *widened_block(const uint16_t *w, int K, int slot) {
+    static _Thread_local float *scratch[2];
+    static _Thread_local int64_t capacity[2];
+    const int64_t n = (int64_t)K * COLS;
+    if (n > capacity[slot]) {  /* 64-byte aligned: a vector load split across cache lines costs ~25% here */
+        float *grown = aligned_alloc(64, sizeof(float) * n);  /* n is a multiple of COLS: a whole number of lines */
+        if (!grown) return NULL;
+        free(scratch[slot]);
+        scratch[slot] = grown;
+        capacity[slot] = n;
+    }
+    for (int64_t i = 0; i < n; i += 16) vf16_store(scratch[slot] + i, vf16_load_bf16(w + i));
+    return scratch[slot];
+}
+#endif
+
+/* Column block b of w for M rows. A bfloat16 block with more than one register block of rows (prefill) is widened
+ * once (into scratch `slot`) and read as float32, instead of widening every weight row again for each block of
+ * rows: the widening costs about what the FMAs of one row block do. */
+static block_src block_source(blocked_w w, int K, int b, int M, int slot) {
+    const int64_t at = (int64_t)b * K * COLS;
+    block_src src = {NULL, NULL};
+    if (!w.bf16) {
+        src.f32 = (const float *)w.p + at;
+        return src;
+    }
+#ifdef ERNIE_VF16
+    if (M > ROWS) src.f32 = widened_block((const uint16_t *)w.p + at, K, slot);
+#endif
+    if (!src.f32) src.bf16 = (const uint16_t *)w.p + at;
+    return src;
+}
+
+/* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS. */
+static void rows_times_block(const float *x, int M, int K, block_src src, int64_t ldy, float *y) {
 #ifdef ERNIE_VF16
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         int mb = M - m0 < ROWS ? M - m0 : ROWS;
-        blocks[mb](x + (int64_t)m0 * K, K, w + (int64_t)b * K * COLS, ldy, y + m0 * ldy);
+        if (src.f32)
+            blocks[mb](x + (int64_t)m0 * K, K, src.f32, ldy, y + m0 * ldy);
+        else
+            blocks_bf16[mb](x + (int64_t)m0 * K, K, src.bf16, ldy, y + m0 * ldy);
     }
 #else
     for (int m = 0; m < M; m++)
         for (int j = 0; j < COLS; j++) {
             float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * w[((int64_t)b * K + k) * COLS + j];
+            for (int k = 0; k < K; k++)
+                acc += x[(int64_t)m * K + k] * (src.f32 ? src.f32[(int64_t)k * COLS + j]
+                                                         : bf16_to_f32(src.bf16[(int64_t)k * COLS + j]));
             y[m * ldy + j] = acc;
         }
 #endif
 }
 
-static void gemm(const float *x, int M, int K, const float *w, int N, float *y) {
+/* Rows [0, M) of x times column block b (a full one) -> y[m * ldy + j], j < COLS. */
+static void column_block(const float *x, int M, int K, blocked_w w, int64_t ldy, float *y, int b) {
+    rows_times_block(x, M, K, block_source(w, K, b, M, 0), ldy, y);
+}
+
+static void gemm(const float *x, int M, int K, blocked_w w, int N, float *y) {
     #pragma omp parallel for THREADS schedule(static)
     for (int b = 0; b < N / COLS; b++) column_block(x, M, K, w, N, y + b * COLS, b);
     if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
@@ -100,17 +185,18 @@ static void gemm(const float *x, int M, int K, const float *w, int N, float *y) 
  * a step's many expert matmuls, small at decode or mid-sized in a step mixing decodes and a prefill chunk, become
  * one parallel loop instead of a call per expert. */
 static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
-                     const float *const *w, int N, float *y) {
+                     const void *const *w, int bits, int N, float *y) {
     const int nb = N / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;
-        column_block(x + starts[e] * K, (int)rows[e], K, w[e], N, y + starts[e] * N + task % nb * COLS, task % nb);
+        column_block(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N + task % nb * COLS,
+                     task % nb);
     }
     if (N % COLS)
         for (int e = 0; e < E; e++)
-            columns_plain(x + starts[e] * K, (int)rows[e], K, w[e], N, y + starts[e] * N + N / COLS * COLS,
-                          N / COLS * COLS, N);
+            columns_plain(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N,
+                          y + starts[e] * N + N / COLS * COLS, N / COLS * COLS, N);
 }
 
 /* The SwiGLU MLP's first matmul with its activation fused: W is [K, 2I] with the gate half first, and
@@ -121,48 +207,52 @@ static int swiglu_fits(int N) { return N % (2 * COLS) == 0; }
 
 int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
 
-static void swiglu_rows(const float *x, int M, int K, const float *w, int N, float *y, int b) {
+static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float *y, int b) {
     const int I = N / 2, nb = I / COLS;
     float g[ROWS * COLS], u[ROWS * COLS];
+    const block_src gate = block_source(w, K, b, M, 0), up = block_source(w, K, b + nb, M, 1);
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         int mb = M - m0 < ROWS ? M - m0 : ROWS;
         const float *xm = x + (int64_t)m0 * K;
-        column_block(xm, mb, K, w, COLS, g, b);
-        column_block(xm, mb, K, w, COLS, u, b + nb);
+        rows_times_block(xm, mb, K, gate, COLS, g);
+        rows_times_block(xm, mb, K, up, COLS, u);
         for (int m = 0; m < mb; m++)
             silu_mul_row(g + m * COLS, u + m * COLS, y + (int64_t)(m0 + m) * I + b * COLS, COLS);
     }
 }
 
-/* y = x @ W * scale: float32 W (bits 32, s NULL) here, int8 / int4 codes (bits 8 / 4) in cpu_qgemm.c, where int_x
- * says x is integer-valued already (w4a8). swiglu: y [M, N / 2] as above. Returns 0, or -1 out of memory. */
+static int is_float(int bits) { return bits == 32 || bits == 16; }
+
+/* y = x @ W * scale: float32 / bfloat16 W (bits 32 / 16, s NULL) here, int8 / int4 codes (bits 8 / 4) in
+ * cpu_qgemm.c, where int_x says x is integer-valued already (w4a8). swiglu: y [M, N / 2] as above. Returns 0, or -1
+ * out of memory. */
 int ernie_gemm(const float *x, int M, int K, const void *w, int N, const float *s, float *y, int bits, int swiglu,
                int int_x) {
-    if (bits != 32) return ernie_qgemm(x, M, K, w, N, s, y, bits, swiglu, int_x);
+    if (!is_float(bits)) return ernie_qgemm(x, M, K, w, N, s, y, bits, swiglu, int_x);
+    const blocked_w wb = weight_of(w, bits);
     if (!swiglu) {
-        gemm(x, M, K, w, N, y);
+        gemm(x, M, K, wb, N, y);
         return 0;
     }
     #pragma omp parallel for THREADS schedule(static)
-    for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, w, N, y, b);
+    for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, wb, N, y, b);
     return 0;
 }
 
 /* moe_gemm above (or cpu_qgemm.c's for int codes), or with swiglu each expert's rows -> y rows of width N / 2. */
 int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K, const void *const *w,
                    int N, const float *const *s, float *y, int bits, int swiglu, int int_x) {
-    if (bits != 32)
+    if (!is_float(bits))
         return ernie_moe_qgemm(x, rows, starts, E, K, (const uint8_t *const *)w, N, s, y, bits, swiglu, int_x);
     if (!swiglu) {
-        moe_gemm(x, rows, starts, E, K, (const float *const *)w, N, y);
+        moe_gemm(x, rows, starts, E, K, w, bits, N, y);
         return 0;
     }
     const int nb = N / 2 / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;
-        swiglu_rows(x + starts[e] * K, (int)rows[e], K, ((const float *const *)w)[e], N, y + starts[e] * N / 2,
-                    task % nb);
+        swiglu_rows(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N / 2, task % nb);
     }
     return 0;
 }
@@ -191,14 +281,16 @@ static void rank_tile(const float *tile, int M, int width, int64_t col0, float *
     }
 }
 
-/* Each row's argmax and max over the first n_valid columns of y = x @ W (float32 W in the column-blocked layout),
+/* Each row's argmax and max over the first n_valid columns of y = x @ W (float32 / bfloat16 W, bits 32 / 16, in the
+ * column-blocked layout),
  * without storing y: each thread computes its contiguous run of column blocks into its own [M, COLS] tile and ranks
  * the tile while it is in L1. A greedy step needs no more of the lm_head; the [M, N] logits would otherwise be
  * written and read back cold (256 rows x 4096 columns: a 4 MB pass). best_idx / best_val: [M]. Returns 0, or -1 out
  * of memory. */
-int ernie_gemm_argmax(const float *x, int M, int K, const float *w, int N, int n_valid, int64_t *best_idx,
-                      float *best_val) {
+int ernie_gemm_argmax(const float *x, int M, int K, const void *wp, int N, int n_valid, int64_t *best_idx,
+                      float *best_val, int bits) {
     const int nb = N / COLS, threads = ernie_threads();
+    const blocked_w w = weight_of(wp, bits);
     float *tiles = malloc(sizeof(float) * (size_t)threads * M * COLS + sizeof(float) * (size_t)threads * M);
     int64_t *part_idx = malloc(sizeof(int64_t) * (size_t)threads * M);
     if (!tiles || !part_idx) {

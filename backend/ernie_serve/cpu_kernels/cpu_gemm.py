@@ -1,6 +1,8 @@
-"""The GEMMs of cpu_gemm.c (float32) and cpu_qgemm.c (int8 / int4 codes), called through ctypes.
+"""The GEMMs of cpu_gemm.c (float32 / bfloat16) and cpu_qgemm.c (int8 / int4 codes), called through ctypes.
 
-y = (x @ W) * scale at every row count: float32 W in the column-blocked serving layout (model/layers.BlockedLinear,
+y = (x @ W) * scale at every row count: float32 or bfloat16 W (bits 32 / 16; a bfloat16 weight is held as its bits
+in an int16 array, NumPy and Paddle's CPU tensors having no bfloat16 the kernels read) in the column-blocked
+serving layout (model/layers.BlockedLinear,
 model/moe.BlockedExperts; pack_columns), int8 or int4 codes of the weight-only formats in the integer kernel's
 layout (model/quantized_layers.QuantLinear; pack_codes), and every routed expert of a layer in one call. Without the
 library `available()` is False and callers keep their Paddle path.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 
+import ml_dtypes
 import numpy as np
 import paddle
 
@@ -32,6 +35,17 @@ def serves(t: paddle.Tensor) -> bool:
 
 
 COLS = 32  # cpu_gemm.c's column block
+FLOAT_BITS = {32: np.dtype(np.float32), 16: np.dtype(np.int16)}  # how a float weight of these bits is held
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest even), as the int16 bits cpu_gemm.c reads."""
+    return np.asarray(a, dtype=ml_dtypes.bfloat16).view(np.int16)
+
+
+def widen(a: np.ndarray) -> np.ndarray:
+    """A held float weight's values as float32 (bfloat16 bits widened; float32 as it is)."""
+    return a.view(ml_dtypes.bfloat16).astype(np.float32) if a.dtype == np.int16 else a
 
 
 def blocked_shape(q_shape: tuple[int, int]) -> tuple[int, int, int]:
@@ -41,28 +55,35 @@ def blocked_shape(q_shape: tuple[int, int]) -> tuple[int, int, int]:
 
 def pack_columns(q: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """A float32 weight [K, N] (any strides) -> the column-blocked layout cpu_gemm.c streams: [ceil(N/32), K, 32], the
-    last block zero-padded. Written into `out` when given (one copy, no temporary)."""
+    last block zero-padded. Written into `out` when given (one copy, no temporary); an int16 `out` gets the values
+    rounded to bfloat16 (bf16_bits)."""
     r, n = q.shape
     out = np.empty(blocked_shape(q.shape), q.dtype) if out is None else out
     full = n // COLS
-    out[:full] = q[:, :full * COLS].reshape(r, full, COLS).transpose(1, 0, 2)
+    if out.dtype == np.int16:  # a block of columns at a time: no whole-weight temporary
+        for b in range(full):
+            out[b] = bf16_bits(q[:, b * COLS:(b + 1) * COLS])
+    else:
+        out[:full] = q[:, :full * COLS].reshape(r, full, COLS).transpose(1, 0, 2)
     if full < out.shape[0]:
         out[full] = 0
-        out[full, :, :n - full * COLS] = q[:, full * COLS:]
+        last = q[:, full * COLS:]
+        out[full, :, :n - full * COLS] = bf16_bits(last) if out.dtype == np.int16 else last
     return out
 
 
-def packed(q: np.ndarray) -> paddle.Tensor:
-    """pack_columns(q) as a new CPU tensor (host_tensor.empty_weight's memory), written in place."""
-    t, view = empty_weight(blocked_shape(q.shape), q.dtype)
+def packed(q: np.ndarray, bits: int = 32) -> paddle.Tensor:
+    """pack_columns(q) as a new CPU tensor of `bits` (32 float32, 16 bfloat16; host_tensor.empty_weight's memory),
+    written in place."""
+    t, view = empty_weight(blocked_shape(q.shape), FLOAT_BITS[bits])
     pack_columns(q, out=view)
     return t
 
 
 def unpack_columns(blocked: np.ndarray, n0: int, n1: int) -> np.ndarray:
-    """Columns [n0, n1) of a column-blocked weight as [R, n1 - n0] (a copy)."""
+    """Columns [n0, n1) of a column-blocked weight as float32 [R, n1 - n0] (a copy)."""
     b0, b1 = n0 // COLS, -(-n1 // COLS)
-    part = blocked[b0:b1]
+    part = widen(blocked[b0:b1])
     cols = part.transpose(1, 0, 2).reshape(part.shape[1], -1)
     return np.ascontiguousarray(cols[:, n0 - b0 * COLS: n1 - b0 * COLS])
 
@@ -119,8 +140,14 @@ def packed_codes(q: np.ndarray, bits: int) -> paddle.Tensor:
 
 
 def fits_layout(shape, k: int, n: int, bits: int) -> bool:
-    """Whether a weight held as `shape` is a [k, n] weight of this format (float32: pack_columns; int: pack_codes)."""
-    return tuple(shape) == (blocked_shape((k, n)) if bits == 32 else codes_shape(k, n, bits))
+    """Whether a weight held as `shape` is a [k, n] weight of this format (float32 / bfloat16: pack_columns; int:
+    pack_codes)."""
+    return tuple(shape) == (blocked_shape((k, n)) if bits in FLOAT_BITS else codes_shape(k, n, bits))
+
+
+def _held_as(t: paddle.Tensor, bits: int) -> bool:
+    """Whether a float weight tensor holds `bits` (float32 for 32, bfloat16's int16 bits for 16); codes pass."""
+    return bits not in FLOAT_BITS or str(t.dtype).rsplit(".", 1)[-1] == FLOAT_BITS[bits].name
 
 
 def _check(rc: int) -> None:
@@ -130,14 +157,15 @@ def _check(rc: int) -> None:
 
 def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | None, bits: int,
          swiglu: bool = False, int_x: bool = False) -> paddle.Tensor:
-    """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W float32 in pack_columns' layout (bits 32,
-    scale None) or int8 / int4 codes in pack_codes' (bits 8 / 4; x enters at 16-bit precision, see cpu_qgemm.c,
-    or exactly when `int_x` says it is integer-valued). `swiglu`: W is a gate-up projection and the result is
-    silu(gate) * up, [M, n / 2] (needs swiglu_fits(n)). Callers check available() first."""
+    """(x [M, K] float32) @ W * scale -> a new [M, n] float32 tensor; W float32 / bfloat16 in pack_columns' layout
+    (bits 32 / 16, scale None) or int8 / int4 codes in pack_codes' (bits 8 / 4; x enters at 16-bit precision, see
+    cpu_qgemm.c, or exactly when `int_x` says it is integer-valued). `swiglu`: W is a gate-up projection and the
+    result is silu(gate) * up, [M, n / 2] (needs swiglu_fits(n)). Callers check available() first."""
     lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    if (not fits_layout(blocked.shape, k, n, bits) or (scale is None) != (bits == 32)
+    if (not fits_layout(blocked.shape, k, n, bits) or not _held_as(blocked, bits)
+            or (scale is None) != (bits in FLOAT_BITS)
             or (scale is not None and scale.shape[0] != n) or (swiglu and not swiglu_fits(n))):
         raise ValueError(f"cpu_gemm.gemm: x [{m}, {k}] does not fit a {bits}-bit weight of {n} columns "
                          f"held as {blocked.shape} with scale {None if scale is None else scale.shape}"
@@ -148,19 +176,22 @@ def gemm(x: np.ndarray, blocked: paddle.Tensor, n: int, scale: paddle.Tensor | N
     return y
 
 
-def gemm_argmax(x: np.ndarray, blocked: paddle.Tensor, n: int, n_valid: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's argmax and max over the first n_valid columns of (x [M, K] float32) @ W, W float32 in pack_columns'
-    layout with n columns; the [M, n] product is never stored (cpu_gemm.c's ernie_gemm_argmax). Ties go to the
-    lowest column and a NaN ranks above everything, as NumPy's argmax. Callers check available() first."""
+def gemm_argmax(x: np.ndarray, blocked: paddle.Tensor, n: int, n_valid: int,
+                bits: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's argmax and max over the first n_valid columns of (x [M, K] float32) @ W, W float32 / bfloat16 (bits
+    32 / 16) in pack_columns' layout with n columns; the [M, n] product is never stored (cpu_gemm.c's
+    ernie_gemm_argmax). Ties go to the lowest column and a NaN ranks above everything, as NumPy's argmax. Callers
+    check available() first."""
     lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, k = x.shape
-    if not fits_layout(blocked.shape, k, n, 32) or not 0 < n_valid <= n:
-        raise ValueError(f"cpu_gemm.gemm_argmax: x [{m}, {k}] does not fit a float32 weight of {n} columns held as "
-                         f"{blocked.shape} (n_valid {n_valid})")
+    if (bits not in FLOAT_BITS or not fits_layout(blocked.shape, k, n, bits) or not _held_as(blocked, bits)
+            or not 0 < n_valid <= n):
+        raise ValueError(f"cpu_gemm.gemm_argmax: x [{m}, {k}] does not fit a {bits}-bit float weight of {n} columns "
+                         f"held as {blocked.shape} (n_valid {n_valid})")
     idx, best = np.empty(m, dtype=np.int64), np.empty(m, dtype=np.float32)
     _check(lib.ernie_gemm_argmax(x.ctypes.data, m, k, blocked.data_ptr(), n, n_valid, idx.ctypes.data,
-                                 best.ctypes.data))
+                                 best.ctypes.data, bits))
     return idx, best
 
 
@@ -169,8 +200,8 @@ def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: i
     """Every expert's matmul in one call. x padded [E, cap, K] float32 (expert e's tokens in its first rows[e] rows)
     -> y [E, cap, n] with y[e, :rows[e]] = x[e, :rows[e]] @ W_e * scale_e and rows past rows[e] zero; or x packed
     [sum(rows), K] (expert e's rows after those of experts < e) -> y [sum(rows), n]. `blocked` / `scales`: each
-    expert's weight and scale as gemm takes them: bits 32 (float32, scales None) or 8 / 4 (codes). `swiglu`, `int_x`:
-    as gemm's, y rows of n / 2. Callers check available()."""
+    expert's weight and scale as gemm takes them: bits 32 / 16 (float32 / bfloat16, scales None) or 8 / 4 (codes).
+    `swiglu`, `int_x`: as gemm's, y rows of n / 2. Callers check available()."""
     lib = build.library()
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows = np.ascontiguousarray(rows, dtype=np.int64)
@@ -182,8 +213,9 @@ def moe_gemm(x: np.ndarray, rows: np.ndarray, blocked: list[paddle.Tensor], n: i
     else:
         starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
         fits = x.ndim == 2 and int(rows.sum()) == x.shape[0]
-    if (not fits or (scales is None) != (bits == 32) or (scales is not None and len(scales) != e)
-            or rows.shape != (e,) or not fits_layout(blocked[0].shape, k, n, bits) or (swiglu and not swiglu_fits(n))):
+    if (not fits or (scales is None) != (bits in FLOAT_BITS) or (scales is not None and len(scales) != e)
+            or rows.shape != (e,) or not fits_layout(blocked[0].shape, k, n, bits) or not _held_as(blocked[0], bits)
+            or (swiglu and not swiglu_fits(n))):
         raise ValueError(f"moe_gemm: x {list(x.shape)} with rows {rows.tolist()} does not fit {len(blocked)} "
                          f"{bits}-bit experts of {n} columns held as {blocked[0].shape}{' (swiglu)' if swiglu else ''}")
     w_ptrs = (ctypes.c_void_p * e)(*[w.data_ptr() for w in blocked])

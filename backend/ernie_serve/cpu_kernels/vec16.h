@@ -8,6 +8,16 @@
  */
 #ifndef ERNIE_VEC16_H
 #define ERNIE_VEC16_H
+#include <stdint.h>
+#include <string.h>
+
+/* One bfloat16 (its bits) as the float32 it is exactly: the float's high half. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -15,6 +25,10 @@
 typedef __m512 vf16;
 
 static inline vf16 vf16_load(const float *p) { return _mm512_loadu_ps(p); }
+/* 16 bfloat16 values (their bits) widened to float32: a bfloat16 is a float32's high half */
+static inline vf16 vf16_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 static inline void vf16_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
 static inline vf16 vf16_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf16 vf16_zero(void) { return _mm512_setzero_ps(); }
@@ -48,6 +62,10 @@ typedef struct { __m256 lo, hi; } vf16;
     static inline vf16 name(vf16 a, vf16 b, vf16 c) { vf16 r = {op(a.lo, b.lo, c.lo), op(a.hi, b.hi, c.hi)}; return r; }
 
 static inline vf16 vf16_load(const float *p) { vf16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline __m256 bf16_8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf16 vf16_load_bf16(const uint16_t *p) { vf16 r = {bf16_8(p), bf16_8(p + 8)}; return r; }
 static inline void vf16_store(float *p, vf16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
 static inline vf16 vf16_set1(float x) { vf16 r = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return r; }
 static inline vf16 vf16_zero(void) { vf16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }

@@ -96,6 +96,7 @@ def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieMode
     from ..model.checkpoint_map import tensor_directory
     from ..quantization.plan import QuantPlan
     from ..reference_backend.loading import kv_pool_blocks, log_weight_memory
+    from ..reference_backend.support import weight_bits
     from ..tensor_parallel.workers import TensorParallelExecutor, paddle_on_cpu, threads_per_rank
 
     c = config
@@ -120,6 +121,7 @@ def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieMode
         c8 = plan is not None and plan.kv_cache == "int8"
         layers = model_cfg.num_hidden_layers + mtp  # the MTP head's cache layer, on every rank
         fields["num_blocks"], fields["num_host_blocks"] = kv_pool_blocks(c, model_cfg, layout, layers, c8)
+        fields["weight_bits"] = weight_bits(c)
     threads = 0
     if paddle_on_cpu(c.execution_backend, framework, on_gpu):
         threads = setup_model_process(threads_per_rank(c.tensor_parallel_size))

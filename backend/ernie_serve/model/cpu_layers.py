@@ -8,7 +8,7 @@ states equal the Python layers' bit for bit (tests/cpu_kernels/test_cpu_layers.p
 
 CpuDecoderStack.build describes the layers once, after the serving layouts exist
 (ErnieForCausalLM.process_weights_after_loading), and only when every layer is covered: one rank (no collectives
-between sublayers), fp32 serving-layout or wint8 / wint4 / w4a8 linears and experts. `serves` then says per
+between sublayers), float32 / bfloat16 serving-layout or wint8 / wint4 / w4a8 linears and experts. `serves` then says per
 step whether this step is one it covers too: inference on a float32 CPU cache whose every sequence
 cpu_attention.c takes (decodes and short prefill chunks). Everything else runs the Python layers, unchanged.
 """
@@ -107,7 +107,7 @@ def _ptr(t: paddle.Tensor, keep: list, shape: tuple[int, ...] | None = None) -> 
 
 def _linear(lin, k: int, n: int, keep: list) -> cpu_layer.Linear:
     if type(lin) is BlockedLinear and (lin.in_features, lin.out_features) == (k, n):
-        return cpu_layer.Linear(_ptr(lin.weight_blocked, keep), None, k, n, 32)
+        return cpu_layer.Linear(_ptr(lin.weight_blocked, keep), None, k, n, lin.bits)
     method = getattr(lin, "method", None)
     bits = _INT_FORMATS.get(method)
     if bits and (lin.in_features, lin.out_features) == (k, n) and "quant_weight" in lin.tensors:
@@ -131,7 +131,7 @@ def _experts(moe: MoE, h: int, keep: list) -> cpu_layer.Experts:
     e = ex.num_experts
     acts = None
     if type(ex) is BlockedExperts and ex.down_cols == h:
-        bits, ug_cols = 32, ex.up_gate_cols
+        bits, ug_cols = ex.bits, ex.up_gate_cols
         ug, dn, ug_s, dn_s = ex._up_gate, ex._down, None, None
     elif getattr(ex, "method", None) in _INT_FORMATS:
         bits, ug_cols = _INT_FORMATS[ex.method], ex.up_gate_proj[0].out_features

@@ -115,27 +115,32 @@ class ErnieForCausalLM(nn.Layer):
                 x = layer(x, positions, self.rope, meta, cache)
         return self.norm(x)
 
-    def process_weights_after_loading(self) -> None:
+    def process_weights_after_loading(self, weight_bits: int = 32) -> None:
         """Serving layouts for weights a kernel reads faster in another layout (vLLM's hook of this name): on CPU,
-        every fp32 Linear (lm_head included) and the fp32 routed experts column-blocked for cpu_gemm.c
-        (layers.BlockedLinear, moe.BlockedExperts), and a tied embedding as a blocked head whose columns the
-        lookups read (layers.TiedEmbedding). Called once by the engine's ModelShard; a model loaded to be
-        trained, calibrated or exported keeps the loaded layout."""
+        every float Linear (lm_head included) and the float routed experts column-blocked for cpu_gemm.c
+        (layers.BlockedLinear, moe.BlockedExperts) in float32, or in bfloat16 with weight_bits 16 (--dtype
+        bfloat16: half the bytes a step streams), and a tied embedding as a blocked head whose columns the
+        lookups read (layers.TiedEmbedding). The router, norms and an untied embedding stay float32. Called once
+        by the engine's ModelShard; a model loaded to be trained, calibrated or exported keeps the loaded layout."""
         if (self.lm_head is None and type(self.embed_tokens) is nn.Embedding
                 and cpu_gemm.serves(self.embed_tokens.weight)):
-            self.lm_head = BlockedLinear.from_weight(np.from_dlpack(self.embed_tokens.weight.detach()).T)
+            self.lm_head = BlockedLinear.from_weight(np.from_dlpack(self.embed_tokens.weight.detach()).T, weight_bits)
             self.embed_tokens = TiedEmbedding(self.lm_head)  # the [V, H] parameter is freed with the old layer
+        elif weight_bits != 32 and not cpu_gemm.available():
+            raise RuntimeError("bfloat16 weights on the CPU need the C kernels (cpu_kernels/), which are not built "
+                               "here (see the warning above for why); use dtype 'float32'")
         for parent in self.sublayers(include_self=True):
             for name, child in list(parent.named_children()):
                 if type(child) in (Linear, FusedExperts):  # exactly: quantized layers have their own
-                    served = child.serving_layout()
+                    served = child.serving_layout(weight_bits)
                     if served is not None:
                         setattr(parent, name, served)  # the loaded parameters are freed with the old layer
         self.cpu_layers = CpuDecoderStack.build(self)
 
     def compute_argmax(self, hidden: paddle.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
         """Each row's argmax and largest logit without the logits (cpu_gemm.gemm_argmax), where the head is a float32
-        BlockedLinear this process holds whole; None elsewhere (the caller takes compute_logits)."""
+        BlockedLinear (float32 or bfloat16) this process holds whole; None elsewhere (the caller takes
+        compute_logits)."""
         head = self.lm_head
         if type(head) is not BlockedLinear or self.layout.is_parallel:
             return None

@@ -46,11 +46,12 @@ class Linear(nn.Layer):
         """silu(gate) * up of this gate-up projection (gate half first); serving layouts fuse it."""
         return silu_and_mul(self(x))
 
-    def serving_layout(self) -> "BlockedLinear | None":
-        """The same weight column-blocked for cpu_gemm.c, or None where that kernel is not built / not on CPU."""
+    def serving_layout(self, bits: int = 32) -> "BlockedLinear | None":
+        """The same weight column-blocked for cpu_gemm.c in float32 (bits 32) or bfloat16 (16), or None where that
+        kernel is not built / not on CPU."""
         if not cpu_gemm.serves(self.weight):
             return None
-        return BlockedLinear.from_weight(np.from_dlpack(self.weight.detach()))
+        return BlockedLinear.from_weight(np.from_dlpack(self.weight.detach()), bits)
 
 
 class BlockedLinear(nn.Layer):
@@ -62,12 +63,14 @@ class BlockedLinear(nn.Layer):
     def __init__(self, blocked: paddle.Tensor, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.bits = 16 if blocked.dtype == paddle.int16 else 32  # float32, or bfloat16 held as its bits
         self.register_buffer("weight_blocked", blocked)
 
     @classmethod
-    def from_weight(cls, w: np.ndarray) -> "BlockedLinear":
-        """From a float32 weight [in, out] (any strides: a transposed view is packed as it is read)."""
-        return cls(cpu_gemm.packed(w), w.shape[0], w.shape[1])
+    def from_weight(cls, w: np.ndarray, bits: int = 32) -> "BlockedLinear":
+        """From a float32 weight [in, out] (any strides: a transposed view is packed as it is read), held in float32
+        (bits 32) or rounded to bfloat16 (16)."""
+        return cls(cpu_gemm.packed(w, bits), w.shape[0], w.shape[1])
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self._gemm(x, False)
@@ -79,10 +82,10 @@ class BlockedLinear(nn.Layer):
     def argmax(self, x: paddle.Tensor, n_valid: int) -> tuple[np.ndarray, np.ndarray]:
         """Each row's argmax and largest value over the first n_valid outputs, the outputs never stored
         (cpu_gemm.gemm_argmax): what a greedy step needs of the lm_head."""
-        return cpu_gemm.gemm_argmax(self._rows(x), self.weight_blocked, self.out_features, n_valid)
+        return cpu_gemm.gemm_argmax(self._rows(x), self.weight_blocked, self.out_features, n_valid, self.bits)
 
     def _gemm(self, x: paddle.Tensor, swiglu: bool) -> paddle.Tensor:
-        y = cpu_gemm.gemm(self._rows(x), self.weight_blocked, self.out_features, None, 32, swiglu)
+        y = cpu_gemm.gemm(self._rows(x), self.weight_blocked, self.out_features, None, self.bits, swiglu)
         return y.reshape(list(x.shape[:-1]) + [y.shape[-1]])
 
     def _rows(self, x: paddle.Tensor) -> np.ndarray:
@@ -101,7 +104,7 @@ class TiedEmbedding(nn.Layer):
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
         v = ids.numpy()
-        return to_paddle(np.from_dlpack(self.table)[v // cpu_gemm.COLS, :, v % cpu_gemm.COLS])
+        return to_paddle(cpu_gemm.widen(np.from_dlpack(self.table)[v // cpu_gemm.COLS, :, v % cpu_gemm.COLS]))
 
 
 class RotaryEmbedding:

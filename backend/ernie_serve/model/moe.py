@@ -66,14 +66,15 @@ class FusedExperts(nn.Layer):
     def can_batch(self, counts: np.ndarray) -> bool:
         return _use_batched(counts)
 
-    def serving_layout(self) -> "BlockedExperts | None":
-        """The same experts column-blocked for cpu_gemm.c, or None where that kernel is not built / not on CPU."""
+    def serving_layout(self, bits: int = 32) -> "BlockedExperts | None":
+        """The same experts column-blocked for cpu_gemm.c in float32 (bits 32) or bfloat16 (16), or None where that
+        kernel is not built / not on CPU."""
         if not cpu_gemm.serves(self.up_gate_proj):
             return None
 
         def blocked(param: paddle.Tensor) -> paddle.Tensor:
             e, k, n = param.shape
-            t, view = empty_weight((e, *cpu_gemm.blocked_shape((k, n))), np.float32)
+            t, view = empty_weight((e, *cpu_gemm.blocked_shape((k, n))), cpu_gemm.FLOAT_BITS[bits])
             for i, w in enumerate(np.from_dlpack(param.detach())):  # one expert at a time, written in place
                 cpu_gemm.pack_columns(w, out=view[i])
             return t
@@ -90,8 +91,9 @@ class FusedExperts(nn.Layer):
 
 
 class BlockedExperts(nn.Layer):
-    """The fp32 routed experts in their serving layout: each matrix column-blocked ([N/32, K, 32], the layout
-    cpu_gemm.c streams), built from a loaded FusedExperts by ErnieForCausalLM.process_weights_after_loading.
+    """The float routed experts in their serving layout: each matrix column-blocked ([N/32, K, 32], the layout
+    cpu_gemm.c streams) in float32, or bfloat16 held as its bits (--dtype bfloat16), built from a loaded FusedExperts
+    by ErnieForCausalLM.process_weights_after_loading.
 
     Why: at decode each expert multiplies a few rows, so the step streams the experts' weights, and Paddle's
     matmul over [K, N] streams them at 8-10 GB/s on this CPU where cpu_gemm.c reads column-blocked fp32 at
@@ -101,9 +103,11 @@ class BlockedExperts(nn.Layer):
     before). Inference only."""
 
     def __init__(self, up_gate: paddle.Tensor, down: paddle.Tensor, up_gate_cols: int, down_cols: int):
-        """`up_gate` [E, ceil(2I/32), H, 32], `down` [E, ceil(H/32), I, 32] float32 (cpu_gemm.pack_columns)."""
+        """`up_gate` [E, ceil(2I/32), H, 32], `down` [E, ceil(H/32), I, 32] float32 or bfloat16 bits (int16;
+        cpu_gemm.pack_columns)."""
         super().__init__()
         self.num_experts = up_gate.shape[0]
+        self.bits = 16 if up_gate.dtype == paddle.int16 else 32
         self.up_gate_cols, self.down_cols = up_gate_cols, down_cols
         self.register_buffer("up_gate_blocked", up_gate)
         self.register_buffer("down_blocked", down)
@@ -113,7 +117,7 @@ class BlockedExperts(nn.Layer):
 
     @property
     def nbytes(self) -> int:
-        return 4 * (int(np.prod(self.up_gate_blocked.shape)) + int(np.prod(self.down_blocked.shape)))
+        return self.bits // 8 * (int(np.prod(self.up_gate_blocked.shape)) + int(np.prod(self.down_blocked.shape)))
 
     def can_batch(self, counts: np.ndarray) -> bool:
         return True
@@ -122,10 +126,10 @@ class BlockedExperts(nn.Layer):
         """xs padded [E, cap, H] or packed [sum(counts), H] (each expert's rows after the previous expert's)."""
         x = np.from_dlpack(xs)
         if cpu_gemm.swiglu_fits(self.up_gate_cols):  # SwiGLU fused into the gate-up matmul
-            h = cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, 32, swiglu=True)
+            h = cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, self.bits, swiglu=True)
         else:
-            h = silu_and_mul(cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, 32))
-        return cpu_gemm.moe_gemm(np.from_dlpack(h), counts, self._down, self.down_cols, None, 32)
+            h = silu_and_mul(cpu_gemm.moe_gemm(x, counts, self._up_gate, self.up_gate_cols, None, self.bits))
+        return cpu_gemm.moe_gemm(np.from_dlpack(h), counts, self._down, self.down_cols, None, self.bits)
 
     packed_forward = batched_forward  # grouped_expert_forward's packed layout: no padding at any row count
 

@@ -19,8 +19,8 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ernie_serve.host_tensor import to_paddle
-from ernie_serve.model.layers import silu_and_mul
-from ernie_serve.model.moe import grouped_expert_forward
+from ernie_serve.model.layers import BlockedLinear, silu_and_mul
+from ernie_serve.model.moe import BlockedExperts, grouped_expert_forward
 from ernie_serve.cpu_kernels import cpu_gemm
 from ernie_serve.quantization import formats as fmt
 from ernie_serve.quantization.formats import (METHODS, QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS,  # noqa: F401
@@ -354,9 +354,12 @@ def model_memory_bytes(layers: Iterable[object]) -> int:
 
 
 def weight_memory_report(model: nn.Layer) -> dict[str, int]:
-    """Resident weight bytes of a model: in total, in its quantized layers, and those layers in fp32."""
+    """Resident weight bytes of a model: in total, in its quantized layers, and those layers in fp32; fp32_model_bytes
+    counts bfloat16 serving layouts (--dtype bfloat16) at float32's size too."""
     quant = [m for m in model.sublayers() if isinstance(m, QuantLinear)]
     total = model_memory_bytes([model])
     q = sum(m.nbytes for m in quant)
+    half = sum(model_memory_bytes([m]) for m in model.sublayers()
+               if isinstance(m, (BlockedLinear, BlockedExperts)) and m.bits == 16)
     return {"total_bytes": total, "quantized_bytes": q, "quantized_fp32_bytes": sum(m.float_nbytes for m in quant),
-            "float_bytes": total - q, "fp32_model_bytes": total - q + sum(m.float_nbytes for m in quant)}
+            "float_bytes": total - q, "fp32_model_bytes": total - q + half + sum(m.float_nbytes for m in quant)}

@@ -12,6 +12,7 @@ from ..model.loader import load_model, load_mtp_head
 from ..model.parallel import ParallelLayout
 from ..model.quantized_layers import weight_memory_report
 from .shard import ModelShard
+from .support import weight_bits
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,6 @@ def load_reference_shard(config: EngineConfig, model_dir: Path, model_cfg: Ernie
     """One rank's ModelShard (the model, its MTP head when speculative_config asks for one, its KV pool)."""
     model = load_model(model_dir, num_output_ids=num_output_ids, show_progress=not config.disable_progress_bar,
                        quantization=config.quantization)
-    log_weight_memory(model, "")
     spec = config.speculative_config or {}
     mtp = None
     if spec.get("method") == "mtp":  # from the checkpoint's own mtp_* tensors, or from speculative_config.model
@@ -30,7 +30,9 @@ def load_reference_shard(config: EngineConfig, model_dir: Path, model_cfg: Ernie
                  spec.get("model") or "the checkpoint's MTP head")
     layers = model_cfg.num_hidden_layers + (mtp is not None)  # the MTP head has its own cache layer
     num_blocks, num_host_blocks = kv_pool_blocks(config, model_cfg, layout, layers, model.kv_cache_quant is not None)
-    return ModelShard(model, num_blocks, config.block_size, num_host_blocks, mtp)
+    shard = ModelShard(model, num_blocks, config.block_size, num_host_blocks, mtp, weight_bits(config))
+    log_weight_memory(model, "")  # in the serving layouts (bfloat16 ones are half the float32 size)
+    return shard
 
 
 def kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, layers: int,
@@ -52,6 +54,6 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, la
 
 def log_weight_memory(model, where: str) -> None:
     mem = weight_memory_report(model)
-    log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32 would be "
-             "%.1f MiB)", where, mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
+    log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32; all in fp32 would "
+             "be %.1f MiB)", where, mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
              mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)

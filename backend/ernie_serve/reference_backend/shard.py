@@ -19,10 +19,11 @@ from ..step_contract import ArgmaxLogits, KVOp, StepInput, apply_kv_ops
 
 class ModelShard:
     def __init__(self, model: ErnieForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 mtp: ErnieMTP | None = None):
-        """`mtp`: an MTP head drafting over this shard's cache, in one more cache layer (one-rank engines)."""
+                 mtp: ErnieMTP | None = None, weight_bits: int = 32):
+        """`mtp`: an MTP head drafting over this shard's cache, in one more cache layer (one-rank engines).
+        `weight_bits`: 32, or 16 to hold the float weights in bfloat16 (support.weight_bits)."""
         cfg = model.config
-        model.process_weights_after_loading()
+        model.process_weights_after_loading(weight_bits)
         self.model = model
         self.block_size = block_size
         layers = cfg.num_hidden_layers + (mtp is not None)

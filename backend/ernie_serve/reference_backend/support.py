@@ -4,7 +4,15 @@ refuses an unsupported flag at start-up, naming it and what to use instead (engi
 from __future__ import annotations
 
 from ..config import EngineConfig
-from ..devices import cpu_flag_note
+from ..devices import cpu_flags
+
+WEIGHT_BITS = {"auto": 32, "float32": 32, "bfloat16": 16}  # --dtype -> the float weights' bits (cpu_gemm.c)
+
+
+def weight_bits(config: EngineConfig) -> int:
+    """The bits the float weights are held in: 16 for bfloat16 (widened to float32 as the C kernels stream them; the
+    activations, norms, router, attention and KV cache stay float32), else 32."""
+    return WEIGHT_BITS[config.dtype]
 
 
 def unsupported(config: EngineConfig) -> list[str]:
@@ -17,10 +25,18 @@ def unsupported(config: EngineConfig) -> list[str]:
     if config.use_cudagraph:
         reasons.append("use_cudagraph=True is not supported: CUDA graphs replay the kernels backend's decode steps on "
                        "a GPU; the reference backend has none (use execution_backend='kernels')")
-    if config.dtype not in ("auto", "float32"):
-        bf16 = (f" (a bfloat16 path for CPUs with AVX512-BF16 is not built yet; {cpu_flag_note('avx512_bf16')})"
-                if config.dtype == "bfloat16" else "")
-        reasons.append(f"dtype={config.dtype!r} is not supported: the reference (CPU) backend computes in float32 "
-                       f"only{bf16}; use dtype 'auto' or 'float32' (on a GPU, execution_backend='kernels' computes "
-                       "in bfloat16)")
+    if config.dtype not in WEIGHT_BITS:
+        reasons.append(f"dtype={config.dtype!r} is not supported: the reference (CPU) backend holds its float weights "
+                       "in float32 ('auto', 'float32') or bfloat16 ('bfloat16'); on a GPU, execution_backend='kernels' "
+                       "computes in float16 too")
+    elif config.dtype == "bfloat16" and not _vector_cpu():
+        reasons.append("dtype='bfloat16' is not supported on this CPU: the reference backend's bfloat16 weights are "
+                       "read by its C kernels, which need AVX2 + FMA or AVX-512 (this CPU's flags have neither); use "
+                       "dtype 'float32'")
     return reasons
+
+
+def _vector_cpu() -> bool:
+    """Whether the CPU has what cpu_kernels/vec16.h vectorizes for (reads /proc/cpuinfo; True where it cannot)."""
+    flags = cpu_flags()
+    return not flags or "avx512f" in flags or {"avx2", "fma"} <= flags
