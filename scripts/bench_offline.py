@@ -2,14 +2,16 @@
 
     .venv/bin/python scripts/bench_offline.py                 # both workloads, every system available
     .venv/bin/python scripts/bench_offline.py --systems ours  # just this engine
+    .venv/bin/python scripts/bench_offline.py --dtype float32,bfloat16 --systems ours,vllm  # each dtype, both
     scripts/setup_peers.sh                                     # once: makes .peers/hf and .peers/vllm
 
 Every system runs in its own subprocess on the same checkpoint (the benchmark-size ERNIE-4.5 MoE:
 8 layers, hidden 1024, head_dim 128, 8/2 heads, 16 experts top-4, 1 shared expert, vocab 32000,
 written in the HF "-PT" layout) and the same workload files, one after another, greedy with
 ignore_eos. Workloads: `uniform` (64 x (101 prompt + 64 output)) and `mixed` (48 requests, prompts
-16-256, outputs 8-128, fixed seed), both with at most 16 sequences running. Prints a table with
-ratios to this engine, token agreement with HF, and writes out/bench_offline.json.
+16-256, outputs 8-128, fixed seed), both with at most 16 sequences running. `--dtype` runs every system at each
+dtype given (ours: LLM(dtype=...), bfloat16 weights on the CPU; the peers: their dtype= argument). Prints a table
+with ratios to this engine at the same dtype, token agreement with HF, and writes out/bench_offline.json.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ WORKLOADS = {
     "mixed": dict(num_requests=48, prompt_len=(16, 256), output_len=(8, 128)),
 }
 PEERS = {"hf": ROOT / ".peers/hf/bin/python", "vllm": ROOT / ".peers/vllm/bin/python"}
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16"}  # result files and table rows (float32 keeps the old names)
 
 
 def bench_checkpoint() -> Path:
@@ -46,7 +49,7 @@ def bench_checkpoint() -> Path:
     return path
 
 
-def run_ours(model: Path, workload_path: Path, out: Path, threads: int) -> None:
+def run_ours(model: Path, workload_path: Path, out: Path, threads: int, dtype: str) -> None:
     """This engine on one workload (runs in a subprocess of the main script)."""
     import numpy as np
 
@@ -54,7 +57,7 @@ def run_ours(model: Path, workload_path: Path, out: Path, threads: int) -> None:
 
     w = common.load_workload(workload_path)
     llm = LLM(model=str(model), max_model_len=max(512, w.max_seq_len), max_num_seqs=w.max_num_seqs,
-              skip_tokenizer_init=True, disable_progress_bar=True)
+              skip_tokenizer_init=True, disable_progress_bar=True, dtype=dtype)
     vocab = llm.engine.model_config.vocab_size
     warm = common.warmup_requests(w, 4, vocab)
     llm.generate(prompt_token_ids=[r.prompt_token_ids for r in warm], use_tqdm=False,
@@ -84,7 +87,7 @@ def run_ours(model: Path, workload_path: Path, out: Path, threads: int) -> None:
                         {"steps": len(step_times), "step_ms_p50": round(float(np.percentile(lat, 50)), 1),
                          "step_ms_p90": round(float(np.percentile(lat, 90)), 1),
                          "mean_running": round(float(np.mean([n for n, _ in step_times])), 2),
-                         "threads": threads, "preemptions": llm.engine.scheduler.num_preemptions})
+                         "threads": threads, "preemptions": llm.engine.scheduler.num_preemptions, "dtype": dtype})
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -97,19 +100,24 @@ def main() -> None:
     ap.add_argument("--systems", default="ours,hf,vllm", help="comma list of ours, hf, vllm")
     ap.add_argument("--workloads", default="uniform,mixed")
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--dtype", default="float32", help="comma list of float32, bfloat16: every system at each")
     ap.add_argument("--out", type=Path, default=ROOT / "out")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: print the table from the result files already in --out")
-    ap.add_argument("--_run-ours", nargs=3, metavar=("MODEL", "WORKLOAD", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--_run-ours", nargs=4, metavar=("MODEL", "WORKLOAD", "OUT", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     threads = len(common.cpu_list())
     if args._run_ours:
-        run_ours(Path(args._run_ours[0]), Path(args._run_ours[1]), Path(args._run_ours[2]), threads)
+        run_ours(Path(args._run_ours[0]), Path(args._run_ours[1]), Path(args._run_ours[2]), threads,
+                 args._run_ours[3])
         return
 
     model = bench_checkpoint()
     args.out.mkdir(parents=True, exist_ok=True)
     systems = [s for s in args.systems.split(",") if s]
+    dtypes = [d for d in args.dtype.split(",") if d]
+    if not set(dtypes) <= {"float32", "bfloat16"}:
+        ap.error(f"--dtype {args.dtype}: each must be float32 or bfloat16")
     results: dict[str, dict[str, dict]] = {}
     for wname in args.workloads.split(","):
         spec = WORKLOADS[wname]
@@ -117,30 +125,30 @@ def main() -> None:
         if not args.report_only:
             wpath.write_text(json.dumps(make_workload(vocab_size=32000, max_num_seqs=args.max_num_seqs,
                                                       ignore_eos=True, seed=0, **spec)))
-        for system in systems:
-            rpath = args.out / f"result_{wname}_{system}.json"
+        for dtype, system in [(d, s) for d in dtypes for s in systems]:
+            rpath = args.out / f"result_{wname}_{system}{DTYPE_SUFFIX[dtype]}.json"
             if args.report_only:
                 if rpath.exists():
-                    results.setdefault(wname, {})[system] = json.loads(rpath.read_text())
+                    results.setdefault(f"{wname}{DTYPE_SUFFIX[dtype]}", {})[system] = json.loads(rpath.read_text())
                 continue
             if system == "ours":
-                cmd = [sys.executable, __file__, "--_run-ours", str(model), str(wpath), str(rpath)]
+                cmd = [sys.executable, __file__, "--_run-ours", str(model), str(wpath), str(rpath), dtype]
             elif PEERS[system].exists():
                 cmd = [str(PEERS[system]), str(ROOT / f"scripts/peers/run_{system}.py"), "--model", str(model),
-                       "--workload", str(wpath), "--out", str(rpath)]
+                       "--workload", str(wpath), "--out", str(rpath), "--dtype", dtype]
             else:
                 print(f"[bench] {system}: {PEERS[system].parent.parent} not found, skipped "
                       f"(scripts/setup_peers.sh makes it)", flush=True)
                 continue
-            print(f"[bench] {wname} / {system}", flush=True)
+            print(f"[bench] {wname} / {system} / {dtype}", flush=True)
             proc = subprocess.run(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"))
             if proc.returncode != 0:
-                print(f"[bench] {system} failed on {wname} (exit {proc.returncode})", flush=True)
+                print(f"[bench] {system} failed on {wname} at {dtype} (exit {proc.returncode})", flush=True)
                 continue
-            results.setdefault(wname, {})[system] = json.loads(rpath.read_text())
+            results.setdefault(f"{wname}{DTYPE_SUFFIX[dtype]}", {})[system] = json.loads(rpath.read_text())
 
     rows = []
-    print(f"\n{'workload':10} {'system':6} {'tok/s':>8} {'elapsed s':>10} {'x ours':>7} {'= HF tokens':>12}  notes")
+    print(f"\n{'workload':12} {'system':6} {'tok/s':>8} {'elapsed s':>10} {'x ours':>7} {'= HF tokens':>12}  notes")
     for wname, by_sys in results.items():
         ours = by_sys.get("ours")
         hf = by_sys.get("hf")
@@ -148,12 +156,12 @@ def main() -> None:
             ratio = r["tokens_per_s"] / ours["tokens_per_s"] if ours else float("nan")
             agree = agreement(r["outputs"], hf["outputs"]) if hf else float("nan")
             notes = {k: v for k, v in r.get("notes", {}).items() if k in ("step_ms_p50", "step_ms_p90", "mean_running")}
-            print(f"{wname:10} {system:6} {r['tokens_per_s']:8.1f} {r['elapsed_s']:10.1f} {ratio:7.2f} "
+            print(f"{wname:12} {system:6} {r['tokens_per_s']:8.1f} {r['elapsed_s']:10.1f} {ratio:7.2f} "
                   f"{agree:12.2f}  {notes or ''}")
             rows.append({"workload": wname, "system": system, "tokens_per_s": r["tokens_per_s"],
                          "elapsed_s": r["elapsed_s"], "ratio_to_ours": ratio, "agreement_with_hf": agree,
                          "notes": r.get("notes"), "versions": r.get("versions"), "host": r.get("host")})
-    summary = {"checkpoint": str(model), "max_num_seqs": args.max_num_seqs, "threads": threads,
+    summary = {"checkpoint": str(model), "max_num_seqs": args.max_num_seqs, "threads": threads, "dtypes": dtypes,
                "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
     (args.out / "bench_offline.json").write_text(json.dumps(summary, indent=2))
     print(f"\nwrote {args.out / 'bench_offline.json'}")

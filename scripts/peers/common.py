@@ -118,6 +118,8 @@ def make_parser(description: str) -> argparse.ArgumentParser:
                         help="compute threads (default: every CPU this process may use)")
     parser.add_argument("--warmup-tokens", type=int, default=4,
                         help="max_tokens of the untimed warm-up run over the first batch's prompts")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the weights' and activations' dtype (every system of a run gets the same)")
     return parser
 
 

@@ -94,7 +94,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     extra = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **extra).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), **extra).eval()
     load_s = time.perf_counter() - t0
     pad_token_id = config.get("pad_token_id", 0) or 0
     eos_token_id = config.get("eos_token_id", 2)

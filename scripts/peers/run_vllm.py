@@ -74,7 +74,7 @@ def main() -> None:
     engine_args = dict(
         model=str(args.model),
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=args.dtype,
         max_num_seqs=workload.max_num_seqs,
         max_model_len=max_model_len,
         enforce_eager=not args.compile,
