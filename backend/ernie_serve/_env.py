@@ -1,8 +1,8 @@
 """Process environment the CPU build of Paddle needs, set before Paddle is first imported.
 
 Paddle's CPU wheel links Intel MKL, which takes a slow generic code path on AMD processors
-(measured on this project's 2-core AMD EPYC box: 512x1024x4096 fp32 matmul 167 ms by default,
-55 ms with MKL_DEBUG_CPU_TYPE=5, equal to numpy/OpenBLAS). The variable is harmless elsewhere.
+(on this project's AMD EPYC box an fp32 matmul runs several times faster with MKL_DEBUG_CPU_TYPE=5,
+as fast as numpy/OpenBLAS). The variable is harmless elsewhere.
 
 Paddle also pins its CPU math to ONE thread unless OMP_NUM_THREADS says otherwise (paddle/base
 sets it to 1 at import), so an engine would use one core of many; `setup_model_process` undoes
@@ -12,14 +12,14 @@ Intel's OpenMP runtime (libiomp5, which Paddle loads; our cpu_kernels' OpenMP re
 worker threads spinning for 200 ms after each parallel region (KMP_BLOCKTIME). Between two steps of a served
 engine those spinning workers take the cores that tritonserver, the detokenizer stub and the client need: on this
 2-core box ernie_moe spent 0.44 ms of CPU a streamed token with the default and 0.27 with KMP_BLOCKTIME=0, and the
-gRPC stream's tok/s rose by 16-26% (medians of 8 alternating runs of two servers, 64 streams x 256 tokens, each side
-first once; `scripts/served_ab.py --b-env KMP_BLOCKTIME=200` reruns it). Offline throughput did not move beyond this
-box's noise. So the workers sleep at once unless the user chose otherwise.
+gRPC stream's tok/s rose by 16-26% (`.venv/bin/python scripts/served_ab.py --b-env KMP_BLOCKTIME=200`: medians of
+8 alternating runs of two servers, 64 streams x 256 tokens). Offline throughput did not move beyond this box's
+noise. So the workers sleep at once unless the user chose otherwise.
 
 And glibc hands every allocation over 128 KB back to the kernel when it is freed, so each big activation of a
-prefill step (a few MB each, hundreds a step) is faulted in afresh, page by page: measured here, an RMSNorm over
-1616 x 1024 took 3.9 ms of which 0.2 ms was arithmetic, Paddle's SwiGLU 27 ms instead of 7. The model process
-keeps freed memory for reuse instead (its resident size then stays at its peak, as a server's would anyway).
+prefill step (a few MB each, hundreds a step) is faulted in afresh, page by page: on this VM a prefill RMSNorm or
+SwiGLU then spent most of its time faulting memory in, not computing. The model process keeps freed memory for
+reuse instead (its resident size then stays at its peak, as a server's would anyway).
 """
 import ctypes
 import ctypes.util
@@ -59,16 +59,15 @@ def _keep_freed_memory() -> None:
 
 
 def freeze_startup_objects() -> None:
-    """Move every object alive after start-up (the model, its weights' Python wrappers, the tokenizer: ~130k
-    objects for the tiny model) out of the garbage collector's reach, as vLLM does after loading. Otherwise each
-    full collection walks them all again while the engine makes a few objects a request a step: measured at 256
-    running on the tiny model, host time a step 5.0-5.2 ms with the collector as it is, 4.2-4.3 ms after freezing
-    (a one-off script timing 60 steps each, the same process setup). Cycles made later are still collected; what is
+    """Move every object alive after start-up (the model, its weights' Python wrappers, the tokenizer: many
+    thousands of objects even for the tiny model) out of the garbage collector's reach, as vLLM does after loading.
+    Otherwise each full collection walks them all again while the engine makes a few objects a request a step, a
+    visible share of the engine's host time a step at 256 running. Cycles made later are still collected; what is
     frozen is freed by reference counting as usual, and unfreeze_startup_objects (at the engine's close) hands it back
     to the collector. An engine dropped without close() is a frozen cycle the collector cannot see: the next engine's
-    start-up therefore unfreezes first, so the collection below frees it (measured: nine tensor-parallel kernels
-    engines in one test process, none closed, had grown it to 9.6 GB and left their workers running; the whole
-    test suite ran out of memory)."""
+    start-up therefore unfreezes first, so the collection below frees it (nine tensor-parallel kernels engines in
+    one test process, none closed, had kept all their memory and left their workers running; the whole test suite
+    ran out of memory)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()

@@ -1,9 +1,9 @@
 """Paddle CPU tensors from NumPy data, without Paddle's constructor leak.
 
-Measured with paddle 3.3.1: every eager tensor built from host data (`paddle.to_tensor`, `paddle.Tensor(...)`,
-`paddle.utils.dlpack.from_dlpack`) leaks one Python list (its keyword names): 5000 calls, +5000 objects that
-`gc` never frees. The engine builds a few hundred small index tensors a step, so a server's RSS grew ~9 MB a
-minute. Tensors that ops create (`paddle.empty`) do not leak, so host data is copied into one of those, through
+With paddle 3.3.1 every eager tensor built from host data (`paddle.to_tensor`, `paddle.Tensor(...)`,
+`paddle.utils.dlpack.from_dlpack`) leaks one Python list (its keyword names) that `gc` never frees
+(tests/model/test_host_tensor.py counts the objects). The engine builds a few hundred small index tensors a step,
+so a server's resident memory grew steadily. Tensors that ops create (`paddle.empty`) do not leak, so host data is copied into one of those, through
 a writable NumPy view of its memory; producers that make a fresh array anyway (gathers, unpacking) write
 straight into that view and pay no extra copy. Every hot-path NumPy -> Paddle conversion goes through here.
 """
@@ -26,7 +26,7 @@ def empty_host(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tensor
     dtype = np.dtype(dtype)
     shape = [int(s) for s in shape]
     t = paddle.empty(shape, dtype=_DTYPES[dtype])
-    n = math.prod(shape) * dtype.itemsize  # np.prod cost ~2.5 of this function's ~15 us (~130 calls a decode step)
+    n = math.prod(shape) * dtype.itemsize  # not np.prod: its overhead was a large share of this hot function
     if n == 0:
         return t, np.empty(shape, dtype)
     buf = (ctypes.c_char * n).from_address(t.data_ptr())
@@ -50,9 +50,8 @@ _MADV_HUGEPAGE = 14
 def empty_weight(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tensor, np.ndarray]:
     """As empty_host, for a weight streamed every step (the serving layouts): its memory is asked for transparent
     huge pages before it is first written, so streaming it walks one page table entry per 2 MB instead of per
-    4 KB. Measured here (a VM, where each TLB miss walks two page tables): the experts' decode GEMM read 28.8-29.6
-    GB/s from huge pages against 24.3-27.2 GB/s from 4 KB ones. Small weights and kernels without THP get
-    ordinary memory."""
+    4 KB; on a VM, where each TLB miss walks two page tables, the experts' decode GEMM read measurably faster from
+    huge pages. Small weights and kernels without THP get ordinary memory."""
     dtype = np.dtype(dtype)
     shape = [int(s) for s in shape]
     nbytes = int(np.prod(shape)) * dtype.itemsize

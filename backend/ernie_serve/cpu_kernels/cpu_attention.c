@@ -3,8 +3,8 @@
  *   out[t, h] = softmax_j(q[t, h] . K[j, h / G] * scale) @ V[j, h / G]     over the keys row t sees
  *
  * Why: the Paddle path gathers every decode's blocks into a contiguous [B, kv_heads, L, head_dim] copy per
- * layer, then runs a padded batched matmul pair under an additive mask: at 16 decodes of ~130 tokens that
- * was ~2.4 ms a layer, 20% of the decode step; a short prefill chunk took ~2 ms a layer in ~15 small ops. Here
+ * layer, then runs a padded batched matmul pair under an additive mask: at 16 decodes that was a large share
+ * of the decode step, and a short prefill chunk went through ~15 small ops a layer. Here
  * each (sequence, KV head) task walks its block table, scores tiles of 4 (query row, head) pairs against 4
  * keys in registers (each key and query vector loaded once a tile; the G heads sharing a KV head are pairs of
  * the same task), and folds the blocks with an online softmax (flash attention's running max and sum), so no

@@ -7,7 +7,8 @@
  * float32, so a step reads half the bytes for the same float32 arithmetic on x.
  *
  * Why: at decode a weight is read once per step for a handful of rows, so the step is bound by weight bytes, and
- * Paddle's matmul over [K, N] streams them at 8-10 GB/s here; at prefill sizes this kernel is still ~1.5x MKL.
+ * Paddle's matmul over [K, N] streams them well below the memory's bandwidth; at prefill sizes this kernel still
+ * beats MKL (README "Benchmarks": scripts/bench_decode_step.py splits a decode step by kernel).
  *
  * Layout: W is held column-blocked, [ceil(N/32), K, 32] (the last block zero-padded), not [K, N]: a thread's
  * 32-column task then streams one contiguous K*32-float run instead of 32 floats from each of K rows N apart.
@@ -117,7 +118,7 @@ static const float *widened_block(const uint16_t *w, int K, int slot) {
     static _Thread_local float *scratch[2];
     static _Thread_local int64_t capacity[2];
     const int64_t n = (int64_t)K * COLS;
-    if (n > capacity[slot]) {  /* 64-byte aligned: a vector load split across cache lines costs ~25% here */
+    if (n > capacity[slot]) {  /* 64-byte aligned: vector loads split across cache lines slowed prefill markedly */
         float *grown = aligned_alloc(64, sizeof(float) * n);  /* n is a multiple of COLS: a whole number of lines */
         if (!grown) return NULL;
         free(scratch[slot]);

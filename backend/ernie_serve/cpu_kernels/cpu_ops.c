@@ -1,12 +1,11 @@
 /* The small ops of an ERNIE-4.5 decoder layer, fused, for the CPU serving path.
  *
  * Why: between its matmuls a layer ran ~40 Paddle ops (norm, split, rotary embedding by a rotation matmul,
- * SwiGLU, the experts' gather / weighting / index_add), each a pass over memory and an op dispatch: at
- * prefill (1616 tokens) they took 1.2 s of a 3.1 s step whose matmuls took 1.8 s, at decode ~15 ms of ~90.
+ * SwiGLU, the experts' gather / weighting / index_add), each a pass over memory and an op dispatch, and at
+ * prefill as at decode they took a large share of the step beside the matmuls.
  * Each function here is one pass, split across Paddle's OpenMP threads by rows when it is big enough
- * (PARALLEL): waking the other thread costs 0.1-1 ms on this VM after the main thread did anything else
- * (measured: an RMSNorm over 16 x 1024 took 0.2-0.8 ms in parallel after a gap, ~10 us on one thread), which
- * is more than a decode step's small ops are worth.
+ * (PARALLEL): on this VM, waking the other thread after the main thread did anything else costs far more
+ * than a decode-sized op (an RMSNorm over 16 x 1024) takes on one thread.
  */
 #include <math.h>
 #include <stdint.h>

@@ -3,9 +3,9 @@
  *
  * Why: OpenMP keeps its thread count per calling thread, and Paddle sets OMP_NUM_THREADS=1 at import, so a loop
  * started from any thread but the one that called omp_set_num_threads ran on one core. The served engine steps
- * from its own thread (engine/async_engine.py): measured inside tritonserver, the server used 0.53-0.70 of the two
- * cores and gave 55 tok/s at concurrency 16 where the same engine offline gave 103. THREADS is the clause every
- * parallel loop here carries. */
+ * from its own thread (engine/async_engine.py), so inside tritonserver the kernels ran on one of the two cores
+ * and the served engine fell far behind the same engine offline (README "Serving benchmark (online)").
+ * THREADS is the clause every parallel loop here carries. */
 #ifndef ERNIE_THREADS_H
 #define ERNIE_THREADS_H
 

@@ -1,7 +1,7 @@
 /* exp over float vectors for the CPU kernels' SwiGLU and softmax loops.
  *
- * Why: without -ffast-math the compiler calls libm's scalar expf per element (~2.5 ns with two threads here),
- * which made SwiGLU over a 1616-token prefill (2.3 M exps a layer) cost more than its memory traffic. This is
+ * Why: without -ffast-math the compiler calls libm's scalar expf per element, which made SwiGLU over a
+ * 1616-token prefill (2.3 M exps a layer) cost more than its memory traffic. This is
  * Cephes' expf: range reduction by ln 2 split in two, a degree-6 polynomial, 2^n applied by vscalefps
  * (1-2 ulp; inputs below -103.97, -inf included, give 0, as softmax's masked keys and first block need), on
  * vec16.h's vectors (AVX-512, or AVX2 + FMA).

@@ -23,8 +23,9 @@ class InputBatch:
     def __init__(self, block_size: int, max_blocks_per_row: int = 64, max_rows: int = 64):
         self.block_size = block_size
         self.block_table = np.zeros((max_rows, max(1, max_blocks_per_row)), dtype=np.int64)
-        # Per row, as Python lists (read for every row every step; a NumPy scalar read costs ~5x a list's): how many
-        # blocks of its table are copied into block_table, the last of them, and the Request.block_ids it mirrors.
+        # Per row, as Python lists (read for every row every step; a NumPy scalar read costs several times a list's):
+        # how many blocks of its table are copied into block_table, the last of them, and the Request.block_ids it
+        # mirrors.
         self.num_blocks: list[int] = [0] * max_rows
         self._last_block: list[int] = [-1] * max_rows
         self._mirrored: list[list[int] | None] = [None] * max_rows

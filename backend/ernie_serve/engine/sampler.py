@@ -608,7 +608,7 @@ def prompt_logprobs(logits: "np.ndarray | paddle.Tensor | DeviceLogits", targets
 
 def _as_float32_matrix(logits: "np.ndarray | paddle.Tensor") -> np.ndarray:
     """The logits as a NumPy matrix; a CPU tensor's own memory where DLPack gives it (the sampler never writes to
-    it): copying [256, 32000] float32 logits cost ~3 ms a step."""
+    it): a copy of [256, 32000] float32 logits (33 MB) every step is host time for nothing."""
     if not isinstance(logits, np.ndarray) and hasattr(logits, "numpy"):
         try:
             logits = np.from_dlpack(logits)

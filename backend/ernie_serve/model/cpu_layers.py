@@ -2,8 +2,9 @@
 
 Why: the per-layer Python around the C kernels (about 60 small-op calls a decode step, each a ctypes call and a
 new Paddle tensor, the layers' dispatch, residual adds, the KV write and the experts' dispatch in NumPy) cost
-~20 ms of a ~80 ms decode step at 16 running on the benchmark checkpoint; the kernels' own arithmetic outside
-the matmuls is well under a millisecond. cpu_layer.c calls the same kernels in the same order, so its hidden
+about a quarter of a decode step at 16 running on the benchmark checkpoint (`.venv/bin/python
+scripts/bench_decode_step.py` splits a step with and without this stack); the kernels' own arithmetic outside
+the matmuls is a small fraction of that. cpu_layer.c calls the same kernels in the same order, so its hidden
 states equal the Python layers' bit for bit (tests/cpu_kernels/test_cpu_layers.py holds it to that).
 
 CpuDecoderStack.build describes the layers once, after the serving layouts exist

@@ -1,9 +1,9 @@
 """Paged KV cache storage: one [num_blocks, block_size, kv_heads, head_dim] array per layer for K and V.
 
 The engine's block manager hands out block ids; this class only stores what those blocks hold.
-On CPU the arrays are numpy and reach Paddle through zero-copy DLPack views: measured here, a
-16 MB block gather takes 2 ms with np.take and 10-20 ms with paddle.index_select, and the
-decode step gathers every running sequence's blocks in every layer.
+On CPU the arrays are numpy and reach Paddle through zero-copy DLPack views: a block gather is
+several times faster with np.take than with paddle.index_select, and the decode step gathers
+every running sequence's blocks in every layer.
 
 With a KVCacheQuant the arrays are int8 (the C8 cache, a quarter of the bytes): per-channel static
 scales from the checkpoint (`cachek_matmul.activation_scale`), or, without them, one dynamic scale per
@@ -68,7 +68,7 @@ class PagedKVCache:
         """K/V of the given blocks ([B, nb] ids) as contiguous [B, kv_heads, nb*block_size, head_dim].
 
         Heads-major is what the attention matmuls want; the transpose is done here in numpy
-        because Paddle's CPU transpose/contiguous kernels are ~10x slower than numpy's copy.
+        because Paddle's CPU transpose/contiguous kernels are far slower than numpy's copy.
         """
         b, nb = block_ids.shape
         shape = (b, nb * self.block_size, self.num_kv_heads, self.head_dim)
@@ -201,8 +201,8 @@ class _Int8Storage:
 
 def transpose(x: paddle.Tensor, perm: list[int]) -> paddle.Tensor:
     """A contiguous transpose. On CPU tensors outside autograd it goes through numpy (zero-copy
-    in, one copy out): Paddle's strided CPU matmul on a transposed view was measured at 17 ms where
-    the contiguous one takes 0.25 ms, and its contiguous() kernel is no faster."""
+    in, one copy out): Paddle's strided CPU matmul on a transposed view is far slower than the
+    contiguous one, and its contiguous() kernel is no faster."""
     moved = [p for p in perm if x.shape[p] != 1]
     if moved == sorted(moved):  # only size-1 axes move (one KV head, say): the order of the data is kept
         return x.reshape([x.shape[p] for p in perm])

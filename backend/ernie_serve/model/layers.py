@@ -56,9 +56,10 @@ class Linear(nn.Layer):
 
 class BlockedLinear(nn.Layer):
     """A Linear's weight in the serving layout ([out/32, in, 32], cpu_gemm.pack_columns), built by
-    ErnieForCausalLM.process_weights_after_loading, multiplied by cpu_gemm.c at every row count: measured
-    on this CPU against Paddle's (MKL) matmul over [in, out], K 1024 x N 1408: ~2x at 16 rows (cold weights),
-    and still 1.4-1.6x at 32-512 rows (prefill: 9.8 vs 14.5 ms at 512). Inference only."""
+    ErnieForCausalLM.process_weights_after_loading, multiplied by cpu_gemm.c at every row count, which streams
+    the column blocks faster than Paddle's (MKL) matmul reads [in, out] at decode and still beats it at prefill
+    sizes. Float32, or bfloat16 with --dtype bfloat16 (`scripts/bench_cpu_dtypes.py` times both). Inference
+    only."""
 
     def __init__(self, blocked: paddle.Tensor, in_features: int, out_features: int):
         super().__init__()

@@ -96,8 +96,8 @@ class BlockedExperts(nn.Layer):
     by ErnieForCausalLM.process_weights_after_loading.
 
     Why: at decode each expert multiplies a few rows, so the step streams the experts' weights, and Paddle's
-    matmul over [K, N] streams them at 8-10 GB/s on this CPU where cpu_gemm.c reads column-blocked fp32 at
-    ~27 GB/s (4 rows, cold weights, measured); at prefill sizes the C kernel is still ~1.5x MKL (BlockedLinear).
+    matmul over [K, N] streams them at a fraction of the rate cpu_gemm.c reads column blocks; at prefill sizes
+    the C kernel still beats MKL (BlockedLinear).
     Every expert runs in one call per matrix at any row count, its rows packed after the previous expert's
     (packed_forward; a step of 15 decodes and a 180-token chunk ran ~50 rows an expert in 32 small calls a layer
     before). Inference only."""
@@ -111,7 +111,7 @@ class BlockedExperts(nn.Layer):
         self.up_gate_cols, self.down_cols = up_gate_cols, down_cols
         self.register_buffer("up_gate_blocked", up_gate)
         self.register_buffer("down_blocked", down)
-        # each expert's matrices as views, made once: slicing them per call cost ~1 ms a decode step
+        # each expert's matrices as views, made once: slicing them per call was a visible share of a decode step
         self._up_gate = [up_gate[e] for e in range(self.num_experts)]
         self._down = [down[e] for e in range(self.num_experts)]
 
@@ -224,8 +224,7 @@ def _padded_layout(flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray,
 
 def _use_batched(counts: np.ndarray) -> bool:
     """One batched matmul over every expert reads each weight once in a single op, where a loop issues two
-    small matmuls per expert (measured at decode size, 16 tokens top-4 of 16 experts, H 1024: 49 -> 28 ms a
-    layer). It pays when most experts are active (inactive ones are read for nothing) and padding every
+    small matmuls per expert (at decode size it nearly halved a layer's expert time on this path). It pays when most experts are active (inactive ones are read for nothing) and padding every
     expert to the busiest one's count at most doubles the rows."""
     num_experts, active = counts.shape[0], int(np.count_nonzero(counts))
     return 4 * active >= 3 * num_experts and num_experts * int(counts.max()) <= 2 * int(counts.sum()) + num_experts

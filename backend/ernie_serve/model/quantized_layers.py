@@ -233,8 +233,8 @@ class QuantLinear(nn.Layer):
         xq = self._quantize_input(x.astype("float32"))
         bits = _WEIGHT_ONLY_BITS.get(self.method)
         if bits and cpu_gemm.serves(xq):
-            # integer dot products over the codes as stored (cpu_qgemm.c), not an fp32 tile dequantized first:
-            # measured on a 1024 x 1408 wint8 weight, 9.6 ms at 1024 rows against 18.5-21 through dequantized tiles
+            # integer dot products over the codes as stored (cpu_qgemm.c), not an fp32 tile dequantized first, which
+            # took about twice as long at prefill sizes
             y = cpu_gemm.gemm(np.from_dlpack(xq), self.tensors["quant_weight"], self.out_features,
                               self.tensors["weight_scale"], bits, int_x=self.method == "w4a8")
         else:

@@ -111,7 +111,7 @@ def tiled_causal_attention(q: paddle.Tensor, kv: FreshKV | PagedKV, first_positi
             if kb - 1 > top:  # the tile straddles the diagonal (or passes the last key): mask what is unseen
                 s = (s.reshape([nkv, g, nq, kb - ka]) + _diagonal_mask(top, nq, ka, kb)).reshape([nkv, g * nq, -1])
             # The result does not depend on the running max (it cancels between numerator and sum), so
-            # it needs no gradient; Paddle's CPU backward of max made fitting the demo model 18x slower.
+            # it needs no gradient; Paddle's CPU backward of max made fitting the demo model many times slower.
             m_tile = paddle.max(s.detach(), axis=-1, keepdim=True)
             if acc is None:
                 m = m_tile

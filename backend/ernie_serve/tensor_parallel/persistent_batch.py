@@ -77,7 +77,7 @@ class StepDeltaEncoder:
             raise ValueError(f"StepInput.row_keys must be distinct, got {keys}")
         query_lens = np.diff(step.query_start_loc) if rows else _EMPTY
         # AttentionMetadata.build copies only the blocks a row's tokens fill and pads with 0: the rest of a
-        # padded row is not the request's. Lists, not arrays: per-row NumPy calls made this ~3x slower at 64 rows.
+        # padded row is not the request's. Lists, not arrays: per-row NumPy calls made this several times slower.
         need = (-(-step.seq_lens // self.block_size)).tolist()
         tables, replaced, num_new, new_blocks = {}, [], [], []
         for key, padded, nb in zip(keys, step.block_tables.tolist(), need):

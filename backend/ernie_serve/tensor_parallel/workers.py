@@ -19,11 +19,11 @@ block appended, where the whole StepInput carried every sequence's table padded 
 decodes at 2k tokens in blocks of 64: 3.7 KB a step instead of 20.1 KB; at 32k the whole step would be
 ~265 KB). The price is state and CPU. The workers hold block tables, kept in step with the driver by
 one rule both sides apply (a request absent from a step is forgotten), and a worker handed a delta it
-cannot apply fails loudly. At 64 decodes (measured on this 2-core CPU) encoding takes 0.12-0.18 ms on
-the driver, before it sends, and rebuilding 0.16-0.3 ms on each worker (mostly AttentionMetadata.build,
-which the driver runs too), against ~0.04 ms to pack and unpack the whole step: on one host, where
-16 KB cross localhost in microseconds, that is CPU spent for nothing; it pays off with long contexts,
-big batches, or ranks on other hosts.
+cannot apply fails loudly. At 64 decodes on this 2-core CPU, encoding on the driver (before it sends)
+and rebuilding on each worker (mostly AttentionMetadata.build, which the driver runs too) take several
+times what packing and unpacking the whole step does: on one host, where 16 KB cross localhost in
+microseconds, that is CPU spent for nothing; it pays off with long contexts, big batches, or ranks on
+other hosts.
 
 Besides steps ("step" + the delta), the driver sends "kv-export" (block ids: every rank exports its heads of those
 blocks, as its cache stores them, and joins one all-gather, so rank 0 holds the whole blocks a prefill server
