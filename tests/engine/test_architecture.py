@@ -94,3 +94,13 @@ def test_the_engine_core_imports_no_framework():
             "print(sorted(m for m in ('paddle', 'torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_models_structure_names_no_weight_format():
+    """The decoder's modules get their linears and experts from the LayerBuilder the loader hands in
+    (model/layer_builder.py); none of them imports the quantized layers, even lazily, so a new weight format is a
+    new builder and not an edit to the model."""
+    structure = ["ernie", "layers", "moe", "attention", "mtp", "layer_builder"]
+    for name in structure:
+        imports = _imports(ROOT / "model" / f"{name}.py", f"ernie_serve.model.{name}")
+        assert not {i for i in imports if "quantized_layers" in i or i.startswith("ernie_serve.quantization")}, name

@@ -2,8 +2,8 @@
 
 `forward` takes the step's tokens flattened across sequences plus an AttentionMetadata that says
 which token belongs where; `compute_logits` runs the head only for the rows that get sampled.
-A QuantPlan (ernie_serve.quantization.plan) makes the dense linears and routed experts empty
-quantized layers for the loader to fill; embeddings, norms, the router and lm_head stay fp32.
+The dense linears and routed experts come from the LayerBuilder the loader hands in (model/layer_builder.py):
+float ones, or empty quantized ones for the loader to fill; embeddings, norms, the router and lm_head stay fp32.
 A ParallelLayout (model/parallel.py) builds one tensor-parallel rank's shard of the model: fewer heads,
 a slice of each intermediate dimension (or of the experts), a slice of the vocabulary.
 """
@@ -19,7 +19,8 @@ from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
 from .cpu_layers import CpuDecoderStack
 from .kv_cache import KVCacheQuant, PagedKVCache
-from .layers import MLP, BlockedLinear, Linear, RMSNorm, RotaryEmbedding, TiedEmbedding, make_linear
+from .layer_builder import FLOAT_LAYERS, LayerBuilder
+from .layers import MLP, BlockedLinear, Linear, RMSNorm, RotaryEmbedding, TiedEmbedding
 from .moe import FusedExperts, MoE
 from .parallel import SINGLE_RANK, ParallelLayout
 
@@ -44,7 +45,7 @@ class Attention(nn.Layer):
     """GQA over the paged cache. On a tensor-parallel rank: its query heads and the KV heads they read;
     o_proj's output is then this rank's partial sum."""
 
-    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant_method: str | None = None,
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, layers: LayerBuilder = FLOAT_LAYERS,
                  layout: ParallelLayout = SINGLE_RANK):
         super().__init__()
         self.layer_idx = layer_idx
@@ -52,8 +53,8 @@ class Attention(nn.Layer):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = make_linear(cfg.hidden_size, q_size + 2 * kv_size, quant_method)  # [Q | K | V] out
-        self.o_proj = make_linear(q_size, cfg.hidden_size, quant_method)
+        self.qkv_proj = layers.linear(cfg.hidden_size, q_size + 2 * kv_size, layer_idx)  # [Q | K | V] out
+        self.o_proj = layers.linear(q_size, cfg.hidden_size, layer_idx)
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, cache):
         q, k, v = rope.split_rotate(self.qkv_proj(x), positions, meta.max_position, self.num_heads, self.num_kv_heads)
@@ -62,19 +63,18 @@ class Attention(nn.Layer):
 
 
 class DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, quant=None, moe: bool | None = None,
-                 layout: ParallelLayout = SINGLE_RANK):
+    def __init__(self, cfg: ErnieModelConfig, layer_idx: int, layers: LayerBuilder = FLOAT_LAYERS,
+                 moe: bool | None = None, layout: ParallelLayout = SINGLE_RANK):
         """`layer_idx` is also the layer's KV cache layer; `moe` None: as the config's MoE layer rule says."""
         super().__init__()
-        dense = quant.dense if quant is not None else None
         self.layout = layout
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, dense, layout)
+        self.self_attn = Attention(cfg, layer_idx, layers, layout)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_idx) if moe is None else moe:
-            self.mlp = MoE(cfg, quant.moe_method(layer_idx) if quant is not None else None, dense, layout)
+            self.mlp = MoE(cfg, layers, layer_idx, layout)
         else:
-            self.mlp = MLP(cfg.hidden_size, len(layout.split(cfg.intermediate_size)), dense)
+            self.mlp = MLP(cfg.hidden_size, len(layout.split(cfg.intermediate_size)), layers, layer_idx)
 
     def forward(self, x, positions, rope, meta, cache):
         # Under tensor parallelism both sublayers end in a row-parallel projection: their outputs are
@@ -84,20 +84,20 @@ class DecoderLayer(nn.Layer):
 
 
 class ErnieForCausalLM(nn.Layer):
-    def __init__(self, cfg: ErnieModelConfig, num_output_ids: int | None = None, quant=None,
-                 layout: ParallelLayout = SINGLE_RANK):
+    def __init__(self, cfg: ErnieModelConfig, num_output_ids: int | None = None,
+                 layers: LayerBuilder = FLOAT_LAYERS, layout: ParallelLayout = SINGLE_RANK):
         """`num_output_ids`: the tokenizer's length; logits of ids beyond it are masked to -inf.
-        `quant`: a QuantPlan, or None for an fp32 model. `layout`: which tensor-parallel shard to build."""
+        `layers`: what makes the dense linears and routed experts (model/layer_builder.py: float, or the loader's
+        QuantizedLayers for a quant plan). `layout`: which tensor-parallel shard to build."""
         super().__init__()
         layout.check(cfg)
         self.config = cfg
-        self.quant = quant
         self.layout = layout
         self.kv_cache_quant: KVCacheQuant | None = None  # set by the loader when the C8 cache is configured
         self.num_output_ids = num_output_ids if num_output_ids is not None else cfg.vocab_size
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, layout) if layout.is_parallel
                              else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.LayerList([DecoderLayer(cfg, i, quant, layout=layout) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.LayerList([DecoderLayer(cfg, i, layers, layout=layout) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab_part = len(layout.split(cfg.vocab_size))
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab_part)

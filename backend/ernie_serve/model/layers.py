@@ -1,10 +1,12 @@
 """Building blocks of ERNIE-4.5: RMSNorm, interleaved RoPE, linear layers, the SwiGLU MLP.
 
 Linear layers keep Paddle's [in, out] layout so `x @ W` needs no transpose. Every linear is a
-`Linear` object with one `forward(x)`: quantized variants (ernie_serve.quantization) and
-tensor-parallel shards replace the object, not the call sites.
+`Linear` object with one `forward(x)`: quantized variants (model/quantized_layers.py, made by the LayerBuilder
+the loader hands the model) and tensor-parallel shards replace the object, not the call sites.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import paddle
@@ -13,6 +15,9 @@ from paddle import nn
 
 from ..cpu_kernels import cpu_gemm, cpu_ops
 from ..host_tensor import to_paddle
+
+if TYPE_CHECKING:
+    from .layer_builder import LayerBuilder
 
 
 class RMSNorm(nn.Layer):
@@ -165,24 +170,20 @@ class RotaryEmbedding:
         return out
 
 
-def make_linear(in_features: int, out_features: int, quant_method: str | None = None) -> nn.Layer:
-    """A float `Linear`, or an empty `QuantLinear` that the loader fills (no fp32 weight is ever allocated)."""
-    if quant_method is None:
-        return Linear(in_features, out_features)
-    # Imported here: the quantization layers are built from this module's blocks.
-    from .quantized_layers import QuantLinear
-
-    return QuantLinear(quant_method, in_features, out_features)
-
-
 class MLP(nn.Layer):
     """down(silu(gate(x)) * up(x)) with gate and up fused in one [H, 2I] projection (gate first)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, quant_method: str | None = None):
+    def __init__(self, hidden_size: int, intermediate_size: int, layers: "LayerBuilder | None" = None,
+                 layer_idx: int = 0):
+        """`layers` makes the two projections (model/layer_builder.py; None: float ones)."""
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.up_gate_proj = make_linear(hidden_size, 2 * intermediate_size, quant_method)
-        self.down_proj = make_linear(intermediate_size, hidden_size, quant_method)
+        if layers is None:
+            self.up_gate_proj = Linear(hidden_size, 2 * intermediate_size)
+            self.down_proj = Linear(intermediate_size, hidden_size)
+        else:
+            self.up_gate_proj = layers.linear(hidden_size, 2 * intermediate_size, layer_idx)
+            self.down_proj = layers.linear(intermediate_size, hidden_size, layer_idx)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(self.up_gate_proj.swiglu(x))

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from .quantized_layers import QuantLinear, QuantMoEExperts
+from .layer_builder import FLOAT_LAYERS
+from .quantized_layers import QuantizedLayers, QuantLinear, QuantMoEExperts
 from ..quantization.plan import QuantPlan
 from .checkpoint_map import (Assembler, Target, fill_from_checkpoint, fill_mtp, note_checkpoint_layout,
                              rank_kv_scales, tensor_directory)
@@ -72,8 +73,8 @@ def load_model(model_dir: str | Path, num_output_ids: int | None = None, show_pr
     paddle.nn.initializer.set_global_initializer(paddle.nn.initializer.Constant(0.0),
                                                  paddle.nn.initializer.Constant(0.0))
     try:
-        model = ErnieForCausalLM(cfg, num_output_ids, quant=plan if plan and plan.quantizes_weights else None,
-                                 layout=layout)
+        layers = QuantizedLayers(plan) if plan and plan.quantizes_weights else FLOAT_LAYERS
+        model = ErnieForCausalLM(cfg, num_output_ids, layers=layers, layout=layout)
     finally:
         paddle.nn.initializer.set_global_initializer(None, None)
     model.eval()

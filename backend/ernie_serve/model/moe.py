@@ -5,6 +5,8 @@ the chosen experts renormalized to sum to one. Shared experts are an ungated den
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import paddle
 import paddle.nn.functional as F
@@ -15,6 +17,9 @@ from ..host_tensor import empty_weight, to_paddle
 from .config import ErnieModelConfig
 from .layers import MLP, silu_and_mul
 from .parallel import SINGLE_RANK, ParallelLayout
+
+if TYPE_CHECKING:
+    from .layer_builder import LayerBuilder
 
 
 class TopKRouter(nn.Layer):
@@ -240,31 +245,23 @@ def _batched(experts, x: paddle.Tensor, sources: np.ndarray, counts: np.ndarray)
     return experts.batched_forward(xs, counts).reshape([-1, x.shape[1]])
 
 
-def make_experts(cfg: ErnieModelConfig, quant_method: str | None, layout: ParallelLayout = SINGLE_RANK) -> nn.Layer:
-    """Float experts, or empty quantized ones that the loader fills expert by expert; on a
-    tensor-parallel rank, its experts (expert parallelism) or its slice of every expert."""
-    num, inter = len(layout.experts(cfg)), layout.expert_intermediate(cfg)
-    if quant_method is None:
-        return FusedExperts(num, cfg.hidden_size, inter)
-    from .quantized_layers import QuantMoEExperts  # built from this module: imported late
-
-    return QuantMoEExperts.empty(quant_method, num, cfg.hidden_size, inter)
-
-
 class MoE(nn.Layer):
-    """`experts_quant` applies to the routed experts, `dense_quant` to the shared ones; the router stays fp32
-    (and whole on every rank: each rank routes every token, under expert parallelism too)."""
+    """Routed experts and shared ones, made by `layers` (model/layer_builder.py: float, or the quantized formats the
+    loader's plan names); the router stays fp32 (and whole on every rank: each rank routes every token, under
+    expert parallelism too). On a tensor-parallel rank the experts are its own (expert parallelism) or its slice of
+    every expert."""
 
-    def __init__(self, cfg: ErnieModelConfig, experts_quant: str | None = None, dense_quant: str | None = None,
+    def __init__(self, cfg: ErnieModelConfig, layers: "LayerBuilder", layer_idx: int,
                  layout: ParallelLayout = SINGLE_RANK):
         super().__init__()
         self.gate = TopKRouter(cfg.hidden_size, cfg.moe_num_experts, cfg.moe_k, cfg.moe_norm_min)
-        self.experts = make_experts(cfg, experts_quant, layout)
+        self.experts = layers.experts(len(layout.experts(cfg)), cfg.hidden_size, layout.expert_intermediate(cfg),
+                                      layer_idx)
         self.expert_offset = layout.experts(cfg).start if layout.expert_parallel and layout.is_parallel else None
         self.shared_experts = None
         if cfg.moe_num_shared_experts > 0:
             shared = len(layout.split(cfg.moe_intermediate_size * cfg.moe_num_shared_experts))
-            self.shared_experts = MLP(cfg.hidden_size, shared, dense_quant)
+            self.shared_experts = MLP(cfg.hidden_size, shared, layers, layer_idx)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         ids, weights = self.gate(x)

@@ -19,10 +19,12 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ernie_serve.host_tensor import to_paddle
+from ernie_serve.model.layer_builder import FLOAT_LAYERS
 from ernie_serve.model.layers import BlockedLinear, silu_and_mul
 from ernie_serve.model.moe import BlockedExperts, grouped_expert_forward
 from ernie_serve.cpu_kernels import cpu_gemm
 from ernie_serve.quantization import formats as fmt
+from ernie_serve.quantization.plan import QuantPlan
 from ernie_serve.quantization.formats import (METHODS, QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS,  # noqa: F401
                                            quantize_float)
 
@@ -335,6 +337,26 @@ class QuantMoEExperts(nn.Layer):
         """x [T, H], topk_ids [T, k] int64, topk_weights [T, k] -> [T, H] float32; `expert_offset`: these are
         the model's experts [offset, offset + num_experts) (expert parallelism)."""
         return grouped_expert_forward(self, x.astype("float32"), topk_ids, topk_weights, expert_offset)
+
+
+class QuantizedLayers:
+    """The LayerBuilder (model/layer_builder.py) of a QuantPlan: each dense linear in the plan's dense format and
+    each MoE layer's routed experts in its format (wint2 / W4A8 plans name layer ranges), empty for the loader to
+    fill, so no fp32 copy of a quantized weight is ever allocated; what the plan leaves unquantized is float."""
+
+    def __init__(self, plan: QuantPlan):
+        self.plan = plan
+
+    def linear(self, in_features: int, out_features: int, layer_idx: int) -> nn.Layer:
+        if self.plan.dense is None:
+            return FLOAT_LAYERS.linear(in_features, out_features, layer_idx)
+        return QuantLinear(self.plan.dense, in_features, out_features)
+
+    def experts(self, num_experts: int, hidden_size: int, intermediate_size: int, layer_idx: int) -> nn.Layer:
+        method = self.plan.moe_method(layer_idx)
+        if method is None:
+            return FLOAT_LAYERS.experts(num_experts, hidden_size, intermediate_size, layer_idx)
+        return QuantMoEExperts.empty(method, num_experts, hidden_size, intermediate_size)
 
 
 def model_memory_bytes(layers: Iterable[object]) -> int:
