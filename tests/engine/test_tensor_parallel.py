@@ -396,3 +396,21 @@ def test_mtp_under_tensor_and_expert_parallelism_gives_one_ranks_greedy_tokens(t
             assert stats["spec_draft_tokens"] > 0 and llm.engine.scheduler.num_preemptions > 0, stats
         finally:
             llm.engine.close()
+
+
+def test_bfloat16_weights_on_every_rank_give_one_ranks_bfloat16_logits(tiny_model_dir):
+    """--dtype bfloat16 reaches the worker ranks: TP2 / EP2 logits equal one bfloat16 rank's to float32 rounding
+    (a worker left in float32 would move them by bfloat16's rounding, far more) and differ from float32's."""
+    one = LLM(model=str(tiny_model_dir), dtype="bfloat16", **ENGINE)
+    ref = _logits(one, PROMPTS[0], [7, 8, 9])
+    fp32 = LLM(model=str(tiny_model_dir), **ENGINE)
+    assert np.abs(_logits(fp32, PROMPTS[0], [7, 8, 9])[0] - ref[0]).max() > 1e-3 * np.abs(ref[0]).max()
+    for kw in (dict(), dict(enable_expert_parallel=True)):
+        llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", tensor_parallel_size=2, **kw, **ENGINE)
+        try:
+            for got, want in zip(_logits(llm, PROMPTS[0], [7, 8, 9]), ref):
+                assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), kw
+        finally:
+            llm.engine.close()
+    one.engine.close()
+    fp32.engine.close()
