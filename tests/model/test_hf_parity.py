@@ -68,17 +68,21 @@ def test_paddle_layout_gives_same_logits(checkpoint, tmp_path):
     np.testing.assert_allclose(_our_logits(tmp_path, ids), _our_logits(d, ids), rtol=0, atol=1e-5)
 
 
-def test_greedy_tokens_match_transformers_generate(checkpoint):
-    name, d, hf = checkpoint
-    prompts = [_prompt(2, 17), _prompt(3, 40)]
-    llm = LLM(model=str(d), max_model_len=256, block_size=16, disable_progress_bar=True)
+def _assert_greedy_tokens_equal(llm: LLM, hf, prompts: list[np.ndarray], n: int, name: str) -> None:
+    """The engine's n greedy tokens after each prompt are transformers' generate's."""
     outs = llm.generate(prompt_token_ids=[p.tolist() for p in prompts],
-                        sampling_params=SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+                        sampling_params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     for p, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor(p)[None], max_new_tokens=32, min_new_tokens=32, do_sample=False,
+            ref = hf.generate(torch.tensor(p)[None], max_new_tokens=n, min_new_tokens=n, do_sample=False,
                               pad_token_id=0)[0, len(p):].tolist()
         assert out.outputs[0].token_ids == ref, name
+
+
+def test_greedy_tokens_match_transformers_generate(checkpoint):
+    name, d, hf = checkpoint
+    llm = LLM(model=str(d), max_model_len=256, block_size=16, disable_progress_bar=True)
+    _assert_greedy_tokens_equal(llm, hf, [_prompt(2, 17), _prompt(3, 40)], 32, name)
 
 
 def test_long_prompt_matches_transformers_through_tiles_and_chunked_prefill(checkpoint):
@@ -163,13 +167,6 @@ def test_bfloat16_weights_give_the_logits_and_greedy_tokens_of_the_rounded_model
     row_err = np.abs(ours - fp32).max(axis=1) / scale
     assert 0 < np.median(row_err) <= 3e-2, name
 
-    prompts = [_prompt(7, 19), _prompt(8, 45)]
     llm = LLM(model=str(d), max_model_len=256, block_size=16, max_num_batched_tokens=32, dtype="bfloat16",
               disable_progress_bar=True)
-    outs = llm.generate(prompt_token_ids=[p.tolist() for p in prompts],
-                        sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = rounded.generate(torch.tensor(p)[None], max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                                    pad_token_id=0)[0, len(p):].tolist()
-        assert out.outputs[0].token_ids == want, name
+    _assert_greedy_tokens_equal(llm, rounded, [_prompt(7, 19), _prompt(8, 45)], 24, name)
