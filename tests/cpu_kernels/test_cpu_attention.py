@@ -2,6 +2,7 @@
 model does not have (one KV head, head_dim 64 / 80 / 96, block sizes 1-64, several query rows a sequence)."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -32,7 +33,9 @@ def reference(q, k_cache, v_cache, tables, qsl, lens, scale):
 @pytest.mark.parametrize("nh,nkv,hd,bs", [(8, 2, 128, 64), (4, 1, 64, 16), (2, 2, 96, 1), (12, 4, 80, 32),
                                           (1, 1, 16, 8)])
 @pytest.mark.parametrize("q_lens", [[1], [1, 1, 1, 1], [3, 1, 2], [8]])
-def test_matches_numpy_attention_over_the_paged_cache(nh, nkv, hd, bs, q_lens):
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_matches_numpy_attention_over_the_paged_cache(nh, nkv, hd, bs, q_lens, cache_dtype):
+    """A bfloat16 cache (--dtype bfloat16) gives the float32 kernel's result on its values bit for bit."""
     rng = np.random.default_rng(nh * 100 + hd + bs + len(q_lens))
     num_blocks = 64
     k_cache = rng.standard_normal((num_blocks, bs, nkv, hd)).astype(np.float32)
@@ -46,6 +49,12 @@ def test_matches_numpy_attention_over_the_paged_cache(nh, nkv, hd, bs, q_lens):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
     q = rng.standard_normal((int(qsl[-1]), nh, hd)).astype(np.float32)
     scale = hd ** -0.5
+    if cache_dtype == "bfloat16":
+        k16, v16 = k_cache.astype(ml_dtypes.bfloat16), v_cache.astype(ml_dtypes.bfloat16)
+        k_cache, v_cache = k16.astype(np.float32), v16.astype(np.float32)  # the values the bfloat16 cache holds
+        got16 = cpu_attention.paged_attention(q, k16, v16, tables, qsl, lens, scale).numpy()
+        np.testing.assert_array_equal(got16, cpu_attention.paged_attention(q, k_cache, v_cache, tables, qsl, lens,
+                                                                           scale).numpy())
     got = cpu_attention.paged_attention(q, k_cache, v_cache, tables, qsl, lens, scale).numpy()
     np.testing.assert_allclose(got, reference(q, k_cache, v_cache, tables, qsl, lens, scale), rtol=1e-4, atol=1e-5)
 

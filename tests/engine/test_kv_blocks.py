@@ -120,3 +120,32 @@ def test_malformed_blocks_are_refused_naming_what_is_wrong():
         KVBlocks(np.zeros((1, 2, 1, 4, 2, 8), np.int8), "static", np.ones((1, 2, 2), np.float32))
     with pytest.raises(ValueError, match="float64"):
         KVBlocks(np.zeros((1, 2, 1, 4, 2, 8), np.float64))
+
+
+def test_a_bfloat16_cache_holds_rounded_values_and_exchanges_them_with_every_format():
+    """--dtype bfloat16's cache: values rounded to nearest even as they are written, read back as float32, exported
+    as bfloat16 codes (half float32's bytes), stored as they came by another bfloat16 cache, and met in float32 by
+    the other formats."""
+    values = _values(3)
+    rounded = values.astype(ml_dtypes.bfloat16).astype(np.float32)
+    src = PagedKVCache(LAYERS, 8, BLOCK, HEADS, HD, dtype="bfloat16")
+    src.write_blocks([3, 1, 5], values)
+    np.testing.assert_array_equal(src.read_blocks([3, 1, 5]), rounded)
+    k, _ = src.gather(0, np.array([[3, 1]]))
+    np.testing.assert_array_equal(k.numpy()[0].transpose(1, 0, 2), rounded[0, 0, :2].reshape(-1, HEADS, HD))
+    blocks = src.export_blocks([3, 1, 5])
+    assert blocks.dtype == "bfloat16" and blocks.codes.nbytes * 2 == values.nbytes
+    assert PagedKVCache.bytes_per_block(LAYERS, BLOCK, HEADS, HD, dtype="bfloat16") * 2 == \
+        PagedKVCache.bytes_per_block(LAYERS, BLOCK, HEADS, HD)
+    same = PagedKVCache(LAYERS, 8, BLOCK, HEADS, HD, dtype="bfloat16")
+    same.import_blocks([0, 2, 4], blocks)
+    np.testing.assert_array_equal(same.export_blocks([0, 2, 4]).codes, blocks.codes)
+    for kind in (None, "static", "dynamic"):
+        dst, want = _cache(kind), _cache(kind)
+        dst.import_blocks([0, 2, 4], blocks)
+        want.write_blocks([0, 2, 4], rounded)
+        np.testing.assert_array_equal(dst.read_blocks([0, 2, 4]), want.read_blocks([0, 2, 4]))
+    from_f32 = PagedKVCache(LAYERS, 8, BLOCK, HEADS, HD, dtype="bfloat16")
+    from_f32.import_blocks([6, 7], _filled(None, [1, 2]).export_blocks([1, 2]))
+    np.testing.assert_array_equal(from_f32.read_blocks([6, 7]), _values(2).astype(ml_dtypes.bfloat16)
+                                  .astype(np.float32))

@@ -31,7 +31,7 @@ _SIGNATURES = {
     "ernie_moe_gemm": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I], _I),
     "ernie_gemm_swiglu_fits": ([_I], _I),
     "ernie_gemm_argmax": ([_P, _I, _I, _P, _I, _I, _P, _P, _I], _I),
-    "ernie_paged_attention_f32": ([_P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P], _I),
+    "ernie_paged_attention": ([_P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P], _I),
     "ernie_rms_norm": ([_P, _P, _I, _I, _F, _P], None),
     "ernie_split_rope": ([_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P], None),
     "ernie_silu_and_mul": ([_P, _I, _I, _P], None),

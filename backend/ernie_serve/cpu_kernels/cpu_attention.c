@@ -1,4 +1,5 @@
-/* Attention straight from the paged KV cache (float32) for decodes and short prefill chunks, CPU serving path.
+/* Attention straight from the paged KV cache (float32, or bfloat16 with --dtype bfloat16) for decodes and short
+ * prefill chunks, CPU serving path.
  *
  *   out[t, h] = softmax_j(q[t, h] . K[j, h / G] * scale) @ V[j, h / G]     over the keys row t sees
  *
@@ -14,7 +15,9 @@
  * Layout: cache [num_blocks, block_size, kv_heads, head_dim]; q [T, heads, head_dim] with sequence s's rows
  * at [query_start_loc[s], query_start_loc[s + 1]); row i of a sequence with seq_len visible tokens and q_len
  * new ones sees keys j <= seq_len - q_len + i (the causal rule of model/attention.py). Any head_dim, block
- * size and GQA ratio; the (sequence, KV head) tasks are split across Paddle's OpenMP threads.
+ * size and GQA ratio; the (sequence, KV head) tasks are split across Paddle's OpenMP threads. A bfloat16 cache's
+ * block is widened into the task's float32 scratch (its keys and values for this KV head, head_dim apart) before the
+ * same tiles run over it, so both caches share one arithmetic.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +26,7 @@
 
 #include "kernels.h"
 #include "threads.h"
+#include "vec16.h"
 #include "vec_math.h"
 
 static inline float dot(const float *a, const float *b, int n) {
@@ -98,13 +102,28 @@ static void block_values(const float *p, int ldp, int rows, const float *vb, int
         }
 }
 
+/* Rows [0, n) of a bfloat16 block's keys (or values) for one KV head, `stride` apart -> float32 rows hd apart. */
+static void widen_rows(const uint16_t *src, int64_t stride, int n, int hd, float *dst) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *s = src + j * stride;
+        float *d = dst + (int64_t)j * hd;
+        int i = 0;
+#ifdef ERNIE_VF16
+        for (; i + 16 <= hd; i += 16) vf16_store(d + i, vf16_load_bf16(s + i));
+#endif
+        for (; i < hd; i++) d[i] = bf16_to_f32(s[i]);
+    }
+}
+
 /* One sequence's query rows for one KV head: `rows` = q_len * G (row, head) pairs, row-major in p [rows, bs].
- * Each key and value row is read once per tile of pairs that see it. */
-static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+ * Each key and value row is read once per tile of pairs that see it. kw / vw: [bs, hd] float32 scratch for a
+ * bfloat16 cache's block (unused for a float32 one). */
+static void attend(const float *q, const void *k_cache, const void *v_cache, int kv_bf16, const int64_t *table,
                    int64_t q_start, int q_len, int64_t seq_len, int kvh, int nh, int nkv, int hd, int bs,
-                   float scale, float *out, float *m, float *l, float *acc, float *p, int *seen, const float **qp) {
+                   float scale, float *out, float *m, float *l, float *acc, float *p, int *seen, const float **qp,
+                   float *kw, float *vw) {
     const int G = nh / nkv, rows = q_len * G;
-    const int64_t key_stride = (int64_t)nkv * hd;
+    const int64_t cache_stride = (int64_t)nkv * hd, key_stride = kv_bf16 ? hd : cache_stride;
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -113,12 +132,18 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     memset(acc, 0, sizeof(float) * rows * hd);
     for (int64_t b0 = 0; b0 < seq_len; b0 += bs) {
         const int64_t base = (table[b0 / bs] * bs * nkv + kvh) * (int64_t)hd;
-        const float *kb = k_cache + base, *vb = v_cache + base;
         int nk_max = 0;
         for (int r = 0; r < rows; r++) {
             int64_t visible = seq_len - q_len + r / G + 1 - b0;  /* keys of this block row r sees */
             seen[r] = visible <= 0 ? 0 : visible < bs ? (int)visible : bs;
             nk_max = seen[r] > nk_max ? seen[r] : nk_max;
+        }
+        const float *kb = (const float *)k_cache + base, *vb = (const float *)v_cache + base;
+        if (kv_bf16) {
+            widen_rows((const uint16_t *)k_cache + base, cache_stride, nk_max, hd, kw);
+            widen_rows((const uint16_t *)v_cache + base, cache_stride, nk_max, hd, vw);
+            kb = kw;
+            vb = vw;
         }
         block_scores(qp, rows, kb, key_stride, nk_max, hd, scale, p, bs);
         for (int r = 0; r < rows; r++) {
@@ -150,24 +175,27 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     }
 }
 
-/* Returns 0, or -1 when a work buffer could not be allocated (out is then incomplete). */
-int ernie_paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int64_t *block_tables, int table_stride, const int64_t *query_start_loc,
-                               const int64_t *seq_lens, int num_seqs, int nh, int nkv, int hd, int bs, float scale,
-                               float *out) {
+/* kv_bf16: the caches hold bfloat16 bits, else float32. Returns 0, or -1 when a work buffer could not be allocated
+ * (out is then incomplete). */
+int ernie_paged_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
+                          const int64_t *block_tables, int table_stride, const int64_t *query_start_loc,
+                          const int64_t *seq_lens, int num_seqs, int nh, int nkv, int hd, int bs, float scale,
+                          float *out) {
     int failed = 0;
     #pragma omp parallel for THREADS schedule(static, 1) reduction(| : failed)
     for (int task = 0; task < num_seqs * nkv; task++) {
         const int s = task / nkv, kvh = task % nkv;
         const int q_len = (int)(query_start_loc[s + 1] - query_start_loc[s]);
         const int rows = q_len * (nh / nkv);
-        /* qp [rows] pointers, then m, l [rows], acc [rows, hd], p [rows, bs] floats, seen [rows] ints */
-        const float **qp = malloc(sizeof(float *) * (size_t)rows + sizeof(float) * (size_t)rows * (hd + 3 + bs));
+        /* qp [rows] pointers, then m, l [rows], acc [rows, hd], p [rows, bs] floats, seen [rows] ints, then for a
+         * bfloat16 cache the widened block's keys and values [bs, hd] each */
+        const size_t floats = (size_t)rows * (hd + 3 + bs) + (kv_bf16 ? 2 * (size_t)bs * hd : 0);
+        const float **qp = malloc(sizeof(float *) * (size_t)rows + sizeof(float) * floats);
         if (!qp) { failed = 1; continue; }
-        float *buf = (float *)(qp + rows);
-        attend(q, k_cache, v_cache, block_tables + (int64_t)s * table_stride, query_start_loc[s], q_len,
+        float *buf = (float *)(qp + rows), *kw = buf + (size_t)rows * (hd + 3 + bs), *vw = kw + (size_t)bs * hd;
+        attend(q, k_cache, v_cache, kv_bf16, block_tables + (int64_t)s * table_stride, query_start_loc[s], q_len,
                seq_lens[s], kvh, nh, nkv, hd, bs, scale, out, buf, buf + rows, buf + 2 * rows,
-               buf + (size_t)rows * (hd + 2), (int *)(buf + (size_t)rows * (hd + 2 + bs)), qp);
+               buf + (size_t)rows * (hd + 2), (int *)(buf + (size_t)rows * (hd + 2 + bs)), qp, kw, vw);
         free(qp);
     }
     return failed ? -1 : 0;

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "vec16.h"
 
 /* One projection in a serving layout: float32 column-blocked (bits 32, scale NULL) or int8 / int4 codes with one
  * scale a column (cpu_qgemm.c's layout), [k, n]. act_scale > 0 (w4a8): the input is first rounded to the int8
@@ -39,12 +40,13 @@ typedef struct {
     ernie_linear qkv, o;
     ernie_linear mlp_up_gate, mlp_down;  /* the dense MLP, or a MoE layer's shared experts (w NULL: none) */
     const ernie_experts *experts;        /* NULL: a dense layer */
-    float *k_cache, *v_cache;            /* [num_blocks, block_size, kv_heads, head_dim] float32 */
+    void *k_cache, *v_cache;             /* [num_blocks, block_size, kv_heads, head_dim] float32, or bfloat16 bits */
 } ernie_layer;
 
 typedef struct {
     int32_t hidden, num_heads, num_kv_heads, head_dim;
     float eps, attn_scale;
+    int32_t kv_bf16, _pad;  /* the KV cache holds bfloat16 (rounded to nearest even as it is written) */
 } ernie_dims;
 
 /* The step's index data (model/attention_metadata.py), the same for every layer. */
@@ -101,11 +103,21 @@ static int attention_block(const ernie_dims *d, const ernie_layer *L, const erni
     if (project(&L->qkv, h, T, qkv, 0, NULL, qx)) return -1;
     ernie_split_rope(qkv, S->positions, S->cos, S->sin, T, nh, nkv, hd, q, k, v);
     for (int t = 0; t < T; t++) {
-        memcpy(L->k_cache + S->slot_mapping[t] * kvd, k + t * kvd, sizeof(float) * kvd);
-        memcpy(L->v_cache + S->slot_mapping[t] * kvd, v + t * kvd, sizeof(float) * kvd);
+        const int64_t at = S->slot_mapping[t] * kvd;
+        if (d->kv_bf16) {
+            uint16_t *kc = (uint16_t *)L->k_cache + at, *vc = (uint16_t *)L->v_cache + at;
+            for (int64_t i = 0; i < kvd; i++) {
+                kc[i] = f32_to_bf16(k[t * kvd + i]);
+                vc[i] = f32_to_bf16(v[t * kvd + i]);
+            }
+        } else {
+            memcpy((float *)L->k_cache + at, k + t * kvd, sizeof(float) * kvd);
+            memcpy((float *)L->v_cache + at, v + t * kvd, sizeof(float) * kvd);
+        }
     }
-    if (ernie_paged_attention_f32(q, L->k_cache, L->v_cache, S->block_tables, S->table_stride, S->query_start_loc,
-                                  S->seq_lens, S->num_seqs, nh, nkv, hd, S->block_size, d->attn_scale, att))
+    if (ernie_paged_attention(q, L->k_cache, L->v_cache, d->kv_bf16, S->block_tables, S->table_stride,
+                              S->query_start_loc, S->seq_lens, S->num_seqs, nh, nkv, hd, S->block_size, d->attn_scale,
+                              att))
         return -1;
     if (project(&L->o, att, T, o, 0, NULL, qx)) return -1;
     add_rows(x, o, (int64_t)T * H);

@@ -30,7 +30,7 @@ class Layer(ctypes.Structure):
 
 class Dims(ctypes.Structure):
     _fields_ = [("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_dim", _I32), ("eps", _F),
-                ("attn_scale", _F)]
+                ("attn_scale", _F), ("kv_bf16", _I32), ("_pad", _I32)]
 
 
 class Step(ctypes.Structure):

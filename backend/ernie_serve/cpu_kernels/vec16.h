@@ -18,6 +18,14 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* A float32 rounded to bfloat16 (nearest, ties to even, as ml_dtypes and the GPU's conversion do; NaN stays NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define ERNIE_VF16 1

@@ -85,7 +85,7 @@ def native_seqs(meta: AttentionMetadata) -> int:
 
 
 def native_seq_count(x: paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache | None) -> int:
-    """native_seqs where cpu_attention.c can read the cache at all (a float32 cache, x on the host); else 0."""
+    """native_seqs where cpu_attention.c can read the cache at all (a float cache, x on the host); else 0."""
     if cache is None or cache.quant is not None or not cpu_ops.serves(x):
         return 0
     return meta.derive("native_seqs", native_seqs)

@@ -10,7 +10,7 @@ states equal the Python layers' bit for bit (tests/cpu_kernels/test_cpu_layers.p
 CpuDecoderStack.build describes the layers once, after the serving layouts exist
 (ErnieForCausalLM.process_weights_after_loading), and only when every layer is covered: one rank (no collectives
 between sublayers), float32 / bfloat16 serving-layout or wint8 / wint4 / w4a8 linears and experts. `serves` then says per
-step whether this step is one it covers too: inference on a float32 CPU cache whose every sequence
+step whether this step is one it covers too: inference on a float32 / bfloat16 CPU cache whose every sequence
 cpu_attention.c takes (decodes and short prefill chunks). Everything else runs the Python layers, unchanged.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import paddle
 
-from ..cpu_kernels import build, cpu_gemm, cpu_layer
+from ..cpu_kernels import build, cpu_attention, cpu_gemm, cpu_layer
 from ..host_tensor import empty_host
 from .attention import native_seq_count
 from .attention_metadata import AttentionMetadata
@@ -78,7 +78,8 @@ class CpuDecoderStack:
         # C indexes with these unchecked: out-of-range values are refused here, not written past the cache
         if (out.shape[1] != d.hidden or pos.shape != (t,) or slots.shape != (t,) or int(qsl[-1]) != t
                 or cache.block_size != meta.block_size or cache.num_kv_heads != d.num_kv_heads
-                or cache.head_dim != d.head_dim or cache.k[0].dtype != np.float32
+                or cache.head_dim != d.head_dim or cache.quant is not None
+                or cache.k[0].dtype not in cpu_attention.FLOAT_CACHES
                 or (t and (pos.min() < 0 or pos.max() >= cos.shape[0] or slots.min() < 0
                            or slots.max() >= num_blocks * cache.block_size))
                 or tables.min(initial=0) < 0 or tables.max(initial=0) >= num_blocks
@@ -87,6 +88,7 @@ class CpuDecoderStack:
                              f"{list(tables.shape)}) does not fit this model or its cache of {num_blocks} blocks")
         for desc, k, v in zip(self._layers, cache.k, cache.v):
             desc.k_cache, desc.v_cache = k.ctypes.data, v.ctypes.data
+        d.kv_bf16 = int(not cache.float32)
         step = cpu_layer.Step(t, lens.shape[0], cache.block_size, tables.shape[1], pos.ctypes.data, slots.ctypes.data,
                               tables.ctypes.data, qsl.ctypes.data, lens.ctypes.data, cos.data_ptr(), sin.data_ptr())
         self._work = cpu_layer.decoder_layers(d, self._layers, step, out, self._work)

@@ -1,4 +1,6 @@
-"""Paged KV cache storage: one [num_blocks, block_size, kv_heads, head_dim] array per layer for K and V.
+"""Paged KV cache storage: one [num_blocks, block_size, kv_heads, head_dim] array per layer for K and V, float32 or
+bfloat16 (with --dtype bfloat16: half the bytes; values cross the interface as float32, rounded to nearest even on
+the way in).
 
 The engine's block manager hands out block ids; this class only stores what those blocks hold.
 On CPU the arrays are numpy and reach Paddle through zero-copy DLPack views: a block gather is
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import paddle
 
@@ -34,9 +37,13 @@ class KVCacheQuant:
         return self.k_scales is not None
 
 
+FLOAT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 quant: KVCacheQuant | None = None):
+                 quant: KVCacheQuant | None = None, dtype: str = "float32"):
+        """`dtype`: a float cache's ("float32" / "bfloat16"); a KVCacheQuant makes it int8 whatever this says."""
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -44,17 +51,22 @@ class PagedKVCache:
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.quant = quant
-        dtype = np.float32 if quant is None else np.int8
+        self.code_dtype = FLOAT_DTYPES[dtype] if quant is None else np.dtype(np.int8)
         # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
-        self.k = [np.zeros(shape, dtype) for _ in range(num_layers)]
-        self.v = [np.zeros(shape, dtype) for _ in range(num_layers)]
+        self.k = [np.zeros(shape, self.code_dtype) for _ in range(num_layers)]
+        self.v = [np.zeros(shape, self.code_dtype) for _ in range(num_layers)]
         if quant is not None:
             self._int8 = _Int8Storage(self, quant)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        int8: bool = False) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * (1 if int8 else 4)
+                        int8: bool = False, dtype: str = "float32") -> int:
+        code_bytes = 1 if int8 else FLOAT_DTYPES[dtype].itemsize
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * code_bytes
+
+    @property
+    def float32(self) -> bool:
+        return self.code_dtype == np.float32
 
     def write(self, layer: int, slots: np.ndarray, k: paddle.Tensor, v: paddle.Tensor) -> None:
         """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their flat slot ids."""
@@ -79,7 +91,7 @@ class PagedKVCache:
                     to_paddle(v.reshape(shape).transpose(0, 2, 1, 3)))
         k = np.take(self.k[layer], flat, axis=0).reshape(shape).transpose(0, 2, 1, 3)
         v = np.take(self.v[layer], flat, axis=0).reshape(shape).transpose(0, 2, 1, 3)
-        return to_paddle(k), to_paddle(v)
+        return to_paddle(k.astype(np.float32, copy=False)), to_paddle(v.astype(np.float32, copy=False))
 
     # Whole-block copies, all layers at once: the CPU swap tier and prefill/decode KV transfer use these.
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
@@ -87,9 +99,10 @@ class PagedKVCache:
         idx = np.asarray(block_ids, dtype=np.int64)
         if self.quant is not None:
             return np.stack([np.stack(self._int8.blocks(i, idx)) for i in range(self.num_layers)])
-        return np.stack([np.stack([self.k[i][idx], self.v[i][idx]]) for i in range(self.num_layers)])
+        return np.stack([np.stack([self.k[i][idx], self.v[i][idx]])
+                         for i in range(self.num_layers)]).astype(np.float32, copy=False)
 
-    # Whole blocks as stored (prefill/decode transfer): float32 values, or int8 codes and their scales.
+    # Whole blocks as stored (prefill/decode transfer): float32 / bfloat16 values, or int8 codes and their scales.
     def export_blocks(self, block_ids: list[int]) -> KVBlocks:
         idx = np.asarray(block_ids, dtype=np.int64)
         codes = np.stack([np.stack([self.k[i][idx], self.v[i][idx]]) for i in range(self.num_layers)])
@@ -102,7 +115,7 @@ class PagedKVCache:
         idx = np.asarray(block_ids, dtype=np.int64)
         kind = None if self.quant is None else self._int8.kind
         static = self._int8.scales_of(idx) if kind == "static" else None
-        if not blocks.stored_as_is_by("float32" if kind is None else "int8", kind, static):
+        if not blocks.stored_as_is_by(self.code_dtype.name if kind is None else "int8", kind, static):
             return self.write_blocks(block_ids, blocks.to_float32())
         for i in range(self.num_layers):
             self.k[i][idx], self.v[i][idx] = blocks.codes[i, 0], blocks.codes[i, 1]

@@ -12,7 +12,7 @@ from ..model.loader import load_model, load_mtp_head
 from ..model.parallel import ParallelLayout
 from ..model.quantized_layers import weight_memory_report
 from .shard import ModelShard
-from .support import weight_bits
+from .support import kv_dtype, weight_bits
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, la
     rank's blocks hold only its KV heads)."""
     c, m = config, model_cfg
     shape = (layers, c.block_size, len(layout.kv_heads(m)), m.head_dim)
-    per_block = PagedKVCache.bytes_per_block(*shape, int8=c8)
+    per_block = PagedKVCache.bytes_per_block(*shape, int8=c8, dtype=kv_dtype(weight_bits(c)))
     if c.num_gpu_blocks_override:
         num = c.num_gpu_blocks_override
     else:

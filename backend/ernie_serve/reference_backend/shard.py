@@ -15,13 +15,14 @@ from ..model.ernie import ErnieForCausalLM
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
 from ..step_contract import ArgmaxLogits, KVOp, StepInput, apply_kv_ops
+from .support import kv_dtype
 
 
 class ModelShard:
     def __init__(self, model: ErnieForCausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  mtp: ErnieMTP | None = None, weight_bits: int = 32):
         """`mtp`: an MTP head drafting over this shard's cache, in one more cache layer (one-rank engines).
-        `weight_bits`: 32, or 16 to hold the float weights in bfloat16 (support.weight_bits)."""
+        `weight_bits`: 32, or 16 to hold the float weights and a float KV cache in bfloat16 (support.weight_bits)."""
         cfg = model.config
         model.process_weights_after_loading(weight_bits)
         self.model = model
@@ -29,7 +30,7 @@ class ModelShard:
         layers = cfg.num_hidden_layers + (mtp is not None)
         kv_heads = len(model.layout.kv_heads(cfg))
         self.cache = PagedKVCache(layers, num_blocks, block_size, kv_heads, cfg.head_dim,
-                                  quant=getattr(model, "kv_cache_quant", None))
+                                  quant=getattr(model, "kv_cache_quant", None), dtype=kv_dtype(weight_bits))
         shape = (num_host_blocks, layers, 2, block_size, kv_heads, cfg.head_dim)
         self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
         self.draft_head = None if mtp is None else ReferenceDraftHead(model, mtp, self.cache, block_size)

@@ -11,8 +11,13 @@ WEIGHT_BITS = {"auto": 32, "float32": 32, "bfloat16": 16}  # --dtype -> the floa
 
 def weight_bits(config: EngineConfig) -> int:
     """The bits the float weights are held in: 16 for bfloat16 (widened to float32 as the C kernels stream them; the
-    activations, norms, router, attention and KV cache stay float32), else 32."""
+    activations, norms, router and attention's arithmetic stay float32), else 32."""
     return WEIGHT_BITS[config.dtype]
+
+
+def kv_dtype(bits: int) -> str:
+    """A float KV cache's dtype for weights of these bits (vLLM's kv_cache_dtype 'auto': the model's dtype)."""
+    return "bfloat16" if bits == 16 else "float32"
 
 
 def unsupported(config: EngineConfig) -> list[str]:
