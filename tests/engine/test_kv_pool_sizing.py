@@ -18,7 +18,7 @@ def _engine(model_dir, **kw) -> LLMEngine:
                                   disable_progress_bar=True, **kw))
 
 
-def test_c8_pool_holds_four_times_the_fp32_blocks_in_the_same_memory(tmp_path):
+def test_c8_pool_holds_four_times_the_fp32_blocks_in_the_same_memory_and_bfloat16_twice(tmp_path):
     fp32 = tmp_path / "fp32"
     c8 = tmp_path / "c8"
     write_checkpoint(fp32, CONFIG, random_weights(CONFIG, seed=1))
@@ -31,3 +31,7 @@ def test_c8_pool_holds_four_times_the_fp32_blocks_in_the_same_memory(tmp_path):
     assert a.kv.pool.num_blocks == 64 and b.kv.pool.num_blocks == 256
     # the CPU tier stores float32 blocks in both cases
     assert a.kv.pool.num_host_blocks == b.kv.pool.num_host_blocks == 64
+    # --dtype bfloat16: the device cache and the CPU tier both hold bfloat16 blocks
+    c = _engine(fp32, kv_cache_memory=memory, swap_space=memory / 2**30, dtype="bfloat16")
+    assert c.runner.cache.k[0].dtype.name == "bfloat16" and c.runner.executor.host_cache.dtype.name == "bfloat16"
+    assert c.kv.pool.num_blocks == 128 and c.kv.pool.num_host_blocks == 128

@@ -41,14 +41,16 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, la
     rank's blocks hold only its KV heads)."""
     c, m = config, model_cfg
     shape = (layers, c.block_size, len(layout.kv_heads(m)), m.head_dim)
-    per_block = PagedKVCache.bytes_per_block(*shape, int8=c8, dtype=kv_dtype(weight_bits(c)))
+    dtype = kv_dtype(weight_bits(c))
+    per_block = PagedKVCache.bytes_per_block(*shape, int8=c8, dtype=dtype)
     if c.num_gpu_blocks_override:
         num = c.num_gpu_blocks_override
     else:
         num = int((c.kv_cache_memory or DEFAULT_CPU_KV_BYTES) // per_block)
     c.check_kv_pool(num, "raise kv_cache_memory")
-    # the CPU tier holds blocks as float32 whatever the device cache's format
-    host = int((c.swap_space or 0) * (1 << 30) // PagedKVCache.bytes_per_block(*shape))
+    # the CPU tier holds a float cache's blocks in its dtype, a C8 cache's as float32 (reference_backend/shard.py)
+    host_block = PagedKVCache.bytes_per_block(*shape, dtype="float32" if c8 else dtype)
+    host = int((c.swap_space or 0) * (1 << 30) // host_block)
     return num, host
 
 
