@@ -80,8 +80,8 @@ def main() -> None:
     base = min(decode["bfloat16"]) if "bfloat16" in decode else None
     print(f"\n{args.running} x {args.prompt_len}-token prompts, then {args.decode_steps} decode steps at "
           f"{args.running} running; {args.rounds} alternating rounds")
-    print(f"{'format':9} {'weights MiB':>11} {'prefill ms (best / median)':>27} {'decode ms a step (best / median)':>33} "
-          f"{'decode vs bf16':>15}")
+    print(f"{'format':9} {'weights MiB':>11} {'prefill ms (best / median)':>27} "
+          f"{'decode ms a step (best / median)':>33} {'decode vs bf16':>15}")
     for f in formats:
         mib = weight_memory_report(engines[f].engine.model)["total_bytes"] / 2**20
         rel = f"{base / min(decode[f]):.2f}x" if base else "-"

@@ -1,8 +1,9 @@
 /* 16 floats as one vector, for the CPU kernels' inner loops: AVX-512's __m512, or a pair of AVX2 __m256 halves.
  *
  * Why: the kernels were written for AVX-512 and fell back to scalar loops anywhere else, so on an AVX2-only CPU
- * (AMD Zen 3) the whole CPU path ran an order of magnitude slower than NumPy's own matmul. Written once against vf16, a kernel compiles to the same AVX-512 instructions as before
- * (so its results there are unchanged) and to two AVX2 + FMA instructions per operation elsewhere.
+ * (AMD Zen 3) the whole CPU path ran an order of magnitude slower than NumPy's own matmul. Written once against
+ * vf16, a kernel compiles to the same AVX-512 instructions as before (so its results there are unchanged) and to
+ * two AVX2 + FMA instructions per operation elsewhere.
  * ERNIE_VF16 is defined when one of the two is available; code without it keeps its scalar loop.
  */
 #ifndef ERNIE_VEC16_H

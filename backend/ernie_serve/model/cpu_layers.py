@@ -9,8 +9,8 @@ states equal the Python layers' bit for bit (tests/cpu_kernels/test_cpu_layers.p
 
 CpuDecoderStack.build describes the layers once, after the serving layouts exist
 (ErnieForCausalLM.process_weights_after_loading), and only when every layer is covered: one rank (no collectives
-between sublayers), float32 / bfloat16 serving-layout or wint8 / wint4 / w4a8 linears and experts. `serves` then says per
-step whether this step is one it covers too: inference on a float32 / bfloat16 CPU cache whose every sequence
+between sublayers), float32 / bfloat16 serving-layout or wint8 / wint4 / w4a8 linears and experts. `serves` then
+says per step whether this step is one it covers too: inference on a float32 / bfloat16 CPU cache whose every sequence
 cpu_attention.c takes (decodes and short prefill chunks). Everything else runs the Python layers, unchanged.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ the chosen experts renormalized to sum to one. Shared experts are an ungated den
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import paddle
@@ -143,8 +143,22 @@ class BlockedExperts(nn.Layer):
         return grouped_expert_forward(self, x, topk_ids, topk_weights, expert_offset)
 
 
-def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
-                           expert_offset: int | None = None):
+class Experts(Protocol):
+    """What grouped_expert_forward runs: FusedExperts, BlockedExperts, quantized_layers.QuantMoEExperts. An
+    implementation may add `packed_forward(xs, counts)` (rows packed, unpadded); `expert_forward` is called only
+    when `can_batch` says no."""
+
+    num_experts: int
+
+    def can_batch(self, counts: np.ndarray) -> bool: ...
+
+    def batched_forward(self, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor: ...
+
+    def expert_forward(self, e: int, x: paddle.Tensor) -> paddle.Tensor: ...
+
+
+def grouped_expert_forward(experts: Experts, x: paddle.Tensor, topk_ids: paddle.Tensor, topk_weights: paddle.Tensor,
+                           expert_offset: int | None = None) -> paddle.Tensor:
     """sum_j w[t, j] * Expert_{ids[t, j]}(x[t]) for every expert implementation (float or quantized):
     `experts.expert_forward(e, x_e)` (one expert), `batched_forward` (all, padded) or `packed_forward` (all, packed
     rows, when can_batch: the fp32 serving layout, and quantized experts on the CPU kernels) is all that differs.
@@ -184,7 +198,7 @@ def grouped_expert_forward(experts, x: paddle.Tensor, topk_ids: paddle.Tensor, t
     return paddle.index_add(paddle.zeros_like(x), token_of, 0, ys * w.unsqueeze(-1))
 
 
-def _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights) -> paddle.Tensor:
+def _grouped_on_cpu_kernels(experts: Experts, x, flat_ids, order, counts, k, topk_weights) -> paddle.Tensor:
     """grouped_expert_forward's dispatch and mixture in cpu_ops.c: one gather into the experts' input, one
     weighted combine out of their output rows (no sorted copy of the outputs, no index_add)."""
     src = np.full(x.shape[0] * k, -1, dtype=np.int64)  # the expert output row of each (token, choice)
@@ -204,7 +218,7 @@ def _grouped_on_cpu_kernels(experts, x, flat_ids, order, counts, k, topk_weights
     return cpu_ops.weighted_combine(ys, src.reshape(-1, k), topk_weights)
 
 
-def _per_expert(experts, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
+def _per_expert(experts: Experts, xs: paddle.Tensor, counts: np.ndarray) -> paddle.Tensor:
     """Each active expert once over its consecutive rows of xs (rows sorted by expert)."""
     outs, start = [], 0
     for e in np.nonzero(counts)[0]:
@@ -229,13 +243,14 @@ def _padded_layout(flat_ids: np.ndarray, order: np.ndarray, counts: np.ndarray,
 
 def _use_batched(counts: np.ndarray) -> bool:
     """One batched matmul over every expert reads each weight once in a single op, where a loop issues two
-    small matmuls per expert (at decode size it nearly halved a layer's expert time on this path). It pays when most experts are active (inactive ones are read for nothing) and padding every
-    expert to the busiest one's count at most doubles the rows."""
+    small matmuls per expert (at decode size it nearly halved a layer's expert time on this path). It pays when
+    most experts are active (inactive ones are read for nothing) and padding every expert to the busiest one's count
+    at most doubles the rows."""
     num_experts, active = counts.shape[0], int(np.count_nonzero(counts))
     return 4 * active >= 3 * num_experts and num_experts * int(counts.max()) <= 2 * int(counts.sum()) + num_experts
 
 
-def _batched(experts, x: paddle.Tensor, sources: np.ndarray, counts: np.ndarray) -> paddle.Tensor:
+def _batched(experts: Experts, x: paddle.Tensor, sources: np.ndarray, counts: np.ndarray) -> paddle.Tensor:
     """The experts' padded output [E * cap, H] from one padded [E, cap, H] batch whose rows read `sources`
     (_padded_layout's; padding rows read an appended zero row)."""
     num_experts, t = counts.shape[0], x.shape[0]
