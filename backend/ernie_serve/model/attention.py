@@ -6,8 +6,8 @@ tokens each sees, its block table, the cache slot of every new token, and how ma
 decodes. A backend derives what it needs from it once per step (`derive`) and every layer reuses that.
 
 The reference backend (reference_attention.py holds its math) runs the leading decodes as one padded
-batch (or, in inference on a float32 CPU cache, in one call of cpu_kernels/cpu_attention.c that reads the blocks
-in place) and every longer chunk in tiles with an online softmax. The causal rule is one: query i of a
+batch (or, in inference on a float32 / bfloat16 CPU cache, in one call of cpu_kernels/cpu_attention.c that reads
+the blocks in place) and every longer chunk in tiles with an online softmax. The causal rule is one: query i of a
 sequence with `seq_len` visible tokens and `q_len` new ones sees keys j <= seq_len - q_len + i.
 """
 from __future__ import annotations
