@@ -7,16 +7,16 @@ matmuls are the faster way to do their many rows.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import paddle
 
 from ..host_tensor import empty_host
+from ..kv_blocks import CODE_DTYPES
 from . import build
 
 
 
-FLOAT_CACHES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # the cache dtypes the kernel reads
+FLOAT_CACHES = (CODE_DTYPES["float32"], CODE_DTYPES["bfloat16"])  # the cache dtypes the kernel reads
 
 
 def available() -> bool:
@@ -43,7 +43,7 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, blo
     lens = np.ascontiguousarray(seq_lens, dtype=np.int64)
     y, out = empty_host((t, nh * hd), np.float32)
     rc = lib.ernie_paged_attention(q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data,
-                                   int(k_cache.dtype == FLOAT_CACHES[1]), tables.ctypes.data, tables.shape[1],
+                                   int(k_cache.dtype == CODE_DTYPES["bfloat16"]), tables.ctypes.data, tables.shape[1],
                                    qsl.ctypes.data, lens.ctypes.data, num_seqs, nh, nkv, hd, bs, scale, out.ctypes.data)
     if rc != 0:
         raise MemoryError("paged_attention: no memory for the kernel's work buffers")

@@ -33,7 +33,7 @@
 #define ROWS 3   /* AVX2's 16 registers: 6 vf16 accumulators (12 halves) and a weight row (4 halves) */
 #endif
 
-/* A column-blocked weight: float32 values, or bfloat16 ones (bf16 set). */
+/* A column-blocked weight, or one column block of it: float32 values, or bfloat16 ones (bf16 set). */
 typedef struct {
     const void *p;
     int bf16;
@@ -105,12 +105,6 @@ static void columns_plain(const float *x, int M, int K, blocked_w w, int64_t ldy
         }
 }
 
-/* Column block b of a weight as the row blocks read it: float32 values, or bfloat16 bits widened per row block. */
-typedef struct {
-    const float *f32;
-    const uint16_t *bf16;
-} block_src;
-
 #ifdef ERNIE_VF16
 /* A bfloat16 column block [K, COLS] widened into this thread's float32 scratch `slot` (0 or 1: SwiGLU holds its
  * gate and up blocks at once; kept and grown, never freed: one pair per kernel thread), or NULL out of memory. */
@@ -130,40 +124,38 @@ static const float *widened_block(const uint16_t *w, int K, int slot) {
 }
 #endif
 
-/* Column block b of w for M rows. A bfloat16 block with more than one register block of rows (prefill) is widened
- * once (into scratch `slot`) and read as float32, instead of widening every weight row again for each block of
- * rows: the widening costs about what the FMAs of one row block do. */
-static block_src block_source(blocked_w w, int K, int b, int M, int slot) {
+/* Column block b of w, as its row blocks read it. A bfloat16 block with more than one register block of rows
+ * (prefill) is widened once (into scratch `slot`) and read as float32, instead of widening every weight row again
+ * for each block of rows: the widening costs about what the FMAs of one row block do. */
+static blocked_w block_source(blocked_w w, int K, int b, int M, int slot) {
     const int64_t at = (int64_t)b * K * COLS;
-    block_src src = {NULL, NULL};
-    if (!w.bf16) {
-        src.f32 = (const float *)w.p + at;
-        return src;
-    }
+    blocked_w src = {w.bf16 ? (const void *)((const uint16_t *)w.p + at) : (const void *)((const float *)w.p + at),
+                     w.bf16};
 #ifdef ERNIE_VF16
-    if (M > ROWS) src.f32 = widened_block((const uint16_t *)w.p + at, K, slot);
+    const float *wide = w.bf16 && M > ROWS ? widened_block(src.p, K, slot) : NULL;
+    if (wide) {
+        src.p = wide;
+        src.bf16 = 0;
+    }
 #endif
-    if (!src.f32) src.bf16 = (const uint16_t *)w.p + at;
     return src;
 }
 
 /* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS. */
-static void rows_times_block(const float *x, int M, int K, block_src src, int64_t ldy, float *y) {
+static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_t ldy, float *y) {
 #ifdef ERNIE_VF16
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         int mb = M - m0 < ROWS ? M - m0 : ROWS;
-        if (src.f32)
-            blocks[mb](x + (int64_t)m0 * K, K, src.f32, ldy, y + m0 * ldy);
+        if (src.bf16)
+            blocks_bf16[mb](x + (int64_t)m0 * K, K, src.p, ldy, y + m0 * ldy);
         else
-            blocks_bf16[mb](x + (int64_t)m0 * K, K, src.bf16, ldy, y + m0 * ldy);
+            blocks[mb](x + (int64_t)m0 * K, K, src.p, ldy, y + m0 * ldy);
     }
 #else
     for (int m = 0; m < M; m++)
         for (int j = 0; j < COLS; j++) {
             float acc = 0.0f;
-            for (int k = 0; k < K; k++)
-                acc += x[(int64_t)m * K + k] * (src.f32 ? src.f32[(int64_t)k * COLS + j]
-                                                         : bf16_to_f32(src.bf16[(int64_t)k * COLS + j]));
+            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * weight_at(src, (int64_t)k * COLS + j);
             y[m * ldy + j] = acc;
         }
 #endif
@@ -211,7 +203,7 @@ int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
 static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float *y, int b) {
     const int I = N / 2, nb = I / COLS;
     float g[ROWS * COLS], u[ROWS * COLS];
-    const block_src gate = block_source(w, K, b, M, 0), up = block_source(w, K, b + nb, M, 1);
+    const blocked_w gate = block_source(w, K, b, M, 0), up = block_source(w, K, b + nb, M, 1);
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         int mb = M - m0 < ROWS ? M - m0 : ROWS;
         const float *xm = x + (int64_t)m0 * K;
@@ -283,11 +275,10 @@ static void rank_tile(const float *tile, int M, int width, int64_t col0, float *
 }
 
 /* Each row's argmax and max over the first n_valid columns of y = x @ W (float32 / bfloat16 W, bits 32 / 16, in the
- * column-blocked layout),
- * without storing y: each thread computes its contiguous run of column blocks into its own [M, COLS] tile and ranks
- * the tile while it is in L1. A greedy step needs no more of the lm_head; the [M, N] logits would otherwise be
- * written and read back cold (256 rows x 4096 columns: a 4 MB pass). best_idx / best_val: [M]. Returns 0, or -1 out
- * of memory. */
+ * column-blocked layout), without storing y: each thread computes its contiguous run of column blocks into its own
+ * [M, COLS] tile and ranks the tile while it is in L1. A greedy step needs no more of the lm_head; the [M, N] logits
+ * would otherwise be written and read back cold (256 rows x 4096 columns: a 4 MB pass). best_idx / best_val: [M].
+ * Returns 0, or -1 out of memory. */
 int ernie_gemm_argmax(const float *x, int M, int K, const void *wp, int N, int n_valid, int64_t *best_idx,
                       float *best_val, int bits) {
     const int nb = N / COLS, threads = ernie_threads();

@@ -145,9 +145,14 @@ def fits_layout(shape, k: int, n: int, bits: int) -> bool:
     return tuple(shape) == (blocked_shape((k, n)) if bits in FLOAT_BITS else codes_shape(k, n, bits))
 
 
+def held_bits(t: paddle.Tensor) -> int | None:
+    """The bits of the float weight a tensor holds (FLOAT_BITS: float32 32, bfloat16's int16 bits 16); None else."""
+    return 32 if t.dtype == paddle.float32 else 16 if t.dtype == paddle.int16 else None
+
+
 def _held_as(t: paddle.Tensor, bits: int) -> bool:
-    """Whether a float weight tensor holds `bits` (float32 for 32, bfloat16's int16 bits for 16); codes pass."""
-    return bits not in FLOAT_BITS or str(t.dtype).rsplit(".", 1)[-1] == FLOAT_BITS[bits].name
+    """Whether a float weight tensor holds `bits`; int codes pass."""
+    return bits not in FLOAT_BITS or held_bits(t) == bits
 
 
 def _check(rc: int) -> None:

@@ -88,7 +88,7 @@ class CpuDecoderStack:
                              f"{list(tables.shape)}) does not fit this model or its cache of {num_blocks} blocks")
         for desc, k, v in zip(self._layers, cache.k, cache.v):
             desc.k_cache, desc.v_cache = k.ctypes.data, v.ctypes.data
-        d.kv_bf16 = int(not cache.float32)
+        d.kv_bf16 = int(cache.code_dtype.name == "bfloat16")
         step = cpu_layer.Step(t, lens.shape[0], cache.block_size, tables.shape[1], pos.ctypes.data, slots.ctypes.data,
                               tables.ctypes.data, qsl.ctypes.data, lens.ctypes.data, cos.data_ptr(), sin.data_ptr())
         self._work = cpu_layer.decoder_layers(d, self._layers, step, out, self._work)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import paddle
 
 from ..host_tensor import to_paddle
-from ..kv_blocks import KVBlocks
+from ..kv_blocks import CODE_DTYPES, KVBlocks
 from ..quantization import formats as fmt
 
 
@@ -37,9 +36,6 @@ class KVCacheQuant:
         return self.k_scales is not None
 
 
-FLOAT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-
-
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  quant: KVCacheQuant | None = None, dtype: str = "float32"):
@@ -51,7 +47,7 @@ class PagedKVCache:
         self.head_dim = head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.quant = quant
-        self.code_dtype = FLOAT_DTYPES[dtype] if quant is None else np.dtype(np.int8)
+        self.code_dtype = CODE_DTYPES["int8" if quant is not None else dtype]
         # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
         self.k = [np.zeros(shape, self.code_dtype) for _ in range(num_layers)]
         self.v = [np.zeros(shape, self.code_dtype) for _ in range(num_layers)]
@@ -61,12 +57,13 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         int8: bool = False, dtype: str = "float32") -> int:
-        code_bytes = 1 if int8 else FLOAT_DTYPES[dtype].itemsize
+        code_bytes = CODE_DTYPES["int8" if int8 else dtype].itemsize
         return 2 * num_layers * block_size * num_kv_heads * head_dim * code_bytes
 
-    @property
-    def float32(self) -> bool:
-        return self.code_dtype == np.float32
+    @staticmethod
+    def host_dtype(dtype: str, int8: bool = False) -> str:
+        """The CPU swap tier's dtype for a cache of `dtype` (int8: C8): a float cache's own, a C8 cache's float32."""
+        return "float32" if int8 else dtype
 
     def write(self, layer: int, slots: np.ndarray, k: paddle.Tensor, v: paddle.Tensor) -> None:
         """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their flat slot ids."""

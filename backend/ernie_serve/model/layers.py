@@ -69,7 +69,7 @@ class BlockedLinear(nn.Layer):
     def __init__(self, blocked: paddle.Tensor, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.bits = 16 if blocked.dtype == paddle.int16 else 32  # float32, or bfloat16 held as its bits
+        self.bits = cpu_gemm.held_bits(blocked)  # 32 float32, or 16 bfloat16 held as its bits
         self.register_buffer("weight_blocked", blocked)
 
     @classmethod

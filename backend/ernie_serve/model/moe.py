@@ -112,7 +112,7 @@ class BlockedExperts(nn.Layer):
         cpu_gemm.pack_columns)."""
         super().__init__()
         self.num_experts = up_gate.shape[0]
-        self.bits = 16 if up_gate.dtype == paddle.int16 else 32
+        self.bits = cpu_gemm.held_bits(up_gate)
         self.up_gate_cols, self.down_cols = up_gate_cols, down_cols
         self.register_buffer("up_gate_blocked", up_gate)
         self.register_buffer("down_blocked", down)

@@ -48,8 +48,7 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, la
     else:
         num = int((c.kv_cache_memory or DEFAULT_CPU_KV_BYTES) // per_block)
     c.check_kv_pool(num, "raise kv_cache_memory")
-    # the CPU tier holds a float cache's blocks in its dtype, a C8 cache's as float32 (reference_backend/shard.py)
-    host_block = PagedKVCache.bytes_per_block(*shape, dtype="float32" if c8 else dtype)
+    host_block = PagedKVCache.bytes_per_block(*shape, dtype=PagedKVCache.host_dtype(dtype, c8))
     host = int((c.swap_space or 0) * (1 << 30) // host_block)
     return num, host
 

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 
 from ..host_tensor import to_paddle
-from ..kv_blocks import KVBlocks
+from ..kv_blocks import CODE_DTYPES, KVBlocks
 from ..model.ernie import ErnieForCausalLM
 from ..model.kv_cache import PagedKVCache
 from ..model.mtp import ErnieMTP
@@ -32,9 +32,8 @@ class ModelShard:
         self.cache = PagedKVCache(layers, num_blocks, block_size, kv_heads, cfg.head_dim,
                                   quant=getattr(model, "kv_cache_quant", None), dtype=kv_dtype(weight_bits))
         shape = (num_host_blocks, layers, 2, block_size, kv_heads, cfg.head_dim)
-        # the CPU tier holds a float cache's blocks in its dtype (bfloat16: half the bytes), a C8 cache's as float32
-        host_dtype = self.cache.code_dtype if self.cache.quant is None else np.float32
-        self.host_cache = np.zeros(shape, host_dtype) if num_host_blocks else None
+        host_dtype = PagedKVCache.host_dtype(kv_dtype(weight_bits), self.cache.quant is not None)
+        self.host_cache = np.zeros(shape, CODE_DTYPES[host_dtype]) if num_host_blocks else None
         self.draft_head = None if mtp is None else ReferenceDraftHead(model, mtp, self.cache, block_size)
 
     # Whole blocks with every KV head of the model, whatever this rank holds: the prefill/decode transfer's format,
