@@ -135,6 +135,24 @@ def shim_health(launcher: Launcher) -> int | None:
         return None
 
 
+def listening(port: int) -> bool:
+    """True while a socket listens on the port (state 0A in /proc/net/tcp*), whichever process holds it."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def ports_released(*ports: int) -> None:
+    """Nothing listens on them now, and they can be bound again once the kernel has closed the dead processes'
+    connections (it does that after the processes are gone, as the launcher's own restart waits for too)."""
+    assert not [p for p in ports if listening(p)]
+    wait_until(lambda: all(port_free(p) for p in ports), f"ports {ports} to be free to bind")
+
+
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -216,7 +234,7 @@ def test_sigkill_of_the_engine_stub_fails_its_streams_and_the_launcher_exits_non
         streams.close()
     assert "ernie_moe_0_0" in server.output and "died" in server.output
     wait_until(lambda: not server.leftovers(), "tritonserver and its stubs to be gone")
-    assert all(port_free(p) for p in (server.http, server.grpc, server.metrics))
+    ports_released(server.http, server.grpc, server.metrics)
 
 
 def test_restart_on_failure_serves_again_after_the_engine_stub_is_killed(launch):
@@ -280,7 +298,7 @@ def test_sigkill_of_the_launcher_takes_tritonserver_its_stubs_and_the_shim_with_
         wait_until(lambda: not server.leftovers(), "tritonserver, its stubs and the shim to die")
     finally:
         streams.close()
-    assert all(port_free(p) for p in (server.http, server.grpc, server.metrics, server.openai))
+    ports_released(server.http, server.grpc, server.metrics, server.openai)
 
 
 def test_a_taken_port_is_refused_before_tritonserver_starts(launch):
