@@ -171,6 +171,21 @@ def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k,
     np.testing.assert_array_equal(best, got.max(axis=1))
 
 
+@pytest.mark.parametrize("m", range(1, 16))
+def test_every_row_count_gives_the_product_in_both_float_widths(m):
+    """cpu_gemm.c picks its register tiles by the row count (whole 32-column blocks for a few rows, 16-column halves
+    of up to 6 or 8 rows beyond, a different cut for bfloat16): every count up to two full tiles and a remainder,
+    with a narrow last block, equals the float64 product, and bfloat16 equals float32 on the rounded weight."""
+    rng = np.random.default_rng(m)
+    k, n = 75, 70
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = cpu_gemm.gemm(x, cpu_gemm.packed(w), n, None, 32).numpy()
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=1e-5, atol=1e-4)
+    rounded = cpu_gemm.gemm(x, cpu_gemm.packed(_bf16(w)), n, None, 32).numpy()
+    np.testing.assert_array_equal(cpu_gemm.gemm(x, cpu_gemm.packed(w, bits=16), n, None, 16).numpy(), rounded)
+
+
 def test_a_weight_held_in_another_float_width_is_refused():
     """A float32 weight read as bfloat16 (or the reverse) would be garbage: the shape fits, the dtype does not."""
     w = np.ones((64, 32), np.float32)

@@ -26,12 +26,7 @@
 #include "threads.h"
 #include "vec_math.h"
 
-#define COLS 32  /* columns per thread task: two 16-float vectors */
-#ifdef __AVX512F__
-#define ROWS 8   /* rows per register block: 16 accumulators of AVX-512's 32 registers */
-#else
-#define ROWS 3   /* AVX2's 16 registers: 6 vf16 accumulators (12 halves) and a weight row (4 halves) */
-#endif
+#define COLS 32  /* columns per thread task (a column block) */
 
 /* A column-blocked weight, or one column block of it: float32 values, or bfloat16 ones (bf16 set). */
 typedef struct {
@@ -50,48 +45,104 @@ static inline float weight_at(blocked_w w, int64_t i) {
 }
 
 #ifdef ERNIE_VF16
-/* Row k of a column block as two vectors of 16 floats. */
-static inline void row_of_32(const float *w, int k, vf16 *w0, vf16 *w1) {
-    *w0 = vf16_load(w + (int64_t)k * COLS);
-    *w1 = vf16_load(w + (int64_t)k * COLS + 16);
-}
+/* Register tiles: `mb` rows x `nv` native vectors of a column block's columns, accumulated over all of K in
+ * registers. Each accumulator is its own variable: GCC kept an array of them on the stack, a store after every FMA,
+ * which halved AVX2's rate. ROWS x 2 accumulators, the weight row's vectors and a broadcast fit the register file. */
+#ifdef __AVX512F__
+typedef __m512 vn;  /* a native vector */
+#define VN 16       /* its floats */
+#define ROWS 8      /* 16 accumulators of AVX-512's 32 registers */
+#define WIDE_ROWS 8 /* every tile spans all COLS columns (two native vectors) */
+#define WIDE_UP_TO(bf16) INT32_MAX
+static inline vn vn_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vn vn_load_bf16(const uint16_t *p) { return vf16_load_bf16(p); }
+static inline vn vn_set1(float x) { return _mm512_set1_ps(x); }
+static inline vn vn_zero(void) { return _mm512_setzero_ps(); }
+static inline vn vn_fmadd(vn a, vn b, vn c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void vn_store(float *p, vn v) { _mm512_storeu_ps(p, v); }
+#else
+typedef __m256 vn;
+#define VN 8
+#define ROWS 6      /* 12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16 registers */
+#define WIDE_ROWS 3 /* whole-block tiles: 12 accumulators, the weights read as FMA operands */
+/* How many rows at most take the block whole; more take it in two 16-column halves. float32: up to 4 (3 + 1 rows;
+ * half tiles of so few rows had too few independent FMAs to hide their latency). bfloat16: up to 2 (a whole-block
+ * tile of 3 rows spills an accumulator, as it widens four weight vectors a row). */
+#define WIDE_UP_TO(bf16) ((bf16) ? 2 : 4)
+static inline vn vn_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vn vn_load_bf16(const uint16_t *p) { return bf16_8(p); }
+static inline vn vn_set1(float x) { return _mm256_set1_ps(x); }
+static inline vn vn_zero(void) { return _mm256_setzero_ps(); }
+static inline vn vn_fmadd(vn a, vn b, vn c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void vn_store(float *p, vn v) { _mm256_storeu_ps(p, v); }
+#endif
 
-static inline void row_of_32_bf16(const uint16_t *w, int k, vf16 *w0, vf16 *w1) {
-    *w0 = vf16_load_bf16(w + (int64_t)k * COLS);
-    *w1 = vf16_load_bf16(w + (int64_t)k * COLS + 16);
-}
-
-/* One block of `mb` rows (a compile-time constant in each instance, so the accumulators stay in registers)
- * and the COLS columns whose weights (of type WT, read by ROW) are the contiguous [K, COLS] run at w
- * -> y[m * ldy + j]. */
-#define BLOCK(NAME, mb, WT, ROW)                                                                            \
-static void NAME(const float *x, int K, const WT *w, int64_t ldy, float *y) {                               \
-    vf16 a0[mb], a1[mb];                                                                                    \
-    for (int m = 0; m < mb; m++) { a0[m] = vf16_zero(); a1[m] = vf16_zero(); }                              \
-    for (int k = 0; k < K; k++) {                                                                           \
-        vf16 w0, w1;                                                                                        \
-        ROW(w, k, &w0, &w1);                                                                                \
-        for (int m = 0; m < mb; m++) {                                                                      \
-            vf16 xv = vf16_set1(x[(int64_t)m * K + k]);                                                     \
-            a0[m] = vf16_fmadd(xv, w0, a0[m]);                                                              \
-            a1[m] = vf16_fmadd(xv, w1, a1[m]);                                                              \
+#define TILE_FMA(m)                                                                                         \
+    if (rows > m) {                                                                                         \
+        const vn b = vn_set1(x[(int64_t)m * K + k]);                                                        \
+        c##m##0 = vn_fmadd(b, w0, c##m##0);                                                                 \
+        c##m##1 = vn_fmadd(b, w1, c##m##1);                                                                 \
+        if (vecs > 2) {                                                                                     \
+            c##m##2 = vn_fmadd(b, w2, c##m##2);                                                             \
+            c##m##3 = vn_fmadd(b, w3, c##m##3);                                                             \
         }                                                                                                   \
+    }
+#define TILE_STORE(m)                                                                                       \
+    if (rows > m) {                                                                                         \
+        vn_store(y + m * ldy, c##m##0);                                                                     \
+        vn_store(y + m * ldy + VN, c##m##1);                                                                \
+        if (vecs > 2) {                                                                                     \
+            vn_store(y + m * ldy + 2 * VN, c##m##2);                                                        \
+            vn_store(y + m * ldy + 3 * VN, c##m##3);                                                        \
+        }                                                                                                   \
+    }
+/* x [mb, K] (row stride K) times the nv * VN columns whose weights (of type WT, read by LOAD) start at w, row k at
+ * w + k * COLS -> y[m * ldy + j]. mb and nv are constants in each instance, so the unused accumulators vanish. */
+#define TILE(NAME, mb, nv, WT, LOAD)                                                                        \
+static void NAME(const float *x, int K, const WT *w, int64_t ldy, float *y) {                               \
+    enum { rows = mb, vecs = nv };                                                                          \
+    vn c00 = vn_zero(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;        \
+    vn c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;              \
+    vn c40 = c00, c41 = c00, c42 = c00, c43 = c00, c50 = c00, c51 = c00, c52 = c00, c53 = c00;              \
+    vn c60 = c00, c61 = c00, c62 = c00, c63 = c00, c70 = c00, c71 = c00, c72 = c00, c73 = c00;              \
+    for (int k = 0; k < K; k++) {                                                                           \
+        const WT *r = w + (int64_t)k * COLS;                                                                \
+        const vn w0 = LOAD(r), w1 = LOAD(r + VN);                                                           \
+        const vn w2 = nv > 2 ? LOAD(r + 2 * VN) : w0, w3 = nv > 2 ? LOAD(r + 3 * VN) : w1;                  \
+        TILE_FMA(0) TILE_FMA(1) TILE_FMA(2) TILE_FMA(3) TILE_FMA(4) TILE_FMA(5) TILE_FMA(6) TILE_FMA(7)     \
     }                                                                                                       \
-    for (int m = 0; m < mb; m++) {                                                                          \
-        vf16_store(y + m * ldy, a0[m]);                                                                     \
-        vf16_store(y + m * ldy + 16, a1[m]);                                                                \
-    }                                                                                                       \
+    TILE_STORE(0) TILE_STORE(1) TILE_STORE(2) TILE_STORE(3) TILE_STORE(4) TILE_STORE(5) TILE_STORE(6)       \
+    TILE_STORE(7)                                                                                           \
 }
-typedef void (*block_fn)(const float *, int, const float *, int64_t, float *);
-typedef void (*block_bf16_fn)(const float *, int, const uint16_t *, int64_t, float *);
-#define BLOCKS(P, WT, ROW)                                                                                  \
-BLOCK(P##1, 1, WT, ROW) BLOCK(P##2, 2, WT, ROW) BLOCK(P##3, 3, WT, ROW) BLOCK(P##4, 4, WT, ROW)             \
-BLOCK(P##5, 5, WT, ROW) BLOCK(P##6, 6, WT, ROW) BLOCK(P##7, 7, WT, ROW) BLOCK(P##8, 8, WT, ROW)
-BLOCKS(block_, float, row_of_32)
-BLOCKS(block_bf16_, uint16_t, row_of_32_bf16)
-static const block_fn blocks[9] = {0, block_1, block_2, block_3, block_4, block_5, block_6, block_7, block_8};
-static const block_bf16_fn blocks_bf16[9] = {0, block_bf16_1, block_bf16_2, block_bf16_3, block_bf16_4, block_bf16_5,
-                                             block_bf16_6, block_bf16_7, block_bf16_8};
+typedef void (*tile_fn)(const float *, int, const float *, int64_t, float *);
+typedef void (*tile_bf16_fn)(const float *, int, const uint16_t *, int64_t, float *);
+#define TILES(P, WT, LOAD)                                                                                  \
+TILE(P##1, 1, 2, WT, LOAD) TILE(P##2, 2, 2, WT, LOAD) TILE(P##3, 3, 2, WT, LOAD) TILE(P##4, 4, 2, WT, LOAD) \
+TILE(P##5, 5, 2, WT, LOAD) TILE(P##6, 6, 2, WT, LOAD)
+TILES(tile_, float, vn_load)
+TILES(tile_bf16_, uint16_t, vn_load_bf16)
+#ifdef __AVX512F__
+TILE(tile_7, 7, 2, float, vn_load) TILE(tile_8, 8, 2, float, vn_load)
+TILE(tile_bf16_7, 7, 2, uint16_t, vn_load_bf16) TILE(tile_bf16_8, 8, 2, uint16_t, vn_load_bf16)
+/* [wide][mb]: two native vectors span the block, so wide and narrow tiles are the same */
+static const tile_fn tiles[2][ROWS + 1] = {
+    {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8},
+    {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8}};
+static const tile_bf16_fn tiles_bf16[2][ROWS + 1] = {
+    {0, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5, tile_bf16_6, tile_bf16_7, tile_bf16_8},
+    {0, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5, tile_bf16_6, tile_bf16_7, tile_bf16_8}};
+#else
+TILE(wide_1, 1, 4, float, vn_load) TILE(wide_2, 2, 4, float, vn_load) TILE(wide_3, 3, 4, float, vn_load)
+TILE(wide_bf16_1, 1, 4, uint16_t, vn_load_bf16) TILE(wide_bf16_2, 2, 4, uint16_t, vn_load_bf16)
+/* [wide][mb]: half-block tiles (16 columns), and whole-block ones of up to WIDE_ROWS rows */
+static const tile_fn tiles[2][ROWS + 1] = {{0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6},
+                                           {0, wide_1, wide_2, wide_3}};
+static const tile_bf16_fn tiles_bf16[2][ROWS + 1] = {
+    {0, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5, tile_bf16_6},
+    {0, wide_bf16_1, wide_bf16_2}};
+#endif
+#else
+#define ROWS 8
 #endif
 
 /* Columns [n0, n1) plainly (a last block narrower than COLS) -> y[m * ldy + n - n0]. */
@@ -105,52 +156,29 @@ static void columns_plain(const float *x, int M, int K, blocked_w w, int64_t ldy
         }
 }
 
-#ifdef ERNIE_VF16
-/* A bfloat16 column block [K, COLS] widened into this thread's float32 scratch `slot` (0 or 1: SwiGLU holds its
- * gate and up blocks at once; kept and grown, never freed: one pair per kernel thread), or NULL out of memory. */
-static const float *widened_block(const uint16_t *w, int K, int slot) {
-    static _Thread_local float *scratch[2];
-    static _Thread_local int64_t capacity[2];
-    const int64_t n = (int64_t)K * COLS;
-    if (n > capacity[slot]) {  /* 64-byte aligned: vector loads split across cache lines slowed prefill markedly */
-        float *grown = aligned_alloc(64, sizeof(float) * n);  /* n is a multiple of COLS: a whole number of lines */
-        if (!grown) return NULL;
-        free(scratch[slot]);
-        scratch[slot] = grown;
-        capacity[slot] = n;
-    }
-    for (int64_t i = 0; i < n; i += 16) vf16_store(scratch[slot] + i, vf16_load_bf16(w + i));
-    return scratch[slot];
-}
-#endif
-
-/* Column block b of w, as its row blocks read it. A bfloat16 block with more than one register block of rows
- * (prefill) is widened once (into scratch `slot`) and read as float32, instead of widening every weight row again
- * for each block of rows: the widening costs about what the FMAs of one row block do. */
-static blocked_w block_source(blocked_w w, int K, int b, int M, int slot) {
+/* Column block b of w. */
+static blocked_w block_of(blocked_w w, int K, int b) {
     const int64_t at = (int64_t)b * K * COLS;
-    blocked_w src = {w.bf16 ? (const void *)((const uint16_t *)w.p + at) : (const void *)((const float *)w.p + at),
-                     w.bf16};
-#ifdef ERNIE_VF16
-    const float *wide = w.bf16 && M > ROWS ? widened_block(src.p, K, slot) : NULL;
-    if (wide) {
-        src.p = wide;
-        src.bf16 = 0;
-    }
-#endif
-    return src;
+    blocked_w block = {w.bf16 ? (const void *)((const uint16_t *)w.p + at) : (const void *)((const float *)w.p + at),
+                       w.bf16};
+    return block;
 }
 
-/* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS. */
+/* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS: tiles of up to WIDE_ROWS rows over the
+ * whole block when M is at most WIDE_UP_TO, else tiles of up to ROWS rows over each half of it. */
 static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_t ldy, float *y) {
 #ifdef ERNIE_VF16
-    for (int m0 = 0; m0 < M; m0 += ROWS) {
-        int mb = M - m0 < ROWS ? M - m0 : ROWS;
-        if (src.bf16)
-            blocks_bf16[mb](x + (int64_t)m0 * K, K, src.p, ldy, y + m0 * ldy);
-        else
-            blocks[mb](x + (int64_t)m0 * K, K, src.p, ldy, y + m0 * ldy);
-    }
+    const int wide = M <= WIDE_UP_TO(src.bf16), span = wide ? COLS : 2 * VN, rows = wide ? WIDE_ROWS : ROWS;
+    for (int c0 = 0; c0 < COLS; c0 += span)
+        for (int m0 = 0; m0 < M; m0 += rows) {
+            const int mb = M - m0 < rows ? M - m0 : rows;
+            const float *xm = x + (int64_t)m0 * K;
+            float *ym = y + m0 * ldy + c0;
+            if (src.bf16)
+                tiles_bf16[wide][mb](xm, K, (const uint16_t *)src.p + c0, ldy, ym);
+            else
+                tiles[wide][mb](xm, K, (const float *)src.p + c0, ldy, ym);
+        }
 #else
     for (int m = 0; m < M; m++)
         for (int j = 0; j < COLS; j++) {
@@ -163,7 +191,7 @@ static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_
 
 /* Rows [0, M) of x times column block b (a full one) -> y[m * ldy + j], j < COLS. */
 static void column_block(const float *x, int M, int K, blocked_w w, int64_t ldy, float *y, int b) {
-    rows_times_block(x, M, K, block_source(w, K, b, M, 0), ldy, y);
+    rows_times_block(x, M, K, block_of(w, K, b), ldy, y);
 }
 
 static void gemm(const float *x, int M, int K, blocked_w w, int N, float *y) {
@@ -203,7 +231,7 @@ int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
 static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float *y, int b) {
     const int I = N / 2, nb = I / COLS;
     float g[ROWS * COLS], u[ROWS * COLS];
-    const blocked_w gate = block_source(w, K, b, M, 0), up = block_source(w, K, b + nb, M, 1);
+    const blocked_w gate = block_of(w, K, b), up = block_of(w, K, b + nb);
     for (int m0 = 0; m0 < M; m0 += ROWS) {
         int mb = M - m0 < ROWS ? M - m0 : ROWS;
         const float *xm = x + (int64_t)m0 * K;
