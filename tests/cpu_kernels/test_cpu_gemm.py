@@ -171,11 +171,11 @@ def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k,
     np.testing.assert_array_equal(best, got.max(axis=1))
 
 
-@pytest.mark.parametrize("m", range(1, 16))
+@pytest.mark.parametrize("m", range(1, 22))
 def test_every_row_count_gives_the_product_in_both_float_widths(m):
-    """cpu_gemm.c picks its register tiles by the row count (whole 32-column blocks for a few rows, 16-column halves
-    of up to 6 or 8 rows beyond, a different cut for bfloat16): every count up to two full tiles and a remainder,
-    with a narrow last block, equals the float64 product, and bfloat16 equals float32 on the rounded weight."""
+    """cpu_gemm.c picks its register tiles by the row count and width (whole 32-column blocks for float32 up to 16
+    rows and bfloat16 up to 2, 16-column halves of up to 6 rows beyond): every count past both cuts, with a narrow
+    last block, equals the float64 product, and bfloat16 equals float32 on the rounded weight."""
     rng = np.random.default_rng(m)
     k, n = 75, 70
     w = rng.standard_normal((k, n)).astype(np.float32)

@@ -65,10 +65,12 @@ typedef __m256 vn;
 #define VN 8
 #define ROWS 6      /* 12 accumulators, 2 weight vectors and a broadcast: 15 of AVX2's 16 registers */
 #define WIDE_ROWS 3 /* whole-block tiles: 12 accumulators, the weights read as FMA operands */
-/* How many rows at most take the block whole; more take it in two 16-column halves. float32: up to 4 (3 + 1 rows;
- * half tiles of so few rows had too few independent FMAs to hide their latency). bfloat16: up to 2 (a whole-block
- * tile of 3 rows spills an accumulator, as it widens four weight vectors a row). */
-#define WIDE_UP_TO(bf16) ((bf16) ? 2 : 4)
+/* How many rows at most take the block whole; more take it in two 16-column halves. float32: up to 16, a decode
+ * step's sizes: a float32 half is every other 64-byte line of the block's rows, and where the weights come from
+ * memory once a step two strided passes were slower than 3-row tiles re-reading the block from L2 (a decode step
+ * 79-86 ms either way with this cut, 83-104 with halves from 5 rows, one-off A/B of the engine). bfloat16: up to 2
+ * (its halves share each line; a whole-block tile of 3 rows spills an accumulator as it widens four vectors a row). */
+#define WIDE_UP_TO(bf16) ((bf16) ? 2 : 16)
 static inline vn vn_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline vn vn_load_bf16(const uint16_t *p) { return bf16_8(p); }
 static inline vn vn_set1(float x) { return _mm256_set1_ps(x); }
