@@ -12,6 +12,7 @@ import paddle
 import pytest
 
 from ernie_serve.cpu_kernels import cpu_gemm
+from ernie_serve.devices import cpu_flags_line
 from ernie_serve.quantization import formats as fmt
 from ernie_serve.model.quantized_layers import QuantLinear
 
@@ -35,6 +36,29 @@ def test_matches_the_dequantized_matmul(bits, m, k, n):
     assert np.all(np.abs(got - ref) <= 1e-4 * row_scale)
 
 
+_FLAGS = set(cpu_flags_line().split())
+
+
+@pytest.mark.skipif("avx512_vnni" in _FLAGS or not {"avx2", "fma"} <= _FLAGS,
+                    reason="the widening path serves AVX2 + FMA CPUs without AVX-512 VNNI")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (4, 70, 96), (5, 1024, 1408), (9, 14, 33), (66, 136, 64)])
+def test_without_vnni_the_codes_are_widened_and_x_enters_as_it_is(bits, m, k, n):
+    """On such a CPU float activations are not quantized: the product is the float32 one of the dequantized weight
+    (to float32 rounding, well inside the 16-bit activation path's bound above), for one GEMM and the batched experts,
+    K not a multiple of a group too (the SwiGLU-fused form: test_swiglu_fused_... below)."""
+    rng = np.random.default_rng(m * 7 + k + bits)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    q, s = fmt.quantize_weight_only(w, bits)
+    deq = fmt.dequantize_weight_only(q, s, bits).astype(np.float64)
+    codes, scale = cpu_gemm.packed_codes(q, bits), paddle.to_tensor(s)
+    ref = x.astype(np.float64) @ deq
+    np.testing.assert_allclose(cpu_gemm.gemm(x, codes, n, scale, bits).numpy(), ref, rtol=1e-5, atol=1e-4)
+    both = cpu_gemm.moe_gemm(np.stack([x, x[::-1]]), np.array([m, m]), [codes, codes], n, [scale, scale], bits).numpy()
+    np.testing.assert_allclose(both[1], x[::-1].astype(np.float64) @ deq, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_integer_valued_activations_are_exact(bits):
     """w4a8's activations are int8 already (int_x): one exact level, so the product is the integer one."""
@@ -52,7 +76,7 @@ def test_zero_rows_give_zeros_and_non_finite_rows_do_not_pass_as_numbers():
     x = np.zeros((3, 32), np.float32)
     x[1, 3], x[2, 5] = np.inf, np.nan
     got = cpu_gemm.gemm(x, cpu_gemm.packed_codes(q, 8), 32, paddle.to_tensor(s), 8).numpy()
-    assert np.all(got[0] == 0) and np.all(np.isnan(got[1:]))
+    assert np.all(got[0] == 0) and not np.isfinite(got[1:]).any()  # NaN (integer path) or the inf itself (widening)
 
 
 @pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])

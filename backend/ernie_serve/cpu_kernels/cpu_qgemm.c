@@ -33,10 +33,12 @@
 #define MAX_LEVELS 2
 
 typedef struct {
-    const int8_t *q;      /* [M][levels][Kp] */
-    const float *scale;   /* [M][levels] */
-    const int32_t *sum;   /* [M][levels]: each level's sum of codes, for the weight offset */
+    int8_t *q;            /* [M][levels][Kp] */
+    float *scale;         /* [M][levels] */
+    int32_t *sum;         /* [M][levels]: each level's sum of codes, for the weight offset */
     int levels, Kp, bias; /* bias: the weights' offset, 128 (int8) or 8 (int4) */
+    const float *x;       /* instead of q: the float rows [M][K] themselves (the widening path below) */
+    int K;
 } qacts;
 
 static int64_t groups(int K, int bits) { return bits == 4 ? (K + 7) / 8 : (K + 3) / 4; }
@@ -273,9 +275,70 @@ static void qblock_avx2(const qacts *a, int m0, int mb, int64_t G, const uint8_t
     }
 }
 #define HAVE_AVX2_QBLOCK 1
+
+#ifdef __FMA__
+/* Without VNNI the integer path costs ~10 instructions per 32 codes a row and level (the nibble split above), so
+ * float activations take this one instead: each code widened to float32 in registers (a shift pair and a convert per
+ * 8 codes, shared by the tile's rows) and multiplied in with FMAs, x exactly as given. 16 columns x up to 4 rows a
+ * pass (8 accumulators, named: see QBLOCK). The codes are XORed with their offset's sign bits first, which turns an
+ * offset code (w + 128, or the nibble w + 8) into w as a signed field that the shifts sign-extend. */
+static inline __m256 signed_field(__m256i v, int shl, int sar) {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, shl), sar));
+}
+
+#define QF_FMA(m)                                                                                                \
+    if (rows > m) {                                                                                              \
+        const __m256 b = _mm256_set1_ps(x[(int64_t)m * K + k]);                                                  \
+        c##m##0 = _mm256_fmadd_ps(b, w0, c##m##0);                                                               \
+        c##m##1 = _mm256_fmadd_ps(b, w1, c##m##1);                                                               \
+    }
+#define QF_STORE(m)                                                                                              \
+    if (rows > m) {                                                                                              \
+        _mm256_storeu_ps(tile + m * COLS + 16 * h, c##m##0);                                                     \
+        _mm256_storeu_ps(tile + m * COLS + 16 * h + 8, c##m##1);                                                 \
+    }
+/* Rows x[0, MB) (row stride K) times the 32-column block of BITS-bit codes at w -> tile[MB][COLS], unscaled.
+ * A group holds 4 k (int8: byte i) or 8 (int4: byte i's low nibble k = 8g + i, its high nibble 8g + 4 + i). */
+#define QFBLOCK(NAME, BITS, MB)                                                                                  \
+static void NAME(const float *x, int K, int64_t G, const uint8_t *w, float *tile) {                              \
+    enum { rows = MB, per = BITS == 8 ? 4 : 8, width = BITS == 8 ? 8 : 4 };                                     \
+    const __m256i flip = _mm256_set1_epi32(BITS == 8 ? (int)0x80808080u : (int)0x88888888u);                     \
+    for (int h = 0; h < 2; h++) {                                                                                \
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,      \
+               c31 = c00;                                                                                        \
+        for (int64_t g = 0; g < G; g++) {                                                                        \
+            const uint8_t *wg = w + (g * COLS + 16 * h) * 4;                                                     \
+            const __m256i v0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wg), flip);                 \
+            const __m256i v1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + 32)), flip);          \
+            const int64_t k0 = g * per, nk = K - k0 < per ? K - k0 : per;                                        \
+            for (int i = 0; i < per; i++) {                                                                      \
+                if (i >= nk) break;                                                                              \
+                const int at = BITS == 8 ? 8 * i : (i < 4 ? 8 * i : 8 * (i - 4) + 4);                            \
+                const __m256 w0 = signed_field(v0, 32 - width - at, 32 - width);                                 \
+                const __m256 w1 = signed_field(v1, 32 - width - at, 32 - width);                                 \
+                const int64_t k = k0 + i;                                                                        \
+                QF_FMA(0) QF_FMA(1) QF_FMA(2) QF_FMA(3)                                                          \
+            }                                                                                                    \
+        }                                                                                                        \
+        QF_STORE(0) QF_STORE(1) QF_STORE(2) QF_STORE(3)                                                          \
+    }                                                                                                            \
+}
+typedef void (*qfblock_fn)(const float *, int, int64_t, const uint8_t *, float *);
+QFBLOCK(qf8_1, 8, 1) QFBLOCK(qf8_2, 8, 2) QFBLOCK(qf8_3, 8, 3) QFBLOCK(qf8_4, 8, 4)
+QFBLOCK(qf4_1, 4, 1) QFBLOCK(qf4_2, 4, 2) QFBLOCK(qf4_3, 4, 3) QFBLOCK(qf4_4, 4, 4)
+static const qfblock_fn qf8[QROWS + 1] = {0, qf8_1, qf8_2, qf8_3, qf8_4};
+static const qfblock_fn qf4[QROWS + 1] = {0, qf4_1, qf4_2, qf4_3, qf4_4};
+#define HAVE_WIDENING_QBLOCK 1
+#endif
 #endif
 
 static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile) {
+#ifdef HAVE_WIDENING_QBLOCK
+    if (a->x) {
+        (bits == 8 ? qf8 : qf4)[mb](a->x + (int64_t)m0 * a->K, a->K, G, w, tile);
+        return;
+    }
+#endif
 #ifdef HAVE_VNNI
     const qblock_fn *fns = bits == 8 ? (a->levels == 1 ? qb8_l1_s : qb8_l2_s) : (a->levels == 1 ? qb4_l1_s : qb4_l2_s);
     fns[mb](a, m0, G, w, tile);
@@ -323,38 +386,45 @@ static void qcolumns_swiglu(const qacts *a, int r0, int M, int K, const uint8_t 
     }
 }
 
-/* Quantize every row once (the tasks below share them); NULL if out of memory. */
-static int8_t *quantize(const float *x, int M, int K, int bits, int int_x, qacts *a, float **scale, int32_t **sum) {
+/* The activations as the blocks take them: every row quantized once (the tasks below share them), or, with the
+ * widening path and float x, the rows as they are. Returns 0, or -1 out of memory. */
+static int prepare(const float *x, int M, int K, int bits, int int_x, qacts *a) {
+    *a = (qacts){0};
+#ifdef HAVE_WIDENING_QBLOCK
+    if (!int_x) {
+        a->x = x, a->K = K;
+        return 0;
+    }
+#endif
     const int levels = int_x ? 1 : 2, Kp = (int)groups(K, bits) * (bits == 4 ? 8 : 4);
-    int8_t *q = malloc((size_t)M * levels * Kp + 64);
-    *scale = malloc(sizeof(float) * (size_t)M * levels + 4);
-    *sum = malloc(sizeof(int32_t) * (size_t)M * levels + 4);
-    if (!q || !*scale || !*sum) {
-        free(q), free(*scale), free(*sum);
-        return NULL;
+    a->q = malloc((size_t)M * levels * Kp + 64);
+    a->scale = malloc(sizeof(float) * (size_t)M * levels + 4);
+    a->sum = malloc(sizeof(int32_t) * (size_t)M * levels + 4);
+    if (!a->q || !a->scale || !a->sum) {
+        free(a->q), free(a->scale), free(a->sum);
+        return -1;
     }
     #pragma omp parallel for THREADS schedule(static) if ((int64_t)M * K >= (1 << 18))
     for (int m = 0; m < M; m++)
-        quantize_row(x + (int64_t)m * K, K, Kp, levels, int_x, q + (int64_t)m * levels * Kp, *scale + m * levels,
-                     *sum + m * levels);
-    *a = (qacts){q, *scale, *sum, levels, Kp, bits == 8 ? 128 : 8};
-    return q;
+        quantize_row(x + (int64_t)m * K, K, Kp, levels, int_x, a->q + (int64_t)m * levels * Kp, a->scale + m * levels,
+                     a->sum + m * levels);
+    a->levels = levels, a->Kp = Kp, a->bias = bits == 8 ? 128 : 8;
+    return 0;
 }
+
+static void release(qacts *a) { free(a->q), free(a->scale), free(a->sum); }
 
 int ernie_qgemm(const float *x, int M, int K, const uint8_t *w, int N, const float *s, float *y, int bits, int swiglu,
                 int int_x) {
     qacts a;
-    float *scale;
-    int32_t *sum;
-    int8_t *q = quantize(x, M, K, bits, int_x, &a, &scale, &sum);
-    if (!q) return -1;
+    if (prepare(x, M, K, bits, int_x, &a)) return -1;
     const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
     #pragma omp parallel for THREADS schedule(static)
     for (int b = 0; b < nb; b++) {
         if (swiglu) qcolumns_swiglu(&a, 0, M, K, w, N, s, y, b, bits);
         else qcolumns(&a, 0, M, K, w, N, s, y, b, bits);
     }
-    free(q), free(scale), free(sum);
+    release(&a);
     return 0;
 }
 
@@ -363,10 +433,7 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     int64_t M = 0;
     for (int e = 0; e < E; e++) M = starts[e] + rows[e] > M ? starts[e] + rows[e] : M;
     qacts a;
-    float *scale;
-    int32_t *sum;
-    int8_t *q = quantize(x, (int)M, K, bits, int_x, &a, &scale, &sum);
-    if (!q) return -1;
+    if (prepare(x, (int)M, K, bits, int_x, &a)) return -1;
     const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
@@ -376,6 +443,6 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
         if (swiglu) qcolumns_swiglu(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits);
         else qcolumns(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits);
     }
-    free(q), free(scale), free(sum);
+    release(&a);
     return 0;
 }
