@@ -1,16 +1,19 @@
-/* Weight-only int8 / int4 GEMM as integer dot products (AVX-512 VNNI, or AVX2), for the CPU serving path.
+/* Weight-only int8 / int4 GEMM for the CPU serving path: integer dot products with AVX-512 VNNI, codes widened to
+ * float32 in registers on AVX2 CPUs without it.
  *
  *   y[M, N] = (x[M, K] @ W[K, N]) * scale[N]      W int8 or int4 codes, x float32
  *
- * Why: widening each weight to fp32 and multiplying it in with FMAs made the int formats compute-bound on this
- * CPU at 4+ rows: the 2 cores' FMA units, not memory, set the pace, so wint8 decoded little faster than fp32
- * while reading a quarter of its bytes. vpdpbusd multiplies 64 byte pairs an instruction and needs no widening,
- * so the weights are used as they are stored.
+ * Why: on an AVX-512 VNNI CPU, widening each weight to fp32 and multiplying it in with FMAs made the int formats
+ * compute-bound at 4+ rows (wint8 decoded little faster than fp32 while reading a quarter of its bytes);
+ * vpdpbusd multiplies 64 byte pairs an instruction and needs no widening, so the weights are used as they are
+ * stored. AVX2 has no such instruction (its vpmaddubsw needs the codes split into nibbles), so there the widening
+ * path below serves float activations (README "bfloat16 on the CPU" has both measured).
  *
- * The activations enter at 16-bit precision: each row is quantized to two int8 levels, x ~ s1 * q1 + s2 * q2 with
- * s1 = max|x| / 127 and s2 = s1 / 254, so |x - (s1 q1 + s2 q2)| <= max|x| / 64516 (per element, against an int8
- * weight's quantization error of up to 1/254 of its column's max). Callers whose x is already integer-valued
- * (w4a8's int8 activations) pass int_x and get one exact level.
+ * On the integer paths the activations enter at 16-bit precision: each row is quantized to two int8 levels,
+ * x ~ s1 * q1 + s2 * q2 with s1 = max|x| / 127 and s2 = s1 / 254, so |x - (s1 q1 + s2 q2)| <= max|x| / 64516 (per
+ * element, against an int8 weight's quantization error of up to 1/254 of its column's max). Callers whose x is
+ * already integer-valued (w4a8's int8 activations) pass int_x and get one exact level (the integer path on every
+ * CPU). The widening path takes x as it is.
  *
  * vpdpbusd takes unsigned bytes on one side, so the weights are stored offset: int8 w as w + 128, int4 w as the
  * nibble w + 8, and the offset times each activation row's sum is subtracted at the end.
