@@ -49,17 +49,17 @@ static inline float weight_at(blocked_w w, int64_t i) {
  * registers. Each accumulator is its own variable: GCC kept an array of them on the stack, a store after every FMA,
  * which halved AVX2's rate. ROWS x 2 accumulators, the weight row's vectors and a broadcast fit the register file. */
 #ifdef __AVX512F__
-typedef __m512 vn;  /* a native vector */
+typedef vf16 vn;    /* a native vector: vec16.h's vf16 is AVX-512's own */
 #define VN 16       /* its floats */
 #define ROWS 8      /* 16 accumulators of AVX-512's 32 registers */
 #define WIDE_ROWS 8 /* every tile spans all COLS columns (two native vectors) */
 #define WIDE_UP_TO(bf16) INT32_MAX
-static inline vn vn_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline vn vn_load_bf16(const uint16_t *p) { return vf16_load_bf16(p); }
-static inline vn vn_set1(float x) { return _mm512_set1_ps(x); }
-static inline vn vn_zero(void) { return _mm512_setzero_ps(); }
-static inline vn vn_fmadd(vn a, vn b, vn c) { return _mm512_fmadd_ps(a, b, c); }
-static inline void vn_store(float *p, vn v) { _mm512_storeu_ps(p, v); }
+#define vn_load vf16_load
+#define vn_load_bf16 vf16_load_bf16
+#define vn_set1 vf16_set1
+#define vn_zero vf16_zero
+#define vn_fmadd vf16_fmadd
+#define vn_store vf16_store
 #else
 typedef __m256 vn;
 #define VN 8
