@@ -220,7 +220,7 @@ def test_a_weight_held_in_another_float_width_is_refused():
 
 
 @pytest.mark.parametrize("bits", [32, 16, 8, 4])
-@pytest.mark.parametrize("m", [1, 5, 8, 19])
+@pytest.mark.parametrize("m", [1, 5, 8, 19, 53])
 def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
     """gemm / moe_gemm with swiglu=True give silu(gate) * up of the plain product, for every weight format."""
     from ernie_serve.model.layers import silu_and_mul

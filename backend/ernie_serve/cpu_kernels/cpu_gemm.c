@@ -230,12 +230,16 @@ static int swiglu_fits(int N) { return N % (2 * COLS) == 0; }
 
 int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
 
+/* Rows a SwiGLU pass takes at once: the gate and up tiles [SWIGLU_ROWS, COLS] stay in L1, and a prefill's rows go
+ * through rows_times_block in groups large enough for its half tiles. */
+#define SWIGLU_ROWS (4 * ROWS)
+
 static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float *y, int b) {
     const int I = N / 2, nb = I / COLS;
-    float g[ROWS * COLS], u[ROWS * COLS];
+    float g[SWIGLU_ROWS * COLS], u[SWIGLU_ROWS * COLS];
     const blocked_w gate = block_of(w, K, b), up = block_of(w, K, b + nb);
-    for (int m0 = 0; m0 < M; m0 += ROWS) {
-        int mb = M - m0 < ROWS ? M - m0 : ROWS;
+    for (int m0 = 0; m0 < M; m0 += SWIGLU_ROWS) {
+        int mb = M - m0 < SWIGLU_ROWS ? M - m0 : SWIGLU_ROWS;
         const float *xm = x + (int64_t)m0 * K;
         rows_times_block(xm, mb, K, gate, COLS, g);
         rows_times_block(xm, mb, K, up, COLS, u);
