@@ -12,7 +12,7 @@ import paddle
 import pytest
 
 from ernie_serve.cpu_kernels import cpu_gemm
-from ernie_serve.devices import cpu_flags_line
+from ernie_serve.devices import cpu_flags
 from ernie_serve.quantization import formats as fmt
 from ernie_serve.model.quantized_layers import QuantLinear
 
@@ -36,10 +36,7 @@ def test_matches_the_dequantized_matmul(bits, m, k, n):
     assert np.all(np.abs(got - ref) <= 1e-4 * row_scale)
 
 
-_FLAGS = set(cpu_flags_line().split())
-
-
-@pytest.mark.skipif("avx512_vnni" in _FLAGS or not {"avx2", "fma"} <= _FLAGS,
+@pytest.mark.skipif("avx512_vnni" in cpu_flags() or not {"avx2", "fma"} <= cpu_flags(),
                     reason="the widening path serves AVX2 + FMA CPUs without AVX-512 VNNI")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (4, 70, 96), (5, 1024, 1408), (9, 14, 33), (66, 136, 64)])

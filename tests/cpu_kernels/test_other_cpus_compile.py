@@ -3,7 +3,6 @@ and scalar paths, chosen by the compiler's target, and build.py only compiles fo
 the test machine cannot run would otherwise not even be compiled before a user's machine does."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 from ernie_serve.cpu_kernels import build
 
-CC = shutil.which("cc") or shutil.which("gcc")
+CC = build.compiler()
 TARGETS = ["x86-64", "x86-64-v3", "skylake-avx512", "cascadelake", "sapphirerapids"]
 
 

@@ -53,8 +53,13 @@ def _paddle_libs() -> Path:
     return Path(paddle.__file__).parent / "libs"
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc or gcc on PATH; None without one."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _compile(out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     libs = _paddle_libs()
