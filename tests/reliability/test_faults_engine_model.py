@@ -18,7 +18,7 @@ import pytest
 
 from ernie_serve.config import EngineConfig
 from ernie_serve.engine.async_engine import AsyncEngine
-from ernie_serve.serving.control import AbortListener, send_drain
+from ernie_serve.serving.control import ControlListener, send_drain
 from ernie_serve.serving.engine_model import DRAINING_MESSAGE, SHUT_DOWN, EngineModel
 
 WAIT = 60  # seconds: a bound for "never answered", not a speed expectation
@@ -145,7 +145,7 @@ def test_drain_refuses_new_requests_and_ends_the_running_ones_after_the_grace_pe
     running = [Sink() for _ in range(3)]
     for i, sink in enumerate(running):
         model.submit(request(LONG, ids=(40, 41 + i)), sink, f"r{i}")
-    assert send_drain(model.aborts.public_address, 0.3)  # the launcher's way in
+    assert send_drain(model.control.public_address, 0.3)  # the launcher's way in
     deadline = time.monotonic() + WAIT
     while not model._draining and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -173,7 +173,7 @@ def test_drain_lets_requests_that_finish_within_the_grace_period_complete(served
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to send as another user")
 def test_control_messages_from_another_user_are_ignored():
     got = []
-    listener = AbortListener(got.append, tag="ernie-test-uid")
+    listener = ControlListener(got.append, tag="ernie-test-uid")
     try:
         pid = os.fork()
         if pid == 0:  # the child: become nobody, then try to abort

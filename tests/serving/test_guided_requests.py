@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from ernie_serve.serving.errors import InvalidInput
 from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.request import parse_request
-from ernie_serve.tokenizer import ErnieTokenizer
+from serving_fakes import s
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}]
 CHAT = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-def s(text: str) -> np.ndarray:
-    return np.array([[text.encode("utf-8")]], dtype=np.object_)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir) -> ErnieTokenizer:
-    return ErnieTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import numpy as np
@@ -11,22 +9,15 @@ import pytest
 
 from ernie_serve.config import EngineConfig
 from ernie_serve.engine.async_engine import EngineDeadError, EngineOverloadedError
-from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
-from ernie_serve.serving.control import AbortListener, send_abort
+from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ernie_serve.serving.control import ControlListener, send_abort
 from ernie_serve.serving.engine_model import SHUT_DOWN, EngineModel
 from ernie_serve.serving.errors import InBandError, InvalidInput, in_band_error
 from ernie_serve.serving.postprocess import OUTPUT_NAMES, OrderError, Postprocessor, TokenTexts
 from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.repository import get_parameter, render_repository
 from ernie_serve.serving.request import parse_request
-
-
-def s(value: str) -> np.ndarray:
-    return np.array([[value.encode()]], dtype=np.object_)
-
-
-def i32(value: int) -> np.ndarray:
-    return np.array([[value]], dtype=np.int32)
+from serving_fakes import FakeEngine, Sink, engine_inputs, i32, moe_response, s
 
 
 # ------------------------------------------------------------------ request parsing
@@ -94,12 +85,6 @@ def test_skip_parsers_comes_from_an_input_or_a_request_parameter():
 
 
 # ------------------------------------------------------------------ preprocessing
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from ernie_serve.tokenizer import ErnieTokenizer
-
-    return ErnieTokenizer.from_pretrained(tiny_model_dir)
-
 
 def test_a_tokenized_prompt_is_used_as_sent_and_checked_against_the_vocabulary(tokenizer):
     pre = Preprocessor(tokenizer, max_model_len=16)
@@ -165,14 +150,6 @@ def test_chat_request_renders_the_template(tokenizer):
 
 
 # ------------------------------------------------------------------ postprocessing
-def moe_response(key: str, index: int, text: str, finish: str = "", meta: dict | None = None) -> dict:
-    return {"request_key": s(key), "response_index": i32(index), "token_ids": np.array([[1, 2]], np.int32),
-            "text_delta": s(text), "engine_finish_reason": s(finish), "num_input_tokens": i32(3),
-            "num_output_tokens": i32(2 * (index + 1)), "num_cached_tokens": i32(0),
-            "request_meta": s(json.dumps(meta or {"max_tokens": 100}) if index == 0 else ""),
-            "prompt_ids": np.array([[5, 6, 7]] if index == 0 else [[]], np.int32).reshape(1, -1)}
-
-
 def text_of(out: dict) -> str:
     return out["text_output"].reshape(-1)[0].decode()
 
@@ -205,7 +182,7 @@ def test_postprocessor_drops_idle_state_after_ttl(tokenizer):
 
 def test_cancelled_response_sends_one_abort_to_the_engine_instance(tokenizer):
     got = []
-    listener = AbortListener(got.append, tag="test")
+    listener = ControlListener(got.append, tag="test")
     try:
         post = Postprocessor(tokenizer)
         meta = {"max_tokens": 10, "abort_address": listener.public_address}
@@ -288,85 +265,6 @@ def test_num_reasoning_tokens_is_cumulative_from_the_parser(tokenizer):
 
 
 # ------------------------------------------------------------------ engine model with a fake engine
-class FakeEngine:
-    def __init__(self, error=None):
-        self.error = error
-        self.step_listeners = []
-        self.callbacks = {}
-        self.params = {}
-        self.is_healthy = True
-
-    def add_request(self, rid, ids, params, callback):
-        if self.error:
-            raise self.error
-        assert params.output_kind is RequestOutputKind.DELTA  # what the outputs below are shaped as
-        self.callbacks[rid] = (ids, callback)
-        self.params[rid] = params
-
-    def emit(self, rid, text, finished=False, reason=None, token_ids=(9,)):
-        """One step of `token_ids` whose text is `text`; as the engine does, the text is left out when the request
-        asked for none (the detokenizer stage then decodes the ids)."""
-        ids, cb = self.callbacks[rid]
-        text = text if self.params[rid].detokenize else ""
-        comp = CompletionOutput(0, text, list(token_ids), finish_reason=reason, text_delta=text,
-                                token_ids_delta=list(token_ids))
-        cb(RequestOutput(rid, None, ids, [comp], finished, 0, RequestMetrics(0.0, 0.0, 0.1, 0.2)), None)
-
-    def abort(self, rid):
-        if rid not in self.callbacks:
-            return False
-        self.emit(rid, "", finished=True, reason="abort")
-        return True
-
-    def stats(self):
-        return {"num_running": 0, "num_waiting": 0}
-
-    def shutdown(self, drain=True, timeout=1):
-        pass
-
-
-class Sink:
-    def __init__(self):
-        self.sent, self.errors, self.cancel = [], [], False
-        self.done = threading.Event()
-        self.gate = threading.Event()  # a consumer that lags: send blocks until the gate opens
-        self.gate.set()
-        self.entered = threading.Event()  # a send has started
-
-    def send(self, outputs, final):
-        self.entered.set()
-        self.gate.wait(5)
-        self.sent.append((outputs, final))
-        if final:
-            self.done.set()
-
-    def wait_sent(self, n: int) -> None:
-        """Until n responses went out: a test that wants one response a step lets each go before the next."""
-        deadline = time.monotonic() + 5
-        while len(self.sent) < n and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert len(self.sent) >= n
-
-    def send_error(self, code, message):
-        self.errors.append((code, message))
-        self.done.set()
-
-    def send_final(self):
-        self.sent.append((None, True))
-        self.done.set()
-
-    def is_cancelled(self):
-        return self.cancel
-
-
-def engine_inputs(stream=True, stop=("<END>",)):
-    """A request for ernie_moe. With stop strings (the default here) the engine detokenizes it and ernie_moe's
-    responses carry its text; without, they carry token ids for the detokenizer stage to decode."""
-    sampling = {"max_tokens": 4, "stop": list(stop)}
-    return {"input_ids": np.array([[1, 2, 3]], np.int32),
-            "request_json": s(json.dumps({"sampling": sampling, "stream": stream, "meta": {}}))}
-
-
 def test_without_stop_strings_the_engine_sends_ids_and_the_detokenizer_decodes_them(tokenizer):
     """The engine's step thread does no detokenizing for such a request: ernie_moe asks for no text and tells the
     detokenizer stage (request_meta's decode_ids) to decode the ids, which gives the engine's own text."""
@@ -555,7 +453,7 @@ def test_abort_by_key_over_the_control_socket():
     sink = Sink()
     model.submit(engine_inputs(), sink, "d")
     key = next(iter(engine.callbacks))
-    assert send_abort(model.aborts.public_address, key)
+    assert send_abort(model.control.public_address, key)
     # the detokenizer's abort: a bare FINAL, no CANCELLED error (see engine_model's docstring)
     assert sink.done.wait(2) and sink.sent == [(None, True)] and not sink.errors
     model.shutdown()

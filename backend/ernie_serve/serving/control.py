@@ -1,4 +1,4 @@
-"""The control channel of an engine instance: aborts from the detokenizer, drain from the launcher.
+"""The control channel of an engine instance: aborts and progress from the detokenizer, drain from the launcher.
 
 Why it exists: Triton (2.51) does not pass an ensemble's cancellation to a step that is already
 running; it marks only the step requests it creates afterwards (measured: the decoupled ernie_moe
@@ -13,7 +13,13 @@ Abstract sockets have no permissions, so each datagram's sender is checked by th
 credentials (SO_PASSCRED): only processes of this user are obeyed. The launcher finds an instance's
 socket in /proc/net/unix by the stub's pid, which is part of the address.
 
-Messages: `abort <request key>`, `drain <seconds>`.
+Progress: the detokenizer reports, for each stream, how many of ernie_moe's responses it has processed, so
+that ernie_moe can pace the stream (engine_model.py): a response waiting in tritonserver's queue in front of a
+lagging detokenizer costs a hop at each of tritonserver, the stub IPC and the detokenizer, while tokens held in
+ernie_moe join the stream's next response for free. Reports are batched (ProgressReporter): one datagram per
+PROGRESS_PERIOD at most, however many streams moved.
+
+Messages: `abort <request key>`, `drain <seconds>`, `progress <key>=<responses processed> ...`.
 """
 from __future__ import annotations
 
@@ -22,21 +28,25 @@ import os
 import socket
 import struct
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger(__name__)
 _MAX_DATAGRAM = 4096
+PROGRESS_PERIOD = 0.002  # seconds a progress report waits to gather more streams' progress
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 TAG = "ernie-moe"
 
 
-class AbortListener:
-    """Receives control messages and hands them to `on_abort(key)` / `on_drain(seconds)` on its own thread."""
+class ControlListener:
+    """Receives control messages and hands them to `on_abort(key)` / `on_drain(seconds)` /
+    `on_progress([(key, responses processed), ...])` on its own thread."""
 
     def __init__(self, on_abort: Callable[[str], None], tag: str = TAG,
-                 on_drain: Callable[[float], None] | None = None):
+                 on_drain: Callable[[float], None] | None = None,
+                 on_progress: Callable[[list[tuple[str, int]]], None] | None = None):
         self.address = f"\0{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -44,6 +54,7 @@ class AbortListener:
         self._sock.settimeout(0.5)
         self._on_abort = on_abort
         self._on_drain = on_drain
+        self._on_progress = on_progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ernie-control-listener", daemon=True)
         self._thread.start()
@@ -73,6 +84,8 @@ class AbortListener:
         verb, _, arg = message.partition(" ")
         if verb == "abort":
             self._on_abort(arg)
+        elif verb == "progress" and self._on_progress is not None:
+            self._on_progress([(key, int(n)) for key, _, n in (pair.rpartition("=") for pair in arg.split())])
         elif verb == "drain" and self._on_drain is not None:
             self._on_drain(float(arg))
         else:
@@ -111,6 +124,53 @@ def send_drain(address: str, seconds: float) -> bool:
     """Ask the engine instance at `address` to refuse new requests and to end the ones still running
     after `seconds` with an error; False if it is gone."""
     return _send(address, f"drain {seconds:g}")
+
+
+class ProgressReporter:
+    """Batches progress reports to engine instances: `note` records a stream's count (cheap, any thread); a
+    thread sends what was noted, one datagram per engine instance, PROGRESS_PERIOD after the first note."""
+
+    def __init__(self, period: float = PROGRESS_PERIOD):
+        self.period = period
+        self._pending: dict[str, dict[str, int]] = {}  # address -> key -> responses processed
+        self._lock = threading.Lock()
+        self._noted = threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.setblocking(False)  # a full or gone engine socket must never stall the detokenizer
+        self._thread = threading.Thread(target=self._run, name="ernie-progress-reports", daemon=True)
+        self._thread.start()
+
+    def note(self, address: str, key: str, processed: int) -> None:
+        with self._lock:
+            self._pending.setdefault(address, {})[key] = processed
+        self._noted.set()
+
+    def _run(self) -> None:
+        while True:
+            self._noted.wait()
+            time.sleep(self.period)
+            self._noted.clear()
+            with self._lock:
+                pending, self._pending = self._pending, {}
+            for address, counts in pending.items():
+                self._send(address, counts)
+
+    def _send(self, address: str, counts: dict[str, int]) -> None:
+        raw = "\0" + address[1:] if address.startswith("@") else address
+        pairs = [f"{key}={n}" for key, n in counts.items()]
+        while pairs:
+            message, size = ["progress"], len("progress")
+            while pairs and size + 1 + len(pairs[-1]) <= _MAX_DATAGRAM:
+                size += 1 + len(pairs[-1])
+                message.append(pairs.pop())
+            if len(message) == 1:  # one key longer than a datagram: not ours, drop it
+                pairs.pop()
+                continue
+            try:
+                self._sock.sendto(" ".join(message).encode("utf-8"), raw)
+            except OSError as e:  # engine gone or its queue full: the engine's hold times out instead
+                log.debug("progress report to %s not sent: %s", address, e)
+                return
 
 
 def listener_addresses(pid: int, tag: str = TAG) -> list[str]:

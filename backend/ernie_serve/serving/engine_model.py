@@ -6,9 +6,21 @@ step loop. A stream's steps are buffered on the request and the response thread 
 accumulated when it gets to it: one response a step while it keeps up, several steps' tokens in one
 response (never fewer tokens, never another order) when it lags, and at least `stream_interval`
 tokens a response after the first when the operator asks for fewer, larger chunks. Non-streaming
-requests get a single response with everything. Cancellation (is_cancelled() polled on a thread, or an
-abort from the detokenizer, see control.py) aborts the request in the engine, which frees its KV
-blocks; the request then gets CANCELLED + FINAL. Every accepted request gets exactly one FINAL.
+requests get a single response with everything.
+
+Pacing: in the ensemble a response that leaves here does not wait in this process but in tritonserver's queue
+in front of ernie_detokenizer, one request per response; when the detokenizer (or the CPU it shares) falls
+behind, that queue grows a response a stream a step and each one costs a hop in tritonserver, the stub IPC and
+the detokenizer. So the detokenizer reports each stream's progress (control.ProgressReporter, batched), and
+while PACE_WINDOW of a stream's responses are unprocessed its next one is held here, where the following steps'
+tokens join it at no cost: the backlog stays bounded and a lagging pipeline carries more tokens per response
+instead of more responses. A FINAL is never held, and a hold lasts at most PACE_MAX_HOLD_SECONDS (a report
+lost, or a detokenizer that far behind). Only streams whose meta asks for it (`progress_reports`, set by the
+tokenizer for the ensemble and BLS paths, whose Postprocessor reports) are paced.
+
+Cancellation (is_cancelled() polled on a thread, or an abort from the detokenizer, see control.py) aborts the
+request in the engine, which frees its KV blocks; the request then gets CANCELLED + FINAL. Every accepted
+request gets exactly one FINAL.
 
 Failures: a request that fails alone (RequestFailedError) ends INTERNAL naming the cause and the
 engine serves on; a dead engine (EngineDeadError) ends every request UNAVAILABLE and sets the
@@ -36,6 +48,7 @@ import math
 import os
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,7 +59,7 @@ from ..config import EngineConfig
 from ..engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
 from ..outputs import RequestOutput, RequestOutputKind
 from ..sampling_params import SamplingParams
-from .control import AbortListener
+from .control import ControlListener
 from .errors import InvalidInput, ServingError, Unavailable, error_code, in_band_error
 
 log = logging.getLogger(__name__)
@@ -56,6 +69,11 @@ CANCEL_POLL_SECONDS = 0.05
 # processes that grew with the streams, not the tokens. Each request is still asked at least every
 # max(CANCEL_POLL_SECONDS, live / CANCEL_POLLS_PER_SECOND) seconds (0.64 s at 256 live).
 CANCEL_POLLS_PER_SECOND = 400
+# Pacing (module docstring): a stream's response waits while PACE_WINDOW of its earlier ones are not yet processed
+# by the detokenizer, at most PACE_MAX_HOLD_SECONDS (a lost report, or a detokenizer that far behind).
+PACE_WINDOW = 2
+PACE_MAX_HOLD_SECONDS = 0.5
+PACE_CHECK_SECONDS = 0.05  # how often the response thread looks for holds past PACE_MAX_HOLD_SECONDS
 
 
 class ResponseSink(Protocol):
@@ -100,9 +118,24 @@ class _Live:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     # a stream's steps not sent yet (the engine thread appends, the response thread takes them), the last
-    # step's output, and whether a send of them is queued
+    # step's output, and whether a send of them is queued (in the outbox, or held)
     last_output: RequestOutput | None = None
     queued: bool = False
+    closed: bool = False  # its FINAL has been sent
+    # pacing by the detokenizer's progress reports (module docstring)
+    paced: bool = False
+    processed: int = 0  # responses the detokenizer has reported processed
+    held: bool = False
+    held_since: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Close:
+    """A request's end, for the response thread: `code` None is a bare FINAL, else the error it ends with."""
+
+    out: RequestOutput
+    code: str | None
+    message: str
 
 
 def _str_tensor(value: str) -> np.ndarray:
@@ -181,6 +214,8 @@ class EngineModel:
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
+        self._held: dict[str, _Live] = {}  # streams whose next response waits for the detokenizer
+        self._num_held = 0  # responses held since start (a metric)
         self._interval = config.stream_interval if config is not None else 1
         self._stop = threading.Event()
         self._draining = False
@@ -188,7 +223,8 @@ class EngineModel:
         self._sender.start()
         self._poller = threading.Thread(target=self._poll_cancelled, name="ernie-cancel-poll", daemon=True)
         self._poller.start()
-        self.aborts = AbortListener(lambda key: self.abort(key, QUIET), on_drain=self.drain)
+        self.control = ControlListener(lambda key: self.abort(key, QUIET), on_drain=self.drain,
+                                       on_progress=self._on_progress)
         if metrics is not None:
             self.engine.step_listeners.append(self._on_step)
             metrics.update(self.engine.stats(), force=True)
@@ -206,14 +242,16 @@ class EngineModel:
             # The detokenizer stage decodes the ids (its own process, off the engine's step thread) unless stop
             # strings need the text in the engine, where a stop is matched and held back.
             params.detokenize = bool(params.stop)
-            key = f"{request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+            # no whitespace: keys travel space-separated in the detokenizer's progress reports
+            key = f"{'_'.join(request_id.split())[:64] or 'req'}-{uuid.uuid4().hex[:12]}"
             meta = dict(req.get("meta") or {})
-            meta["abort_address"] = self.aborts.public_address
+            meta["abort_address"] = self.control.public_address
             if not params.detokenize:
                 meta["decode_ids"] = {"skip_special_tokens": params.skip_special_tokens}
             live = _Live(key, sink, bool(req.get("stream", meta.get("stream", False))),
                          json.dumps(meta, ensure_ascii=False), ids, params.logprobs, params.prompt_logprobs,
                          errors_in_band=meta.get("errors_in_band") is True)
+            live.paced = live.stream and meta.get("progress_reports") is True
             with self._lock:
                 if self._draining:
                     raise Unavailable(DRAINING_MESSAGE)
@@ -261,6 +299,7 @@ class EngineModel:
         s["healthy"] = self.engine.is_healthy
         with self._lock:
             s["num_live_requests"] = len(self._live)
+            s["stream_responses_held"] = self._num_held
         return s
 
     # ------------------------------------------------------------------ engine thread
@@ -272,16 +311,12 @@ class EngineModel:
             if self.metrics is not None:
                 self.metrics.request_finished(comp.finish_reason, num_output_tokens, out.metrics)
         if err is not None:
-            self._send_pending_now(live)  # tokens a stream_interval was holding go out before the error
-            self._end_with_error(live, out, *self._failure(err))
+            self._outbox.put((live, _Close(out, *self._failure(err))))
             return
         if live.ending is not None or (out.finished and comp.finish_reason == "abort"):
             if out.finished:
                 ending = live.ending or CANCELLED
-                if ending.code is None:
-                    self._outbox.put((live.sink, None, None))
-                else:
-                    self._end_with_error(live, out, ending.code, ending.message)
+                self._outbox.put((live, _Close(out, ending.code, ending.message)))
             return
         logprobs = new_logprob_entries(live, comp)
         prompt_logprobs = prompt_logprob_entries(live, out) if out.prompt_logprobs is not None else None
@@ -294,34 +329,56 @@ class EngineModel:
             live.logprobs.extend(logprobs)
             live.last_output = out
             due = out.finished or (live.stream and (live.index == 0 or len(live.token_ids) >= self._interval))
-            if not due or live.queued:
+            if not due or (live.queued and not (out.finished and live.held)):
                 return
             live.queued = True
-        self._outbox.put((live.sink, live, None))
+            self._unhold(live)  # a FINAL never waits for the detokenizer
+        self._outbox.put((live, None))
 
-    def _send_pending_now(self, live: _Live) -> None:
+    def _on_progress(self, counts: list[tuple[str, int]]) -> None:
+        """The detokenizer's report of how many responses of each stream it has processed (control thread)."""
+        released = []
         with self._lock:
-            if not live.stream or not live.token_ids or live.queued:
-                return
-            live.queued = True
-        self._outbox.put((live.sink, live, None))
+            for key, processed in counts:
+                live = self._live.get(key)
+                if live is None:
+                    continue
+                live.processed = max(live.processed, processed)
+                if live.held and live.index - live.processed < PACE_WINDOW:
+                    self._unhold(live)
+                    released.append(live)
+        for live in released:
+            self._outbox.put((live, None))
 
-    def _take_pending(self, live: _Live) -> tuple[dict, bool]:
-        """What a request accumulated since its last response, as one response (response thread)."""
+    def _unhold(self, live: _Live) -> None:  # under self._lock
+        if live.held:
+            live.held = False
+            self._held.pop(live.key, None)
+
+    def _holds(self, live: _Live) -> bool:
+        """Whether a stream's next response waits for the detokenizer to catch up (the module docstring)."""
+        if not live.paced:
+            return False
         with self._lock:
+            if live.last_output.finished or live.index - live.processed < PACE_WINDOW:
+                return False
+            if not live.held:
+                live.held, live.held_since = True, time.monotonic()
+                self._held[live.key] = live
+                self._num_held += 1
+            return True
+
+    def _take_pending(self, live: _Live, force: bool = False) -> tuple[dict, bool] | None:
+        """What a request accumulated since its last response, as one response (response thread); None if a
+        response already took it (or, unless `force`, none is due)."""
+        with self._lock:
+            if live.closed or not (live.queued or force):
+                return None
             ids, text, logprobs, out = live.token_ids, "".join(live.text), live.logprobs, live.last_output
             live.token_ids, live.text, live.logprobs, live.queued = [], [], [], False
             num_output_tokens = live.num_output_tokens
+            live.closed = out.finished
         return self._tensors(live, out, ids, text, logprobs, num_output_tokens)
-
-    def _end_with_error(self, live: _Live, out: RequestOutput, code: str, message: str) -> None:
-        """The request's FINAL as an error: in band for the ensemble (module docstring), else an error response."""
-        if not live.errors_in_band:
-            self._outbox.put((live.sink, None, (code, message)))
-            return
-        outputs, _ = self._tensors(live, out, [], "", [], live.num_output_tokens,
-                                   finish_reason=in_band_error(code, message))
-        self._outbox.put((live.sink, (outputs, True), None))
 
     def _tensors(self, live: _Live, out: RequestOutput, token_ids: list[int], text: str, logprobs: list[dict],
                  num_output_tokens: int, finish_reason: str | None = None) -> tuple[dict, bool]:
@@ -363,29 +420,61 @@ class EngineModel:
             self._live.pop(live.key, None)
 
     def _on_step(self, stats: dict) -> None:
-        self.metrics.update(stats)
+        self.metrics.update({**stats, "stream_responses_held": self._num_held})
         if not self.engine.is_healthy:
             self.metrics.set_healthy(False)
 
     # ------------------------------------------------------------------ helper threads
     def _send_loop(self) -> None:
+        last_check = time.monotonic()
         while True:
-            item = self._outbox.get()
+            try:
+                item = self._outbox.get(timeout=PACE_CHECK_SECONDS if self._held else None)
+            except queue.Empty:
+                item = ()
             if item is None:
                 return
-            sink, payload, error = item
-            try:
-                if error is not None:
-                    sink.send_error(*error)
-                elif payload is None:
-                    sink.send_final()
-                elif isinstance(payload, _Live):
-                    sink.send(*self._take_pending(payload))
-                else:
-                    outputs, final = payload
-                    sink.send(outputs, final)
-            except Exception:  # noqa: BLE001 - a client that went away must not stop the others
-                log.exception("sending a response failed")
+            if self._held and time.monotonic() - last_check >= PACE_CHECK_SECONDS:
+                last_check = time.monotonic()
+                for live in self._overdue(last_check):
+                    self._send(live, None, may_hold=False)
+            if item:
+                self._send(*item)
+
+    def _overdue(self, now: float) -> list[_Live]:
+        """Held streams whose detokenizer has not reported for PACE_MAX_HOLD_SECONDS: sent anyway."""
+        with self._lock:
+            late = [lv for lv in self._held.values() if now - lv.held_since >= PACE_MAX_HOLD_SECONDS]
+            for live in late:
+                self._unhold(live)
+        return late
+
+    def _send(self, live: _Live, close: _Close | None, may_hold: bool = True) -> None:
+        """One outbox item: a stream's pending tokens (unless they wait for the detokenizer), or its end."""
+        try:
+            if close is None:
+                if not (may_hold and self._holds(live)) and (response := self._take_pending(live)) is not None:
+                    live.sink.send(*response)
+                return
+            with self._lock:
+                self._unhold(live)
+                if live.closed:
+                    return
+            if close.code not in (None, CANCELLED.code) and live.stream and live.token_ids:
+                # what the stream had accumulated goes out before its error (a cancelled one's client reads none)
+                if (response := self._take_pending(live, force=True)) is not None:
+                    live.sink.send(*response)
+            live.closed = True
+            if close.code is None:
+                live.sink.send_final()
+            elif live.errors_in_band:
+                outputs, _ = self._tensors(live, close.out, [], "", [], live.num_output_tokens,
+                                           finish_reason=in_band_error(close.code, close.message))
+                live.sink.send(outputs, True)
+            else:
+                live.sink.send_error(close.code, close.message)
+        except Exception:  # noqa: BLE001 - a client that went away must not stop the others
+            log.exception("sending a response failed")
 
     def _poll_cancelled(self) -> None:
         pause = CANCEL_POLL_SECONDS
@@ -409,6 +498,6 @@ class EngineModel:
         self.engine.shutdown(drain=drain, timeout=timeout)
         self._stop.set()
         self._poller.join(2)
-        self.aborts.close()
+        self.control.close()
         self._outbox.put(None)
         self._sender.join(timeout)

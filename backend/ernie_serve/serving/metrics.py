@@ -35,6 +35,8 @@ STAT_METRICS = [
      "spec_accepted_tokens"),
     ("ernie:spec_decode_draft_acceptance_rate", "GAUGE", "Accepted / proposed draft tokens since start (0-1)",
      "spec_acceptance_rate"),
+    ("ernie:stream_responses_held_total", "COUNTER", "Stream responses held until the detokenizer caught up "
+     "(their tokens went out with the stream's next response)", "stream_responses_held"),
 ]
 HISTOGRAMS = [
     ("ernie:time_to_first_token_seconds", "Time from arrival to the first generated token", LATENCY_BUCKETS),

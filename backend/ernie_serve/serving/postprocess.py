@@ -32,7 +32,7 @@ import numpy as np
 from ..chat import finish_reason_for
 from ..parsers import ChatOutputParser, DeltaMessage
 from ..tokenizer.detokenizer import CONTEXT_IDS, IncrementalDetokenizer
-from .control import send_abort
+from .control import ProgressReporter, send_abort
 from .errors import InvalidInput, ServingError, raise_in_band_error
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class Postprocessor:
         self._aborted: dict[str, float] = {}  # keys already sent an abort, so it is sent once
         self._lock = threading.Lock()
         self._last_sweep = time.monotonic()
+        self._progress: ProgressReporter | None = None  # started on the first stream that asks for reports
 
     @property
     def num_states(self) -> int:
@@ -178,7 +179,17 @@ class Postprocessor:
             if engine_reason is not None:
                 self._states.pop(key, None)
                 raise_in_band_error(engine_reason)
+            elif state.meta.get("progress_reports") is True:
+                self._report_progress(state, key)
         return self._outputs(state, inputs, engine_reason)
+
+    def _report_progress(self, state: _State, key: str) -> None:
+        """Tell the engine instance how far this stream got (it paces the stream by it, see engine_model.py)."""
+        address = state.meta.get("abort_address")
+        if isinstance(address, str) and address:
+            if self._progress is None:
+                self._progress = ProgressReporter()
+            self._progress.note(address, key, state.next_index)
 
     def _cancel(self, key: str, inputs: dict[str, np.ndarray], now: float) -> None:
         state = self._states.pop(key, None)

@@ -104,6 +104,8 @@ class Preprocessor:
             "logprobs": params.logprobs,
             # ernie_moe ends this request's errors inside its FINAL response (see engine_model.py)
             "errors_in_band": True,
+            # the Postprocessor after ernie_moe reports this stream's progress, and ernie_moe paces it by them
+            "progress_reports": True,
         }
         return ids, {"sampling": asdict(params), "stream": req.stream, "meta": meta}
 
