@@ -292,16 +292,13 @@ def _sigterm_with_streams_in_flight(launch) -> str:
 def test_sigterm_with_streams_in_flight_drains_them_and_ends_the_rest_with_an_error_event(launch):
     """Every stream ends as it should, and nothing is left in flight for tritonserver's exit timeout to wait out.
 
-    That last part holds on one of two tries: twice in full-suite runs on the 2-core box (2026-12-05 and -06),
-    tritonserver 2.51's ensemble kept the drained requests counted in flight although every client had its error
-    event and [DONE] (its log:
-    "Model 'ernie' (version 1) has 6 in-flight inferences" until the exit timeout). engine_model.py's docstring
-    describes the ensemble's step-counting race that in-band errors avoid for this model's own errors; the
-    detokenizer's error step, racing ernie_moe's FINAL, is the likely remaining window. Not fixed; a change that left
-    requests in flight every time still fails here."""
+    That last part failed now and then (twice in full-suite runs on the 2-core box, 2026-12-05 and -06: tritonserver
+    2.51 kept "Model 'ernie' (version 1) has 6 in-flight inferences" until its exit timeout). The cause was in
+    ernie_moe: a drained stream's in-band error took its response_index ahead of a step still queued behind a lagging
+    response thread, the detokenizer failed that step (OrderError), and the ensemble, with a step failed while
+    another was in flight, kept the request counted (test_serving_units.py's
+    test_an_in_band_error_follows_the_responses_queued_before_it_in_index_order)."""
     log = _sigterm_with_streams_in_flight(launch)
-    if "Exit timeout expired" in log:
-        log = _sigterm_with_streams_in_flight(launch)
     assert "Exit timeout expired" not in log  # nothing left in flight for tritonserver to wait out
 
 

@@ -484,6 +484,36 @@ def test_ensemble_requests_end_with_their_error_in_band_and_the_detokenizer_rais
     model.shutdown()
 
 
+def test_an_in_band_error_follows_the_responses_queued_before_it_in_index_order(tokenizer):
+    """The response thread lags (its first send blocks) while a step is queued and a drain ends the stream: the
+    detokenizer must get the queued step, then the error, indexed in that order. (Before, the error's response was
+    built on the engine thread and took the index ahead of the queued step, which went out first: an OrderError in
+    the detokenizer, a failed ensemble step, and tritonserver 2.51 then kept the request in flight.)"""
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    sink = Sink()
+    meta = {"errors_in_band": True}  # as the tokenizer's, without pacing
+    model.submit(engine_inputs(True, stop=(), meta=meta), sink, "e")
+    (key,) = engine.callbacks
+    x = tokenizer.encode("x", add_special_tokens=False)
+    sink.gate.clear()
+    engine.emit(key, "", token_ids=x)
+    assert sink.entered.wait(2)  # response 0 is in send, blocked
+    engine.emit(key, "", token_ids=x)  # queued behind it
+    model.drain(0.0)
+    time.sleep(0.1)
+    sink.gate.set()
+    assert sink.done.wait(2) and not sink.errors
+    assert [int(o["response_index"][0, 0]) for o, _ in sink.sent] == [0, 1, 2]
+    post = Postprocessor(tokenizer)
+    texts = [post.process(o)["text_output"][0, 0].decode() for o, _ in sink.sent[:2]]
+    assert "".join(texts) == "xx"
+    with pytest.raises(InBandError) as raised:
+        post.process(sink.sent[2][0])
+    assert raised.value.code == SHUT_DOWN.code
+    model.shutdown()
+
+
 def test_an_engine_failure_reaches_the_ensemble_client_with_its_code(tokenizer):
     post = Postprocessor(tokenizer)
     post.process(moe_response("k", 0, "a"))
