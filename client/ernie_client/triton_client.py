@@ -152,6 +152,8 @@ class ResponseTensors:
         return v[0] if v else None
 
 
+# ints() reads integer outputs straight from the bytes: through array() (triton_to_np_dtype, a reshape) decoding a
+# response took 50 us instead of 35 (a timed loop of 20000 on a 12-output response).
 _INT_LAYOUTS = {"INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "UINT8": "u1", "UINT16": "<u2",
                 "UINT32": "<u4", "UINT64": "<u8"}
 
@@ -171,7 +173,9 @@ def _raw_outputs(result: Any) -> dict[str, tuple[Any, bytes]] | None:
 
 
 def _elements(data: bytes) -> list[bytes]:
-    """A BYTES tensor's raw contents (each element: a 4-byte little-endian length, then its bytes) as its elements."""
+    """A BYTES tensor's raw contents (each element: a 4-byte little-endian length, then its bytes) as its elements.
+    tritonclient.utils.deserialize_bytes_tensor reads the same format into an object array: 4.6 against 1.9 us for
+    a one-element text."""
     out, at = [], 0
     while at + 4 <= len(data):
         size = int.from_bytes(data[at:at + 4], "little")

@@ -263,9 +263,15 @@ async def _shim_stream(url: str, max_tokens: int) -> str:
     return ("error+" if any('"error"' in e for e in events) else "") + ended
 
 
-def _sigterm_with_streams_in_flight(launch) -> str:
-    """One server, 2 short and 6 long streams, SIGTERM once they run: the product's guarantees are asserted here;
-    returns tritonserver's log."""
+def test_sigterm_with_streams_in_flight_drains_them_and_ends_the_rest_with_an_error_event(launch):
+    """Every stream ends as it should, and nothing is left in flight for tritonserver's exit timeout to wait out.
+
+    That last part failed now and then (twice in full-suite runs on the 2-core box, 2026-12-05 and -06: tritonserver
+    2.51 kept "Model 'ernie' (version 1) has 6 in-flight inferences" until its exit timeout). The cause was in
+    ernie_moe: a drained stream's in-band error took its response_index ahead of a step still queued behind a lagging
+    response thread, the detokenizer failed that step (OrderError), and the ensemble, with a step failed while
+    another was in flight, kept the request counted (test_serving_units.py's
+    test_an_in_band_error_follows_the_responses_queued_before_it_in_index_order)."""
     # Long streams that no box finishes in the 2 s drain: at the suite's max_model_len of 512, six ~500-token
     # streams once all did. 8000 tokens each is seconds of decoding even for the tiny model on a fast box.
     server = launch("--drain-timeout", "2", "--max-model-len", "8192", "--num-gpu-blocks-override", "4096",
@@ -286,19 +292,7 @@ def _sigterm_with_streams_in_flight(launch) -> str:
     assert short == ["[DONE]"] * 2  # finished within the grace period
     assert set(long) <= {"[DONE]", "error+[DONE]"} and "error+[DONE]" in long, long  # never cut
     assert "Cancel" not in server.output  # uvicorn did not have to cut a stream
-    return (server.run_dir / "tritonserver.log").read_text(errors="replace")
-
-
-def test_sigterm_with_streams_in_flight_drains_them_and_ends_the_rest_with_an_error_event(launch):
-    """Every stream ends as it should, and nothing is left in flight for tritonserver's exit timeout to wait out.
-
-    That last part failed now and then (twice in full-suite runs on the 2-core box, 2026-12-05 and -06: tritonserver
-    2.51 kept "Model 'ernie' (version 1) has 6 in-flight inferences" until its exit timeout). The cause was in
-    ernie_moe: a drained stream's in-band error took its response_index ahead of a step still queued behind a lagging
-    response thread, the detokenizer failed that step (OrderError), and the ensemble, with a step failed while
-    another was in flight, kept the request counted (test_serving_units.py's
-    test_an_in_band_error_follows_the_responses_queued_before_it_in_index_order)."""
-    log = _sigterm_with_streams_in_flight(launch)
+    log = (server.run_dir / "tritonserver.log").read_text(errors="replace")
     assert "Exit timeout expired" not in log  # nothing left in flight for tritonserver to wait out
 
 

@@ -104,11 +104,15 @@ def _sender_uid(ancillary: list) -> int | None:
     return None
 
 
+def _socket_address(address: str) -> str:
+    """A public address ('@' for the abstract namespace, as it travels in JSON) as the socket takes it."""
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
 def _send(address: str, message: str) -> bool:
-    raw = "\0" + address[1:] if address.startswith("@") else address
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         try:
-            s.sendto(message.encode("utf-8"), raw)
+            s.sendto(message.encode("utf-8"), _socket_address(address))
             return True
         except OSError as e:
             log.warning("could not send %r to %s: %s", message[:100], address, e)
@@ -156,7 +160,7 @@ class ProgressReporter:
                 self._send(address, counts)
 
     def _send(self, address: str, counts: dict[str, int]) -> None:
-        raw = "\0" + address[1:] if address.startswith("@") else address
+        raw = _socket_address(address)
         pairs = [f"{key}={n}" for key, n in counts.items()]
         while pairs:
             message, size = ["progress"], len("progress")

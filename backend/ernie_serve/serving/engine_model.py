@@ -419,8 +419,9 @@ class EngineModel:
             live.done = True
             self._live.pop(live.key, None)
 
-    def _on_step(self, stats: dict) -> None:
-        self.metrics.update({**stats, "stream_responses_held": self._num_held})
+    def _on_step(self, stats: dict) -> None:  # stats: this listener's own copy
+        stats["stream_responses_held"] = self._num_held
+        self.metrics.update(stats)
         if not self.engine.is_healthy:
             self.metrics.set_healthy(False)
 
