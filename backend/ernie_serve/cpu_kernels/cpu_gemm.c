@@ -101,7 +101,7 @@ static inline void vn_store(float *p, vn v) { _mm256_storeu_ps(p, v); }
 /* x [mb, K] (row stride K) times the nv * VN columns whose weights (of type WT, read by LOAD) start at w, row k at
  * w + k * COLS -> y[m * ldy + j]. mb and nv are constants in each instance, so the unused accumulators vanish. */
 #define TILE(NAME, mb, nv, WT, LOAD)                                                                        \
-static void NAME(const float *x, int K, const WT *w, int64_t ldy, float *y) {                               \
+static void NAME(const float *x, int K, const WT *w, int64_t ldy, float *y, const char *pf, int pf_step) {  \
     enum { rows = mb, vecs = nv };                                                                          \
     vn c00 = vn_zero(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;        \
     vn c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;              \
@@ -109,6 +109,8 @@ static void NAME(const float *x, int K, const WT *w, int64_t ldy, float *y) {   
     vn c60 = c00, c61 = c00, c62 = c00, c63 = c00, c70 = c00, c71 = c00, c72 = c00, c73 = c00;              \
     for (int k = 0; k < K; k++) {                                                                           \
         const WT *r = w + (int64_t)k * COLS;                                                                \
+        if (pf)                                                                                             \
+            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + (int64_t)k * pf_step + o, _MM_HINT_T0);   \
         const vn w0 = LOAD(r), w1 = LOAD(r + VN);                                                           \
         const vn w2 = nv > 2 ? LOAD(r + 2 * VN) : w0, w3 = nv > 2 ? LOAD(r + 3 * VN) : w1;                  \
         TILE_FMA(0) TILE_FMA(1) TILE_FMA(2) TILE_FMA(3) TILE_FMA(4) TILE_FMA(5) TILE_FMA(6) TILE_FMA(7)     \
@@ -116,8 +118,8 @@ static void NAME(const float *x, int K, const WT *w, int64_t ldy, float *y) {   
     TILE_STORE(0) TILE_STORE(1) TILE_STORE(2) TILE_STORE(3) TILE_STORE(4) TILE_STORE(5) TILE_STORE(6)       \
     TILE_STORE(7)                                                                                           \
 }
-typedef void (*tile_fn)(const float *, int, const float *, int64_t, float *);
-typedef void (*tile_bf16_fn)(const float *, int, const uint16_t *, int64_t, float *);
+typedef void (*tile_fn)(const float *, int, const float *, int64_t, float *, const char *, int);
+typedef void (*tile_bf16_fn)(const float *, int, const uint16_t *, int64_t, float *, const char *, int);
 #define TILES(P, WT, LOAD)                                                                                  \
 TILE(P##1, 1, 2, WT, LOAD) TILE(P##2, 2, 2, WT, LOAD) TILE(P##3, 3, 2, WT, LOAD) TILE(P##4, 4, 2, WT, LOAD) \
 TILE(P##5, 5, 2, WT, LOAD) TILE(P##6, 6, 2, WT, LOAD)
@@ -167,21 +169,37 @@ static blocked_w block_of(blocked_w w, int K, int b) {
 }
 
 /* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS: tiles of up to WIDE_ROWS rows over the
- * whole block when M is at most WIDE_UP_TO, else tiles of up to ROWS rows over each half of it. */
-static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_t ldy, float *y) {
+ * whole block when M is at most WIDE_UP_TO, else tiles of up to ROWS rows over each half of it. The rows are split
+ * evenly (4 as 2 + 2, not 3 + 1): a one-row tile has too few accumulators to hide the FMA latency.
+ *
+ * `next` (or NULL): the block this thread reads after this one, prefetched while this one is multiplied, each tile
+ * taking an equal share of it spread over its K steps. At decode a block is multiplied from L2 by a tile every few
+ * rows; without the prefetch the memory stream ran during the first tile only and sat idle during the others
+ * (16 experts at 4 rows each read 20-24 GB/s of float32 weights on a box that streams 29; with it 27-31). A float32
+ * block that one tile reads (a row or three) is left to the hardware prefetcher, which keeps up with a single pass:
+ * the software one cost 4-12% there. Measured side by side: README "Benchmarks", "What changed". */
+static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_t ldy, float *y, const char *next) {
 #ifdef ERNIE_VF16
+    if (M <= 0) return;
     const int wide = M <= WIDE_UP_TO(src.bf16), span = wide ? COLS : 2 * VN, rows = wide ? WIDE_ROWS : ROWS;
+    const int groups = (M + rows - 1) / rows, tiles_n = groups * (COLS / span);
+    const int64_t block_bytes = (int64_t)K * COLS * (src.bf16 ? 2 : 4), share = (block_bytes + tiles_n - 1) / tiles_n;
+    const int pf_step = (int)((share + K - 1) / K);
+    int tile = 0;
     for (int c0 = 0; c0 < COLS; c0 += span)
-        for (int m0 = 0; m0 < M; m0 += rows) {
-            const int mb = M - m0 < rows ? M - m0 : rows;
+        for (int g = 0, m0 = 0; g < groups; g++, tile++) {
+            const int mb = M / groups + (g < M % groups);
             const float *xm = x + (int64_t)m0 * K;
             float *ym = y + m0 * ldy + c0;
+            const char *pf = next && (tiles_n > 1 || src.bf16) ? next + tile * share : NULL;
             if (src.bf16)
-                tiles_bf16[wide][mb](xm, K, (const uint16_t *)src.p + c0, ldy, ym);
+                tiles_bf16[wide][mb](xm, K, (const uint16_t *)src.p + c0, ldy, ym, pf, pf_step);
             else
-                tiles[wide][mb](xm, K, (const float *)src.p + c0, ldy, ym);
+                tiles[wide][mb](xm, K, (const float *)src.p + c0, ldy, ym, pf, pf_step);
+            m0 += mb;
         }
 #else
+    (void)next;
     for (int m = 0; m < M; m++)
         for (int j = 0; j < COLS; j++) {
             float acc = 0.0f;
@@ -191,14 +209,19 @@ static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_
 #endif
 }
 
-/* Rows [0, M) of x times column block b (a full one) -> y[m * ldy + j], j < COLS. */
-static void column_block(const float *x, int M, int K, blocked_w w, int64_t ldy, float *y, int b) {
-    rows_times_block(x, M, K, block_of(w, K, b), ldy, y);
+/* Rows [0, M) of x times column block b (a full one) -> y[m * ldy + j], j < COLS, prefetching `next`. */
+static void column_block(const float *x, int M, int K, blocked_w w, int64_t ldy, float *y, int b, const char *next) {
+    rows_times_block(x, M, K, block_of(w, K, b), ldy, y, next);
+}
+
+/* Where column block b starts, for a prefetch; NULL past the last one. */
+static const char *block_start(blocked_w w, int K, int b, int nb) {
+    return b < nb ? (const char *)block_of(w, K, b).p : NULL;
 }
 
 static void gemm(const float *x, int M, int K, blocked_w w, int N, float *y) {
     #pragma omp parallel for THREADS schedule(static)
-    for (int b = 0; b < N / COLS; b++) column_block(x, M, K, w, N, y + b * COLS, b);
+    for (int b = 0; b < N / COLS; b++) column_block(x, M, K, w, N, y + b * COLS, b, block_start(w, K, b + 1, N / COLS));
     if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
 }
 
@@ -207,6 +230,17 @@ static void gemm(const float *x, int M, int K, blocked_w w, int N, float *y) {
  * rows). w[e] points at each expert's column-blocked weight. The threads split the (expert, column block) pairs, so
  * a step's many expert matmuls, small at decode or mid-sized in a step mixing decodes and a prefill chunk, become
  * one parallel loop instead of a call per expert. */
+/* The first block the thread running `task` (expert task / nb, column block task % nb) reads next, for a prefetch:
+ * schedule(static, chunk) deals the chunks round robin, and experts without rows are skipped. NULL: none. */
+static const char *next_task_block(int task, int chunk, int E, int nb, const int64_t *rows, const void *const *w,
+                                   int bits, int K) {
+    const int threads = ernie_threads();
+    for (int t = task + 1; t < E * nb; t = (t + 1) % chunk ? t + 1 : t + 1 + (threads - 1) * chunk) {
+        if (rows[t / nb]) return (const char *)block_of(weight_of(w[t / nb], bits), K, t % nb).p;
+    }
+    return NULL;
+}
+
 static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
                      const void *const *w, int bits, int N, float *y) {
     const int nb = N / COLS, chunk = ernie_task_chunk(rows, E, nb);
@@ -214,7 +248,7 @@ static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts,
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;
         column_block(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N + task % nb * COLS,
-                     task % nb);
+                     task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
     }
     if (N % COLS)
         for (int e = 0; e < E; e++)
@@ -234,15 +268,15 @@ int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
  * through rows_times_block in groups large enough for its half tiles. */
 #define SWIGLU_ROWS (4 * ROWS)
 
-static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float *y, int b) {
+static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float *y, int b, const char *next) {
     const int I = N / 2, nb = I / COLS;
     float g[SWIGLU_ROWS * COLS], u[SWIGLU_ROWS * COLS];
     const blocked_w gate = block_of(w, K, b), up = block_of(w, K, b + nb);
     for (int m0 = 0; m0 < M; m0 += SWIGLU_ROWS) {
         int mb = M - m0 < SWIGLU_ROWS ? M - m0 : SWIGLU_ROWS;
         const float *xm = x + (int64_t)m0 * K;
-        rows_times_block(xm, mb, K, gate, COLS, g);
-        rows_times_block(xm, mb, K, up, COLS, u);
+        rows_times_block(xm, mb, K, gate, COLS, g, m0 == 0 ? (const char *)up.p : NULL);
+        rows_times_block(xm, mb, K, up, COLS, u, m0 + mb >= M ? next : NULL);
         for (int m = 0; m < mb; m++)
             silu_mul_row(g + m * COLS, u + m * COLS, y + (int64_t)(m0 + m) * I + b * COLS, COLS);
     }
@@ -262,7 +296,7 @@ int ernie_gemm(const float *x, int M, int K, const void *w, int N, const float *
         return 0;
     }
     #pragma omp parallel for THREADS schedule(static)
-    for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, wb, N, y, b);
+    for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, wb, N, y, b, block_start(wb, K, b + 1, N / 2 / COLS));
     return 0;
 }
 
@@ -279,7 +313,8 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         int e = task / nb;
-        swiglu_rows(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N / 2, task % nb);
+        swiglu_rows(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N / 2, task % nb,
+                    next_task_block(task, chunk, E, nb, rows, w, bits, K));
     }
     return 0;
 }
@@ -337,7 +372,7 @@ int ernie_gemm_argmax(const float *x, int M, int K, const void *wp, int N, int n
         int64_t *bj = part_idx + (size_t)t * M;
         const int b0 = (int)((int64_t)nb * t / nt), b1 = (int)((int64_t)nb * (t + 1) / nt);
         for (int b = b0; b < b1 && b * COLS < n_valid; b++) {
-            column_block(x, M, K, w, COLS, tile, b);
+            column_block(x, M, K, w, COLS, tile, b, block_start(w, K, b + 1, b1));
             rank_tile(tile, M, n_valid - b * COLS < COLS ? n_valid - b * COLS : COLS, (int64_t)b * COLS, bv, bj);
         }
     }
