@@ -243,6 +243,57 @@ def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
         np.testing.assert_allclose(fused_e[e, :r], plain_e[e, :r], rtol=2e-6, atol=1e-6)
 
 
+def test_next_task_is_the_next_one_the_same_thread_runs_with_rows():
+    """The GEMMs prefetch the weights of the task their thread runs next: under schedule(static, chunk) the chunks
+    go round robin to the threads, and experts without rows are passed over. Checked against that schedule laid
+    out in Python, on random expert counts, row counts (zeros among them), chunks and thread counts."""
+    import ctypes
+
+    from ernie_serve.cpu_kernels import build
+
+    lib, rng = build.library(), np.random.default_rng(0)
+    try:
+        for _ in range(300):
+            threads, e, nb = int(rng.integers(1, 5)), int(rng.integers(1, 7)), int(rng.integers(1, 6))
+            chunk = int(rng.integers(1, e * nb + 1))
+            rows = np.where(rng.random(e) < 0.4, 0, rng.integers(1, 9, e)).astype(np.int64)
+            build.set_threads(threads)
+            runs = {t: [task for task in range(e * nb) if task // chunk % threads == t and rows[task // nb]]
+                    for t in range(threads)}
+            for run in runs.values():
+                for i, task in enumerate(run):
+                    got = lib.ernie_next_task(task, chunk, e, nb, ctypes.c_void_p(rows.ctypes.data))
+                    assert got == (run[i + 1] if i + 1 < len(run) else -1), (threads, e, nb, chunk, rows, task)
+    finally:
+        build.set_threads(len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+@pytest.mark.parametrize("rows", [[4, 0, 4, 4, 0, 4], [1, 0, 0, 30, 2, 0], [0, 7, 5, 0, 0, 9]])
+def test_experts_with_and_without_rows_in_one_call_equal_each_experts_own_product(bits, rows):
+    """moe_gemm's threads take (expert, column block) tasks in halves or round robin (ernie_task_chunk) and prefetch
+    the next task's block, skipping experts without rows: every expert's rows equal its own gemm, in both
+    schedules (even rows, one expert holding most), for every weight format."""
+    rng = np.random.default_rng(bits + sum(rows))
+    k, n, e = 136, 128, len(rows)
+    if bits in (32, 16):
+        ws = [cpu_gemm.packed(rng.standard_normal((k, n)).astype(np.float32), bits) for _ in range(e)]
+        scales = None
+    else:
+        qs = [fmt.quantize_weight_only(rng.standard_normal((k, n)).astype(np.float32), bits) for _ in range(e)]
+        ws, scales = [cpu_gemm.packed_codes(q, bits) for q, _ in qs], [paddle.to_tensor(s) for _, s in qs]
+    counts = np.array(rows, np.int64)
+    x = rng.standard_normal((int(counts.sum()), k)).astype(np.float32)
+    for swiglu in (False, True):
+        got = cpu_gemm.moe_gemm(x, counts, ws, n, scales, bits, swiglu=swiglu).numpy()
+        at = 0
+        for i, r in enumerate(rows):
+            if r:
+                own = cpu_gemm.gemm(x[at:at + r], ws[i], n, None if scales is None else scales[i], bits, swiglu=swiglu)
+                np.testing.assert_array_equal(got[at:at + r], own.numpy())
+            at += r
+
+
 def test_the_kernels_thread_count_holds_in_every_calling_thread():
     """OpenMP keeps its thread count per calling thread (Paddle pins it to 1 at import); the served engine steps
     from its own thread, so the kernels take theirs from the process-wide setting instead."""

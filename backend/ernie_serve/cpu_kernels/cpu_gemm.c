@@ -230,15 +230,11 @@ static void gemm(const float *x, int M, int K, blocked_w w, int N, float *y) {
  * rows). w[e] points at each expert's column-blocked weight. The threads split the (expert, column block) pairs, so
  * a step's many expert matmuls, small at decode or mid-sized in a step mixing decodes and a prefill chunk, become
  * one parallel loop instead of a call per expert. */
-/* The first block the thread running `task` (expert task / nb, column block task % nb) reads next, for a prefetch:
- * schedule(static, chunk) deals the chunks round robin, and experts without rows are skipped. NULL: none. */
+/* The first block the thread running `task` reads next (ernie_next_task), for a prefetch; NULL: none. */
 static const char *next_task_block(int task, int chunk, int E, int nb, const int64_t *rows, const void *const *w,
                                    int bits, int K) {
-    const int threads = ernie_threads();
-    for (int t = task + 1; t < E * nb; t = (t + 1) % chunk ? t + 1 : t + 1 + (threads - 1) * chunk) {
-        if (rows[t / nb]) return (const char *)block_of(weight_of(w[t / nb], bits), K, t % nb).p;
-    }
-    return NULL;
+    const int t = ernie_next_task(task, chunk, E, nb, rows);
+    return t < 0 ? NULL : (const char *)block_of(weight_of(w[t / nb], bits), K, t % nb).p;
 }
 
 static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,

@@ -313,7 +313,7 @@ static inline __m256 scaled_field(__m256i v, int at, int width) {
 /* Rows x[0, MB) (row stride K) times the 32-column block of BITS-bit codes at w -> tile[MB][COLS], unscaled.
  * A group holds 4 k (int8: byte i) or 8 (int4: byte i's low nibble k = 8g + i, its high nibble 8g + 4 + i). */
 #define QFBLOCK(NAME, BITS, MB)                                                                                  \
-static void NAME(const float *x, int K, int64_t G, const uint8_t *w, float *tile) {                              \
+static void NAME(const float *x, int K, int64_t G, const uint8_t *w, float *tile, const char *pf, int pf_step) {  \
     enum { rows = MB, per = BITS == 8 ? 4 : 8, width = BITS == 8 ? 8 : 4 };                                     \
     const __m256i flip = _mm256_set1_epi32(BITS == 8 ? (int)0x80808080u : (int)0x88888888u);                     \
     const __m256 unscale = _mm256_set1_ps(BITS == 8 ? 0x1p-24f : 0x1p-28f);                                      \
@@ -322,6 +322,8 @@ static void NAME(const float *x, int K, int64_t G, const uint8_t *w, float *tile
                c31 = c00;                                                                                        \
         for (int64_t g = 0; g < G; g++) {                                                                        \
             const uint8_t *wg = w + (g * COLS + 16 * h) * 4;                                                     \
+            if (pf)                                                                                              \
+                for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + (h * G + g) * pf_step + o, _MM_HINT_T0);   \
             const __m256i v0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wg), flip);                 \
             const __m256i v1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + 32)), flip);          \
             const int64_t k0 = g * per, nk = K - k0 < per ? K - k0 : per;                                        \
@@ -336,7 +338,7 @@ static void NAME(const float *x, int K, int64_t G, const uint8_t *w, float *tile
         QF_STORE(0) QF_STORE(1) QF_STORE(2) QF_STORE(3)                                                          \
     }                                                                                                            \
 }
-typedef void (*qfblock_fn)(const float *, int, int64_t, const uint8_t *, float *);
+typedef void (*qfblock_fn)(const float *, int, int64_t, const uint8_t *, float *, const char *, int);
 QFBLOCK(qf8_1, 8, 1) QFBLOCK(qf8_2, 8, 2) QFBLOCK(qf8_3, 8, 3) QFBLOCK(qf8_4, 8, 4)
 QFBLOCK(qf4_1, 4, 1) QFBLOCK(qf4_2, 4, 2) QFBLOCK(qf4_3, 4, 3) QFBLOCK(qf4_4, 4, 4)
 static const qfblock_fn qf8[QROWS + 1] = {0, qf8_1, qf8_2, qf8_3, qf8_4};
@@ -345,13 +347,18 @@ static const qfblock_fn qf4[QROWS + 1] = {0, qf4_1, qf4_2, qf4_3, qf4_4};
 #endif
 #endif
 
-static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile) {
+/* pf, pf_step: the widening path prefetches pf_step bytes from pf a group of each half's pass (cpu_gemm.c's
+ * rows_times_block says why); the integer paths read the block in one pass a row group and leave it to the
+ * hardware. */
+static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile, const char *pf,
+                   int pf_step) {
 #ifdef HAVE_WIDENING_QBLOCK
     if (a->x) {
-        (bits == 8 ? qf8 : qf4)[mb](a->x + (int64_t)m0 * a->K, a->K, G, w, tile);
+        (bits == 8 ? qf8 : qf4)[mb](a->x + (int64_t)m0 * a->K, a->K, G, w, tile, pf, pf_step);
         return;
     }
 #endif
+    (void)pf, (void)pf_step;
 #ifdef HAVE_VNNI
     const qblock_fn *fns = bits == 8 ? (a->levels == 1 ? qb8_l1_s : qb8_l2_s) : (a->levels == 1 ? qb4_l1_s : qb4_l2_s);
     fns[mb](a, m0, G, w, tile);
@@ -363,15 +370,38 @@ static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, 
 }
 
 /* ------------------------------------------------------------------ tasks */
-/* Rows [r0, r0 + M) times column block b of one weight -> y rows (stride N), columns scaled by s. */
+/* How M rows go through a block: `groups` row groups of at most QROWS, split evenly (5 as 3 + 2: a one-row pass
+ * has too few accumulators to hide the FMA latency), each prefetching an equal share of the next block. */
+typedef struct {
+    int groups, pf_step;
+    int64_t share;
+} row_groups;
+
+static row_groups row_groups_of(int M, int64_t G) {
+    row_groups r = {(M + QROWS - 1) / QROWS, 0, 0};
+    const int passes = r.groups > 0 ? 2 * r.groups : 1; /* the widening path reads a block in two halves a group */
+    const int64_t pass = (G * 4 * COLS + passes - 1) / passes;
+    r.share = 2 * pass;
+    r.pf_step = (int)((pass + G - 1) / G);
+    return r;
+}
+
+static int rows_in_group(int M, row_groups r, int i) { return M / r.groups + (i < M % r.groups); }
+
+/* Row group i's share of the next block, or NULL. */
+static const char *share_of(const char *next, row_groups r, int i) { return next ? next + i * r.share : NULL; }
+
+/* Rows [r0, r0 + M) times column block b of one weight -> y rows (stride N), columns scaled by s; `next`: the block
+ * this thread reads next, prefetched meanwhile (NULL: none). */
 static void qcolumns(const qacts *a, int r0, int M, int K, const uint8_t *w, int N, const float *s, float *y, int b,
-                     int bits) {
+                     int bits, const char *next) {
     const int64_t G = groups(K, bits);
     const int n0 = b * COLS, nc = N - n0 < COLS ? N - n0 : COLS;
+    const row_groups r = row_groups_of(M, G);
     float tile[QROWS * COLS];
-    for (int m0 = 0; m0 < M; m0 += QROWS) {
-        const int mb = M - m0 < QROWS ? M - m0 : QROWS;
-        qblock(a, r0 + m0, mb, G, w + (int64_t)b * G * 4 * COLS, bits, tile);
+    for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {
+        mb = rows_in_group(M, r, i);
+        qblock(a, r0 + m0, mb, G, w + (int64_t)b * G * 4 * COLS, bits, tile, share_of(next, r, i), r.pf_step);
         for (int m = 0; m < mb; m++) {
             float *yr = y + (int64_t)(r0 + m0 + m) * N + n0;
             for (int j = 0; j < nc; j++) yr[j] = tile[m * COLS + j] * s[n0 + j];
@@ -379,16 +409,19 @@ static void qcolumns(const qacts *a, int r0, int M, int K, const uint8_t *w, int
     }
 }
 
-/* SwiGLU fused: gate block b and up block b + I/32 of a [K, 2I] weight -> y rows of width I. */
+/* SwiGLU fused: gate block b and up block b + I/32 of a [K, 2I] weight -> y rows of width I; the gate block's
+ * passes prefetch the up block, the up block's `next`. */
 static void qcolumns_swiglu(const qacts *a, int r0, int M, int K, const uint8_t *w, int N, const float *s, float *y,
-                            int b, int bits) {
+                            int b, int bits, const char *next) {
     const int64_t G = groups(K, bits), block = G * 4 * COLS;
     const int I = N / 2, nb = I / COLS;
+    const row_groups r = row_groups_of(M, G);
+    const char *up = (const char *)(w + (b + nb) * block);
     float g[QROWS * COLS], u[QROWS * COLS];
-    for (int m0 = 0; m0 < M; m0 += QROWS) {
-        const int mb = M - m0 < QROWS ? M - m0 : QROWS;
-        qblock(a, r0 + m0, mb, G, w + b * block, bits, g);
-        qblock(a, r0 + m0, mb, G, w + (b + nb) * block, bits, u);
+    for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {
+        mb = rows_in_group(M, r, i);
+        qblock(a, r0 + m0, mb, G, w + b * block, bits, g, share_of(up, r, i), r.pf_step);
+        qblock(a, r0 + m0, mb, G, w + (b + nb) * block, bits, u, share_of(next, r, i), r.pf_step);
         for (int m = 0; m < mb; m++) {
             for (int j = 0; j < COLS; j++) {
                 g[m * COLS + j] *= s[b * COLS + j];
@@ -432,10 +465,12 @@ int ernie_qgemm(const float *x, int M, int K, const uint8_t *w, int N, const flo
     qacts a;
     if (prepare(x, M, K, bits, int_x, &a)) return -1;
     const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
+    const int64_t block = groups(K, bits) * 4 * COLS;
     #pragma omp parallel for THREADS schedule(static)
     for (int b = 0; b < nb; b++) {
-        if (swiglu) qcolumns_swiglu(&a, 0, M, K, w, N, s, y, b, bits);
-        else qcolumns(&a, 0, M, K, w, N, s, y, b, bits);
+        const char *next = b + 1 < nb ? (const char *)(w + (b + 1) * block) : NULL;
+        if (swiglu) qcolumns_swiglu(&a, 0, M, K, w, N, s, y, b, bits, next);
+        else qcolumns(&a, 0, M, K, w, N, s, y, b, bits, next);
     }
     release(&a);
     return 0;
@@ -448,13 +483,16 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     qacts a;
     if (prepare(x, (int)M, K, bits, int_x, &a)) return -1;
     const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS, chunk = ernie_task_chunk(rows, E, nb);
+    const int64_t block = groups(K, bits) * 4 * COLS;
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         const int e = task / nb, b = task % nb;
         if (!rows[e]) continue;
+        const int t = ernie_next_task(task, chunk, E, nb, rows);
+        const char *next = t < 0 ? NULL : (const char *)(w[t / nb] + t % nb * block);
         /* rows are addressed from x's first row: y's too, so each expert's output lands at its starts[e] */
-        if (swiglu) qcolumns_swiglu(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits);
-        else qcolumns(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits);
+        if (swiglu) qcolumns_swiglu(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits, next);
+        else qcolumns(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits, next);
     }
     release(&a);
     return 0;

@@ -32,3 +32,13 @@ int ernie_task_chunk(const int64_t *rows, int E, int nb) {
     const int threads = ernie_threads();
     return most * E <= 2 * total ? (E * nb + threads - 1) / threads : 1;
 }
+
+/* The task the thread running `task` takes next under schedule(static, chunk), which deals the chunks of E * nb
+ * tasks round robin; tasks of experts without rows (rows[task / nb] == 0) are passed over. -1: none. The GEMMs
+ * prefetch that task's weights while they multiply this one's. */
+int ernie_next_task(int task, int chunk, int E, int nb, const int64_t *rows) {
+    const int later = (ernie_threads() - 1) * chunk;
+    for (int t = task + 1 + ((task + 1) % chunk ? 0 : later); t < E * nb; t += 1 + ((t + 1) % chunk ? 0 : later))
+        if (rows[t / nb]) return t;
+    return -1;
+}

@@ -14,6 +14,8 @@
 int ernie_threads(void);
 /* The static schedule's chunk for E experts x nb column-block tasks with rows[e] rows each (threads.c). */
 int ernie_task_chunk(const int64_t *rows, int E, int nb);
+/* The next task of the thread running `task` under that schedule, skipping experts without rows; -1: none. */
+int ernie_next_task(int task, int chunk, int E, int nb, const int64_t *rows);
 
 #define THREADS num_threads(ernie_threads())
 #endif
