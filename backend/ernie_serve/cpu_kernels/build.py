@@ -59,7 +59,9 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _compile(out: Path) -> None:
+def compile_library(out: Path, sources: list[Path] | None = None) -> None:
+    """Compile `sources` (default: this package's .c files; their headers beside them) into the library `out`.
+    scripts/bench_kernels_ab.py builds another revision's sources with it, to compare the two in one process."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
@@ -67,7 +69,7 @@ def _compile(out: Path) -> None:
     omp = ["-fopenmp"] if (libs / "libiomp5.so").exists() else ["-fopenmp-simd"]
     link = [f"-L{libs}", f"-Wl,-rpath,{libs}", "-liomp5"] if "-fopenmp" in omp else []
     objs = []
-    for src in _SOURCES:
+    for src in sources or _SOURCES:
         obj = out.with_name(f"{out.stem}-{src.stem}.o")
         subprocess.run([cc, "-O3", "-march=native", "-fPIC", *omp, "-c", str(src), "-o", str(obj)],
                        check=True, capture_output=True, text=True)
@@ -98,17 +100,25 @@ def library() -> ctypes.CDLL | None:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not out.exists():
                     log.info("building the CPU kernels (%s)", out.name)
-                    _compile(out)
-        lib = ctypes.CDLL(str(out))
-        for name, (args, restype) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, restype
-        _lib = lib
+                    compile_library(out)
+        _lib = load(out)
     except (OSError, AttributeError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         _failed = detail.strip().splitlines()[-1] if detail.strip() else repr(e)
         log.warning("CPU kernels not built (%s): the CPU path runs on Paddle ops only (slower)", _failed)
     return _lib
+
+
+def load(path: Path, partial: bool = False) -> ctypes.CDLL:
+    """A built library with every function's types declared; `partial`: an older build may lack some (those are
+    skipped instead of raising AttributeError)."""
+    lib = ctypes.CDLL(str(path))
+    for name, (args, restype) in _SIGNATURES.items():
+        if partial and not hasattr(lib, name):
+            continue
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, restype
+    return lib
 
 
 def available() -> bool:

@@ -177,21 +177,23 @@ static blocked_w block_of(blocked_w w, int K, int b) {
  * rows; without the prefetch the memory stream ran during the first tile only and sat idle during the others
  * (16 experts at 4 rows each read 20-24 GB/s of float32 weights on a box that streams 29; with it 27-31). A float32
  * block that one tile reads (a row or three) is left to the hardware prefetcher, which keeps up with a single pass:
- * the software one cost 4-12% there. Measured side by side: README "Benchmarks", "What changed". */
+ * the software one cost 4-12% there. Past PREFETCH_ROWS (threads.h) the block is compute-bound and is not
+ * prefetched either. Measured side by side: scripts/bench_kernels_ab.py, README "Benchmarks", "What changed". */
 static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_t ldy, float *y, const char *next) {
 #ifdef ERNIE_VF16
     if (M <= 0) return;
     const int wide = M <= WIDE_UP_TO(src.bf16), span = wide ? COLS : 2 * VN, rows = wide ? WIDE_ROWS : ROWS;
     const int groups = (M + rows - 1) / rows, tiles_n = groups * (COLS / span);
     const int64_t block_bytes = (int64_t)K * COLS * (src.bf16 ? 2 : 4), share = (block_bytes + tiles_n - 1) / tiles_n;
-    const int pf_step = (int)((share + K - 1) / K);
+    const int pf_step = (int)((share + K - 1) / K), bits = src.bf16 ? 16 : 32;
+    const int prefetch = next && M <= PREFETCH_ROWS(bits) && (tiles_n > 1 || src.bf16);
     int tile = 0;
     for (int c0 = 0; c0 < COLS; c0 += span)
         for (int g = 0, m0 = 0; g < groups; g++, tile++) {
             const int mb = M / groups + (g < M % groups);
             const float *xm = x + (int64_t)m0 * K;
             float *ym = y + m0 * ldy + c0;
-            const char *pf = next && (tiles_n > 1 || src.bf16) ? next + tile * share : NULL;
+            const char *pf = prefetch ? next + tile * share : NULL;
             if (src.bf16)
                 tiles_bf16[wide][mb](xm, K, (const uint16_t *)src.p + c0, ldy, ym, pf, pf_step);
             else

@@ -377,8 +377,9 @@ typedef struct {
     int64_t share;
 } row_groups;
 
-static row_groups row_groups_of(int M, int64_t G) {
+static row_groups row_groups_of(int M, int64_t G, int bits) {
     row_groups r = {(M + QROWS - 1) / QROWS, 0, 0};
+    if (M > PREFETCH_ROWS(bits)) return r; /* compute-bound: no prefetch (share 0, so share_of gives NULL) */
     const int passes = r.groups > 0 ? 2 * r.groups : 1; /* the widening path reads a block in two halves a group */
     const int64_t pass = (G * 4 * COLS + passes - 1) / passes;
     r.share = 2 * pass;
@@ -389,7 +390,7 @@ static row_groups row_groups_of(int M, int64_t G) {
 static int rows_in_group(int M, row_groups r, int i) { return M / r.groups + (i < M % r.groups); }
 
 /* Row group i's share of the next block, or NULL. */
-static const char *share_of(const char *next, row_groups r, int i) { return next ? next + i * r.share : NULL; }
+static const char *share_of(const char *next, row_groups r, int i) { return next && r.share ? next + i * r.share : NULL; }
 
 /* Rows [r0, r0 + M) times column block b of one weight -> y rows (stride N), columns scaled by s; `next`: the block
  * this thread reads next, prefetched meanwhile (NULL: none). */
@@ -397,7 +398,7 @@ static void qcolumns(const qacts *a, int r0, int M, int K, const uint8_t *w, int
                      int bits, const char *next) {
     const int64_t G = groups(K, bits);
     const int n0 = b * COLS, nc = N - n0 < COLS ? N - n0 : COLS;
-    const row_groups r = row_groups_of(M, G);
+    const row_groups r = row_groups_of(M, G, bits);
     float tile[QROWS * COLS];
     for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {
         mb = rows_in_group(M, r, i);
@@ -415,7 +416,7 @@ static void qcolumns_swiglu(const qacts *a, int r0, int M, int K, const uint8_t 
                             int b, int bits, const char *next) {
     const int64_t G = groups(K, bits), block = G * 4 * COLS;
     const int I = N / 2, nb = I / COLS;
-    const row_groups r = row_groups_of(M, G);
+    const row_groups r = row_groups_of(M, G, bits);
     const char *up = (const char *)(w + (b + nb) * block);
     float g[QROWS * COLS], u[QROWS * COLS];
     for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {
