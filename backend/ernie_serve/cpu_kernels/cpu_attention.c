@@ -132,12 +132,16 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
     memset(acc, 0, sizeof(float) * rows * hd);
     for (int64_t b0 = 0; b0 < seq_len; b0 += bs) {
         const int64_t base = (table[b0 / bs] * bs * nkv + kvh) * (int64_t)hd;
-        int nk_max = 0;
+        /* Rows see keys up to their own position, so the rows that see none of this block are the first r0: a
+         * prefill chunk's rows before the block skip it (half of a long chunk's score and value work). */
+        int nk_max = 0, r0 = rows;
         for (int r = 0; r < rows; r++) {
             int64_t visible = seq_len - q_len + r / G + 1 - b0;  /* keys of this block row r sees */
             seen[r] = visible <= 0 ? 0 : visible < bs ? (int)visible : bs;
             nk_max = seen[r] > nk_max ? seen[r] : nk_max;
+            r0 = seen[r] && r < r0 ? r : r0;
         }
+        if (r0 == rows) continue;
         const float *kb = (const float *)k_cache + base, *vb = (const float *)v_cache + base;
         if (kv_bf16) {
             widen_rows((const uint16_t *)k_cache + base, cache_stride, nk_max, hd, kw);
@@ -145,14 +149,10 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
             kb = kw;
             vb = vw;
         }
-        block_scores(qp, rows, kb, key_stride, nk_max, hd, scale, p, bs);
-        for (int r = 0; r < rows; r++) {
+        block_scores(qp + r0, rows - r0, kb, key_stride, nk_max, hd, scale, p + (int64_t)r0 * bs, bs);
+        for (int r = r0; r < rows; r++) {
             const int nk = seen[r];
             float *pr = p + r * bs;
-            if (nk == 0) {
-                for (int j = 0; j < nk_max; j++) pr[j] = 0.0f;
-                continue;
-            }
             float mb = -INFINITY;
             for (int j = 0; j < nk; j++) mb = pr[j] > mb ? pr[j] : mb;
             const float m_new = mb > m[r] ? mb : m[r];
@@ -165,7 +165,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
             #pragma omp simd
             for (int d = 0; d < hd; d++) a[d] *= alpha;
         }
-        block_values(p, bs, rows, vb, key_stride, nk_max, hd, acc);
+        block_values(p + (int64_t)r0 * bs, bs, rows - r0, vb, key_stride, nk_max, hd, acc + (int64_t)r0 * hd);
     }
     for (int r = 0; r < rows; r++) {
         float *o = out + ((q_start + r / G) * nh + kvh * G + r % G) * (int64_t)hd;
