@@ -37,30 +37,36 @@ static inline float dot(const float *a, const float *b, int n) {
 }
 
 #define RT 4  /* (row, head) pairs per register tile */
-#define KT 4  /* keys per register tile */
+#ifdef __AVX512F__
+#define KT 4  /* keys per score tile: RT x KT accumulators, 16 of AVX-512's 32 registers */
+#define SRT RT
+#else
+#define KT 2  /* AVX2: a vf16 is two of its 16 registers, so a score tile of 2 x 2 (4 x 4 spilled in its loop) */
+#define SRT 2
+#endif
 
 /* p[r][j] = q_r . k_j * scale for the `rows` pairs (qp: their query vectors) and keys j < nk of a block. */
 static void block_scores(const float *const *qp, int rows, const float *kb, int64_t key_stride, int nk, int hd,
                          float scale, float *p, int ldp) {
 #ifdef ERNIE_VF16
     if (hd % 16 == 0) {  /* RT x KT dot products at a time: each q and k vector loaded once per tile */
-        for (int r0 = 0; r0 < rows; r0 += RT)
+        for (int r0 = 0; r0 < rows; r0 += SRT)
             for (int j0 = 0; j0 < nk; j0 += KT) {
-                const float *qr[RT], *kr[KT];
-                for (int i = 0; i < RT; i++) qr[i] = qp[r0 + i < rows ? r0 + i : rows - 1];
+                const float *qr[SRT], *kr[KT];
+                for (int i = 0; i < SRT; i++) qr[i] = qp[r0 + i < rows ? r0 + i : rows - 1];
                 for (int i = 0; i < KT; i++) kr[i] = kb + (j0 + i < nk ? j0 + i : nk - 1) * key_stride;
-                vf16 acc[RT][KT];
-                for (int a = 0; a < RT; a++)
+                vf16 acc[SRT][KT];
+                for (int a = 0; a < SRT; a++)
                     for (int b = 0; b < KT; b++) acc[a][b] = vf16_zero();
                 for (int d = 0; d < hd; d += 16) {
                     vf16 kv[KT];
                     for (int b = 0; b < KT; b++) kv[b] = vf16_load(kr[b] + d);
-                    for (int a = 0; a < RT; a++) {
+                    for (int a = 0; a < SRT; a++) {
                         vf16 qv = vf16_load(qr[a] + d);
                         for (int b = 0; b < KT; b++) acc[a][b] = vf16_fmadd(qv, kv[b], acc[a][b]);
                     }
                 }
-                for (int a = 0; a < RT && r0 + a < rows; a++)
+                for (int a = 0; a < SRT && r0 + a < rows; a++)
                     for (int b = 0; b < KT && j0 + b < nk; b++)
                         p[(r0 + a) * ldp + j0 + b] = vf16_reduce_add(acc[a][b]) * scale;
             }
