@@ -2,6 +2,7 @@
 """This checkout's CPU kernels against another git revision's, both loaded in one process and run in alternation.
 
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2                       # decode-sized GEMMs
+    .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --attention                 # paged attention
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --workload mixed --dtype bfloat16 --rounds 4
 
 Why: this shared 2-core VM swings by up to 2x within minutes, so two runs one after the other do not rank two
@@ -13,6 +14,9 @@ K704 x N1024, the benchmark checkpoint's shapes) at 1, 2, 4 and 8 rows an expert
 rows, per weight format (--bits 32,16,8,4: float32, bfloat16, int8, int4 codes); the weights are sized past the L3
 so each call streams them from memory, as a decode step does. Prints each build's weight GB/s (median over the rounds), the
 median of the rounds' new / base (each round runs the two back to back), and whether the outputs are bit-identical.
+
+Attention (--attention): ernie_paged_attention from a float32 paged cache (8 heads, 2 KV heads, head_dim 128, blocks
+of 16) on prefill chunks, chunks on a cached context and decodes; median times and the median of the rounds' ratios.
 
 Engine (--workload): one LLM on the benchmark checkpoint (prefix caching off, so every round computes its
 prefills), the library swapped between rounds, the order flipped every round; tok/s a round, the median ratio,
@@ -120,6 +124,34 @@ def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int) -> No
 _FORMAT = {32: "float32", 16: "bfloat16", 8: "int8", 4: "int4"}
 
 
+def attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
+    rng = np.random.default_rng(0)
+    nh, nkv, hd, bs = 8, 2, 128, 16
+    print(f"{'sequences x new tokens on context':36} " + "  ".join(f"{n:>10}" for n in libs) + "  new/base  same bits")
+    for seqs, q_len, ctx in ((16, 200, 200), (4, 256, 256), (2, 100, 400), (16, 1, 300)):
+        per = (ctx + bs - 1) // bs
+        k_cache = rng.standard_normal((seqs * per, bs, nkv, hd)).astype(np.float32)
+        v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+        tables = np.arange(seqs * per, dtype=np.int64).reshape(seqs, per)
+        q = rng.standard_normal((seqs * q_len, nh, hd)).astype(np.float32)
+        starts = np.arange(seqs + 1, dtype=np.int64) * q_len
+        lens = np.full(seqs, ctx, np.int64)
+        outs = {name: np.empty((seqs * q_len, nh * hd), np.float32) for name in libs}
+        spent: dict[str, list[float]] = {name: [] for name in libs}
+        for r in range(rounds):
+            for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+                t = time.perf_counter()
+                for _ in range(3):
+                    libs[name].ernie_paged_attention(
+                        q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, 0, tables.ctypes.data, per,
+                        starts.ctypes.data, lens.ctypes.data, seqs, nh, nkv, hd, bs, hd ** -0.5, outs[name].ctypes.data)
+                spent[name].append((time.perf_counter() - t) / 3)
+        ratio = statistics.median(b / n for b, n in zip(spent["base"], spent["new"]))
+        print(f"{f'{seqs} x {q_len} on {ctx}':36} " + "  ".join(f"{statistics.median(spent[n]) * 1e3:7.2f} ms"
+                                                               for n in libs)
+              + f"  {ratio:7.2f}x  {np.array_equal(outs['base'], outs['new'])}", flush=True)
+
+
 def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, rounds: int) -> None:
     import common
     from bench_offline import WORKLOADS, bench_checkpoint
@@ -158,6 +190,7 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="git revision whose kernels are the baseline")
     ap.add_argument("--bits", default="32,16,8,4", help="GEMM formats: 32 float32, 16 bfloat16, 8 / 4 int codes")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--attention", action="store_true", help="paged attention instead of the GEMMs")
     ap.add_argument("--workload", choices=["mixed", "uniform"], help="run the engine instead of the GEMMs")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
@@ -174,6 +207,8 @@ def main() -> None:
               f"new: this checkout; {build.threads()} threads, {args.rounds} rounds alternating", flush=True)
         if args.workload:
             engine(libs, args.workload, args.dtype, args.rounds)
+        elif args.attention:
+            attention(libs, args.rounds)
         else:
             gemms(libs, [int(b) for b in args.bits.split(",")], args.rounds)
 
