@@ -175,7 +175,7 @@ static blocked_w block_of(blocked_w w, int K, int b) {
  * `next` (or NULL): the block this thread reads after this one, prefetched while this one is multiplied, each tile
  * taking an equal share of it spread over its K steps. At decode a block is multiplied from L2 by a tile every few
  * rows; without the prefetch the memory stream ran during the first tile only and sat idle during the others
- * (16 experts at 4 rows each read 20-24 GB/s of float32 weights on a box that streams 29; with it 27-31). A float32
+ * (16 experts at 4 rows each read 20-26 GB/s of float32 weights on a box that streams 29; with it 25-31). A float32
  * block that one tile reads (a row or three) is left to the hardware prefetcher, which keeps up with a single pass:
  * the software one cost 4-12% there. Past PREFETCH_ROWS (threads.h) the block is compute-bound and is not
  * prefetched either. Measured side by side: scripts/bench_kernels_ab.py, README "Benchmarks", "What changed". */
@@ -227,11 +227,6 @@ static void gemm(const float *x, int M, int K, blocked_w w, int N, float *y) {
     if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
 }
 
-/* Every routed expert of a MoE layer in one call: y[starts[e] + m] = x[starts[e] + m] @ W_e for m < rows[e]
- * (rows of x [*, K] and y [*, N]; a padded [E, cap] batch has starts[e] = e * cap, a packed one the running sum of
- * rows). w[e] points at each expert's column-blocked weight. The threads split the (expert, column block) pairs, so
- * a step's many expert matmuls, small at decode or mid-sized in a step mixing decodes and a prefill chunk, become
- * one parallel loop instead of a call per expert. */
 /* The first block the thread running `task` reads next (ernie_next_task), for a prefetch; NULL: none. */
 static const char *next_task_block(int task, int chunk, int E, int nb, const int64_t *rows, const void *const *w,
                                    int bits, int K) {
@@ -239,6 +234,11 @@ static const char *next_task_block(int task, int chunk, int E, int nb, const int
     return t < 0 ? NULL : (const char *)block_of(weight_of(w[t / nb], bits), K, t % nb).p;
 }
 
+/* Every routed expert of a MoE layer in one call: y[starts[e] + m] = x[starts[e] + m] @ W_e for m < rows[e]
+ * (rows of x [*, K] and y [*, N]; a padded [E, cap] batch has starts[e] = e * cap, a packed one the running sum of
+ * rows). w[e] points at each expert's column-blocked weight. The threads split the (expert, column block) pairs, so
+ * a step's many expert matmuls, small at decode or mid-sized in a step mixing decodes and a prefill chunk, become
+ * one parallel loop instead of a call per expert. */
 static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
                      const void *const *w, int bits, int N, float *y) {
     const int nb = N / COLS, chunk = ernie_task_chunk(rows, E, nb);
