@@ -244,7 +244,8 @@ static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts,
     const int nb = N / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
-        int e = task / nb;
+        const int e = task / nb;
+        if (!rows[e]) continue;  /* nothing to multiply, nor a next task to look up */
         column_block(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N + task % nb * COLS,
                      task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
     }
@@ -310,7 +311,8 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
     const int nb = N / 2 / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
-        int e = task / nb;
+        const int e = task / nb;
+        if (!rows[e]) continue;
         swiglu_rows(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N / 2, task % nb,
                     next_task_block(task, chunk, E, nb, rows, w, bits, K));
     }
