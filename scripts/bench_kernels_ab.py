@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import subprocess
 import sys
@@ -152,17 +151,15 @@ def attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
               + f"  {ratio:7.2f}x  {np.array_equal(outs['base'], outs['new'])}", flush=True)
 
 
-def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, rounds: int) -> None:
+def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, rounds: int, tmp: Path) -> None:
     import common
-    from bench_offline import WORKLOADS, bench_checkpoint
-    from make_workload import make_workload
+    from bench_offline import bench_checkpoint, write_workload
 
     from ernie_serve import LLM, SamplingParams
     from ernie_serve.cpu_kernels import build
 
-    path = Path(tempfile.mkdtemp()) / f"workload_{workload}.json"
-    path.write_text(json.dumps(make_workload(vocab_size=32000, max_num_seqs=16, ignore_eos=True, seed=0,
-                                             **WORKLOADS[workload])))
+    path = tmp / f"workload_{workload}.json"
+    write_workload(path, workload, max_num_seqs=16)
     w = common.load_workload(path)
     llm = LLM(model=str(bench_checkpoint()), max_model_len=max(512, w.max_seq_len), max_num_seqs=w.max_num_seqs,
               skip_tokenizer_init=True, disable_progress_bar=True, dtype=dtype, enable_prefix_caching=False)
@@ -206,7 +203,7 @@ def main() -> None:
         print(f"base: {args.base} ({subprocess.run(['git', '-C', str(ROOT), 'rev-parse', '--short', args.base], capture_output=True, text=True).stdout.strip()}), "
               f"new: this checkout; {build.threads()} threads, {args.rounds} rounds alternating", flush=True)
         if args.workload:
-            engine(libs, args.workload, args.dtype, args.rounds)
+            engine(libs, args.workload, args.dtype, args.rounds, Path(tmp))
         elif args.attention:
             attention(libs, args.rounds)
         else:

@@ -49,6 +49,12 @@ def bench_checkpoint() -> Path:
     return path
 
 
+def write_workload(path: Path, name: str, max_num_seqs: int) -> None:
+    """Workload `name` (WORKLOADS) as a file the runners read: fixed seed, ignore_eos, the checkpoint's vocab."""
+    path.write_text(json.dumps(make_workload(vocab_size=32000, max_num_seqs=max_num_seqs, ignore_eos=True, seed=0,
+                                             **WORKLOADS[name])))
+
+
 def run_ours(model: Path, workload_path: Path, out: Path, threads: int, dtype: str) -> None:
     """This engine on one workload (runs in a subprocess of the main script)."""
     import numpy as np
@@ -120,11 +126,9 @@ def main() -> None:
         ap.error(f"--dtype {args.dtype}: each must be float32 or bfloat16")
     results: dict[str, dict[str, dict]] = {}
     for wname in args.workloads.split(","):
-        spec = WORKLOADS[wname]
         wpath = args.out / f"workload_{wname}.json"
         if not args.report_only:
-            wpath.write_text(json.dumps(make_workload(vocab_size=32000, max_num_seqs=args.max_num_seqs,
-                                                      ignore_eos=True, seed=0, **spec)))
+            write_workload(wpath, wname, args.max_num_seqs)
         for dtype, system in [(d, s) for d in dtypes for s in systems]:
             rpath = args.out / f"result_{wname}_{system}{DTYPE_SUFFIX[dtype]}.json"
             if args.report_only:
