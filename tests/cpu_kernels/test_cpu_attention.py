@@ -31,7 +31,7 @@ def reference(q, k_cache, v_cache, tables, qsl, lens, scale):
 
 
 @pytest.mark.parametrize("nh,nkv,hd,bs", [(8, 2, 128, 64), (4, 1, 64, 16), (2, 2, 96, 1), (12, 4, 80, 32),
-                                          (1, 1, 16, 8)])
+                                          (1, 1, 16, 8), (4, 2, 72, 16)])
 @pytest.mark.parametrize("q_lens", [[1], [1, 1, 1, 1], [3, 1, 2], [8], [40], [17, 33]])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 def test_matches_numpy_attention_over_the_paged_cache(nh, nkv, hd, bs, q_lens, cache_dtype):

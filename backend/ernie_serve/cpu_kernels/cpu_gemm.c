@@ -175,7 +175,7 @@ static blocked_w block_of(blocked_w w, int K, int b) {
  * `next` (or NULL): the block this thread reads after this one, prefetched while this one is multiplied, each tile
  * taking an equal share of it spread over its K steps. At decode a block is multiplied from L2 by a tile every few
  * rows; without the prefetch the memory stream ran during the first tile only and sat idle during the others
- * (16 experts at 4 rows each read 20-26 GB/s of float32 weights on a box that streams 29; with it 25-31). A float32
+ * (16 experts at 4 rows each read 20.8-26.1 GB/s of float32 weights on a box that streams 29; with it 25.0-29.3). A float32
  * block that one tile reads (a row or three) is left to the hardware prefetcher, which keeps up with a single pass:
  * the software one cost 4-12% there. Past PREFETCH_ROWS (threads.h) the block is compute-bound and is not
  * prefetched either. Measured side by side: scripts/bench_kernels_ab.py, README "Benchmarks", "What changed". */
