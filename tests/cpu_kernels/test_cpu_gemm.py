@@ -171,10 +171,12 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (3, 64, 96), (8, 128, 40), (9, 256, 64), (17, 32, 33),
-                                   (32, 96, 7), (70, 136, 64)])
+                                   (32, 96, 7), (70, 136, 64), (40, 256, 96), (33, 1056, 64)])
 def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k, n):
-    """bits 16: the weight rounded to bfloat16 once (nearest even), then the same float32 arithmetic: the product
-    equals the float32 kernel's on the rounded weight bit for bit, every row count and a last narrow block too."""
+    """bits 16: the weight rounded to bfloat16 once (nearest even), then float32 arithmetic on x: bit for bit the
+    float32 kernel's product on the rounded weight, every row count and a last narrow block too. On AMX (from 16 rows,
+    K % 32 == 0) x is rounded to bfloat16 as well and the tile unit accumulates in float32: then the float64 product of
+    the two rounded operands (panels of 512 k, row groups of 32 and a partial one included)."""
     rng = np.random.default_rng(m * 31 + n)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -182,14 +184,49 @@ def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k,
     assert half.dtype == paddle.int16 and tuple(half.shape) == cpu_gemm.blocked_shape((k, n))
     np.testing.assert_array_equal(cpu_gemm.unpack_columns(np.from_dlpack(half), 0, n), _bf16(w))
     got = cpu_gemm.gemm(x, half, n, None, 16).numpy()
-    np.testing.assert_array_equal(got, cpu_gemm.gemm(x, cpu_gemm.packed(_bf16(w)), n, None, 32).numpy())
-    np.testing.assert_allclose(got, x @ _bf16(w), rtol=1e-4, atol=1e-4)
+    if cpu_gemm.bf16_on_amx(m, k):
+        exact = _bf16(x).astype(np.float64) @ _bf16(w).astype(np.float64)
+        np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    else:
+        np.testing.assert_array_equal(got, cpu_gemm.gemm(x, cpu_gemm.packed(_bf16(w)), n, None, 32).numpy())
+        np.testing.assert_allclose(got, x @ _bf16(w), rtol=1e-4, atol=1e-4)
     rows = np.array([m, max(1, m // 2)])
     both = cpu_gemm.moe_gemm(np.stack([x, x[::-1]]), rows, [half, half], n, None, 16).numpy()
     np.testing.assert_array_equal(both[0], got)
     idx, best = cpu_gemm.gemm_argmax(x, half, n, n, bits=16)
     assert idx.tolist() == np.argmax(got, axis=1).tolist()
     np.testing.assert_array_equal(best, got.max(axis=1))
+
+
+def test_bfloat16_runs_on_amx_from_16_rows_where_the_cpu_has_it():
+    """AMX takes a bfloat16 GEMM from 16 rows when K is a multiple of 32 (a tile's k); a CPU without AMX-BF16 keeps
+    every bfloat16 GEMM on float32 x."""
+    from ernie_serve.devices import cpu_flags_line
+
+    has_amx = "amx_bf16" in cpu_flags_line().split()
+    assert cpu_gemm.bf16_on_amx(16, 64) == has_amx and cpu_gemm.bf16_on_amx(1000, 1024) == has_amx
+    assert not cpu_gemm.bf16_on_amx(15, 64) and not cpu_gemm.bf16_on_amx(16, 72)
+
+
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100])
+def test_every_row_count_on_the_amx_shapes_gives_the_product_of_the_rounded_operands(m):
+    """K a multiple of 32 over two panels (544 = 512 + 32) and a narrow last block: below 16 rows the widening tiles'
+    product of float32 x; from 16 (on AMX) the float64 product of bfloat16-rounded x, whatever the row groups of 32
+    and a partial one; the SwiGLU fused pass, which takes 32 rows at a time, matches the plain product either way."""
+    from ernie_serve.model.layers import silu_and_mul
+
+    rng = np.random.default_rng(m)
+    k, n = 544, 70
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = cpu_gemm.gemm(x, cpu_gemm.packed(w, bits=16), n, None, 16).numpy()
+    xs = _bf16(x) if cpu_gemm.bf16_on_amx(m, k) else x
+    exact = xs.astype(np.float64) @ _bf16(w).astype(np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    gate_up = cpu_gemm.packed(w[:, :64], bits=16)
+    fused = cpu_gemm.gemm(x, gate_up, 64, None, 16, swiglu=True).numpy()
+    np.testing.assert_allclose(fused, silu_and_mul(cpu_gemm.gemm(x, gate_up, 64, None, 16)).numpy(),
+                               rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("m", range(1, 22))
@@ -268,14 +305,15 @@ def test_next_task_is_the_next_one_the_same_thread_runs_with_rows():
         build.set_threads(len(os.sched_getaffinity(0)))
 
 
-@pytest.mark.parametrize("bits", [32, 16, 8, 4])
-@pytest.mark.parametrize("rows", [[4, 0, 4, 4, 0, 4], [1, 0, 0, 30, 2, 0], [0, 7, 5, 0, 0, 9]])
-def test_experts_with_and_without_rows_in_one_call_equal_each_experts_own_product(bits, rows):
+@pytest.mark.parametrize("bits,k", [(32, 136), (16, 136), (16, 128), (8, 136), (4, 136)])
+@pytest.mark.parametrize("rows", [[4, 0, 4, 4, 0, 4], [1, 0, 0, 30, 2, 0], [0, 7, 5, 0, 0, 9], [20, 3, 0, 17, 0, 1]])
+def test_experts_with_and_without_rows_in_one_call_equal_each_experts_own_product(bits, k, rows):
     """moe_gemm's threads take (expert, column block) tasks in halves or round robin (ernie_task_chunk) and prefetch
     the next task's block, skipping experts without rows: every expert's rows equal its own gemm, in both
-    schedules (even rows, one expert holding most), for every weight format."""
+    schedules (even rows, one expert holding most), for every weight format; bfloat16 at K 128 too, where the experts
+    of 16 rows or more run on AMX and the others, in the same call, on the widening tiles."""
     rng = np.random.default_rng(bits + sum(rows))
-    k, n, e = 136, 128, len(rows)
+    n, e = 128, len(rows)
     if bits in (32, 16):
         ws = [cpu_gemm.packed(rng.standard_normal((k, n)).astype(np.float32), bits) for _ in range(e)]
         scales = None
@@ -317,6 +355,32 @@ def test_the_kernel_switch_turns_them_off_or_is_refused(value, expect):
             "try:\n    print('available', build.available())\nexcept ValueError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert expect in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("value,expect", [("0", "amx False"), ("no", "ERNIE_CPU_AMX='no'")])
+def test_the_amx_switch_keeps_bfloat16_off_the_tile_unit_or_is_refused(value, expect):
+    env = dict(os.environ, ERNIE_CPU_AMX=value)
+    code = ("from ernie_serve.cpu_kernels import cpu_gemm\n"
+            "try:\n    print('amx', cpu_gemm.bf16_on_amx(64, 1024))\nexcept ValueError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert expect in r.stdout, r.stderr
+
+
+def test_without_amx_a_bfloat16_gemm_is_the_float32_one_on_the_rounded_weight_at_every_size():
+    """ernie_set_amx(0) (ERNIE_CPU_AMX=0) in a running process: the widening tiles take every row count again."""
+    from ernie_serve.cpu_kernels import build
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((256, 96)).astype(np.float32)
+    x = rng.standard_normal((40, 256)).astype(np.float32)
+    lib = build.library()
+    lib.ernie_set_amx(0)
+    try:
+        assert not cpu_gemm.bf16_on_amx(40, 256)
+        got = cpu_gemm.gemm(x, cpu_gemm.packed(w, bits=16), 96, None, 16).numpy()
+    finally:
+        lib.ernie_set_amx(1)
+    np.testing.assert_array_equal(got, cpu_gemm.gemm(x, cpu_gemm.packed(_bf16(w)), 96, None, 32).numpy())
 
 
 @pytest.mark.parametrize("m,k,n,n_valid", [(1, 64, 32, 32), (3, 64, 4096, 4096), (9, 128, 4096, 4000),

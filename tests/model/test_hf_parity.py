@@ -7,6 +7,7 @@ decoding must give the same 32 tokens; the same weights in the "-Paddle" layout 
 from __future__ import annotations
 
 import shutil
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from ernie_serve import LLM, SamplingParams  # noqa: E402
+from ernie_serve.cpu_kernels import cpu_gemm  # noqa: E402
 from ernie_serve.model.attention import AttentionMetadata  # noqa: E402
 from ernie_serve.model.checkpoint_writer import pt_to_paddle, write_checkpoint  # noqa: E402
 from ernie_serve.model.config import ErnieModelConfig  # noqa: E402
@@ -128,17 +130,33 @@ def test_greedy_tokens_match_transformers_with_a_random_mtp_head(checkpoint, tmp
 def _bf16_rounded_hf(name: str):
     """The HF model with the weights --dtype bfloat16 holds in bfloat16 rounded to it (every projection, the experts,
     the lm_head, and a tied embedding with it), the router and an untied embedding left in float32: the same
-    float32 arithmetic on the same values, so an independent oracle for our bfloat16 path."""
+    float32 arithmetic on the same values, so an independent oracle for our bfloat16 path. Where our GEMM runs on AMX
+    (cpu_gemm.bf16_on_amx: 16 rows or more times a weight whose K is a multiple of 32) it multiplies x rounded to
+    bfloat16 too; so does each such projection here, on the rows it is called with."""
     import ml_dtypes
 
     model = hf_model(name)
     tied = CONFIGS[name].get("tie_word_embeddings")
+    routers = {id(p) for pname, p in model.named_parameters() if pname.endswith("mlp.gate.weight")}
+    linear, forward = torch.nn.functional.linear, model.forward
+
+    def linear_as_ours(x, w, b=None):  # every projection and expert goes through F.linear
+        k = w.shape[-1]
+        if id(w) not in routers and cpu_gemm.bf16_on_amx(x.numel() // k, k):
+            x = x.to(torch.bfloat16).to(x.dtype)
+        return linear(x, w, b)
+
+    def forward_as_ours(*args, **kwargs):
+        with mock.patch.object(torch.nn.functional, "linear", linear_as_ours):
+            return forward(*args, **kwargs)
+
     with torch.no_grad():
         for pname, p in model.named_parameters():
             router = pname.endswith("mlp.gate.weight") or "moe_statics" in pname
             if p.ndim >= 2 and not router and (tied or "embed_tokens" not in pname):
                 rounded = np.asarray(p.numpy(), ml_dtypes.bfloat16).astype(np.float32)
                 p.copy_(torch.from_numpy(rounded))
+    model.forward = forward_as_ours
     return model
 
 
@@ -161,7 +179,11 @@ def test_bfloat16_weights_give_the_logits_and_greedy_tokens_of_the_rounded_model
     with paddle.no_grad():
         ours = m.compute_logits(m(paddle.to_tensor(ids), paddle.arange(len(ids)), meta, None)).numpy()
     scale = np.abs(ref).max()
-    assert np.abs(ours - ref).max() <= 1e-4 * scale, name
+    # Where x is rounded to bfloat16 (AMX) a last-bit difference in float32 can round an activation the other way, a
+    # step of 2^-9 that the next layers carry on: the oracle then agrees to bfloat16's tolerance (measured: 0.05-0.45%
+    # of the largest logit over the nine checkpoints), not float32's
+    amx = cpu_gemm.bf16_on_amx(len(ids), CONFIGS[name]["hidden_size"])
+    assert np.abs(ours - ref).max() <= (1e-2 if amx else 1e-4) * scale, name
     # against float32: bfloat16 keeps 8 significant bits (measured here: a row's largest error is 0.5-2.3% of the
     # largest logit at the median over the 9 checkpoints), and where the rounding flips a token's routed experts
     # its row moves by more (as on a GPU in bfloat16), so the bound is on the median row

@@ -4,7 +4,7 @@ Compiled with the system C compiler for this CPU (-march=native) and linked agai
 ships, so the kernels' threads are Paddle's threads and the two never compete for the cores. The library is
 keyed by the sources' hash, so an edited kernel is rebuilt; a file lock keeps concurrent processes (tests,
 tensor-parallel workers) from building it twice. Without a compiler (or with ERNIE_CPU_KERNELS=0) `library()` is None, callers keep their
-Paddle path, and one warning says why.
+Paddle path, and one warning says why. ERNIE_CPU_AMX=0 keeps bfloat16 GEMMs off AMX (cpu_amx.c) on a CPU that has it.
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ _SIGNATURES = {
     "ernie_gemm": ([_P, _I, _I, _P, _I, _P, _P, _I, _I, _I], _I),
     "ernie_moe_gemm": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I], _I),
     "ernie_gemm_swiglu_fits": ([_I], _I),
+    "ernie_bf16_on_amx": ([_I, _I], _I),
+    "ernie_set_amx": ([_I], None),
     "ernie_gemm_argmax": ([_P, _I, _I, _P, _I, _I, _P, _P, _I], _I),
     "ernie_paged_attention": ([_P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P], _I),
     "ernie_rms_norm": ([_P, _P, _I, _I, _F, _P], None),
@@ -87,6 +89,10 @@ def library() -> ctypes.CDLL | None:
     switch = os.environ.get("ERNIE_CPU_KERNELS", "1")
     if switch not in ("0", "1"):  # refused (the engine loads the library at start-up), never read as "on"
         raise ValueError(f"ERNIE_CPU_KERNELS={switch!r}: expected 1 (the C kernels, default) or 0 (Paddle ops only)")
+    amx = os.environ.get("ERNIE_CPU_AMX", "1")
+    if amx not in ("0", "1"):
+        raise ValueError(f"ERNIE_CPU_AMX={amx!r}: expected 1 (bfloat16 GEMMs on AMX where the CPU has it, default) "
+                         "or 0 (never)")
     if switch == "0":  # the Paddle-only path, for A/B runs and bisecting
         _failed = "ERNIE_CPU_KERNELS=0"
         return None
@@ -102,6 +108,7 @@ def library() -> ctypes.CDLL | None:
                     log.info("building the CPU kernels (%s)", out.name)
                     compile_library(out)
         _lib = load(out)
+        _lib.ernie_set_amx(int(amx == "1"))
     except (OSError, AttributeError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         _failed = detail.strip().splitlines()[-1] if detail.strip() else repr(e)

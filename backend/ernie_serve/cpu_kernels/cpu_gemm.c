@@ -4,7 +4,9 @@
  *
  * W is float32 (bits 32) or bfloat16 (bits 16, --dtype bfloat16: its bits held as 16-bit integers); a bfloat16
  * weight is widened to float32 as it is streamed (a shift: bf16 is a float32's high half) and multiplied in
- * float32, so a step reads half the bytes for the same float32 arithmetic on x.
+ * float32, so a step reads half the bytes for the same float32 arithmetic on x. On a CPU with AMX (cpu_amx.c) and
+ * K % 32 == 0, x is rounded to bfloat16 too, once a call, and the tile unit multiplies the two in bfloat16 with
+ * float32 accumulation, as vLLM-CPU and FastDeploy compute bfloat16 there.
  *
  * Why: at decode a weight is read once per step for a handful of rows, so the step is bound by weight bytes, and
  * Paddle's matmul over [K, N] streams them well below the memory's bandwidth; at prefill sizes this kernel still
@@ -21,6 +23,7 @@
 #include <omp.h>
 #endif
 
+#include "amx.h"
 #include "kernels.h"
 #include "qgemm.h"
 #include "threads.h"
@@ -43,6 +46,29 @@ static inline blocked_w weight_of(const void *p, int bits) {
 static inline float weight_at(blocked_w w, int64_t i) {
     return w.bf16 ? bf16_to_f32(((const uint16_t *)w.p)[i]) : ((const float *)w.p)[i];
 }
+
+/* The rows a GEMM multiplies: float32, and where bfloat16 weights run on AMX (rows_for) the same values rounded to
+ * bfloat16 at the same element offsets (h; NULL otherwise). */
+typedef struct {
+    const float *f;
+    const uint16_t *h;
+} rows_x;
+
+static inline rows_x rows_at(rows_x x, int64_t offset) {
+    rows_x r = {x.f + offset, x.h ? x.h + offset : NULL};
+    return r;
+}
+
+/* The `rows` rows of one expert's weight at x + offset: on AMX only when the expert has enough of them (on_amx), so an
+ * expert's rows are multiplied alike whichever call they come in. */
+static inline rows_x expert_rows(rows_x x, int64_t offset, int64_t rows) {
+    rows_x r = rows_at(x, offset);
+    if (rows < AMX_ROWS) r.h = NULL;
+    return r;
+}
+
+/* Element i of x as the GEMM multiplies it. */
+static inline float x_at(rows_x x, int64_t i) { return x.h ? bf16_to_f32(x.h[i]) : x.f[i]; }
 
 #ifdef ERNIE_VF16
 /* Register tiles: `mb` rows x `nv` native vectors of a column block's columns, accumulated over all of K in
@@ -150,12 +176,12 @@ static const tile_bf16_fn tiles_bf16[2][ROWS + 1] = {
 #endif
 
 /* Columns [n0, n1) plainly (a last block narrower than COLS) -> y[m * ldy + n - n0]. */
-static void columns_plain(const float *x, int M, int K, blocked_w w, int64_t ldy, float *y, int n0, int n1) {
+static void columns_plain(rows_x x, int M, int K, blocked_w w, int64_t ldy, float *y, int n0, int n1) {
     for (int m = 0; m < M; m++)
         for (int n = n0; n < n1; n++) {
             float acc = 0.0f;
             for (int k = 0; k < K; k++)
-                acc += x[(int64_t)m * K + k] * weight_at(w, ((int64_t)(n / COLS) * K + k) * COLS + n % COLS);
+                acc += x_at(x, (int64_t)m * K + k) * weight_at(w, ((int64_t)(n / COLS) * K + k) * COLS + n % COLS);
             y[m * ldy + n - n0] = acc;
         }
 }
@@ -179,9 +205,13 @@ static blocked_w block_of(blocked_w w, int K, int b) {
  * block that one tile reads (a row or three) is left to the hardware prefetcher, which keeps up with a single pass:
  * the software one cost 4-12% there. Past PREFETCH_ROWS (threads.h) the block is compute-bound and is not
  * prefetched either. Measured side by side: scripts/bench_kernels_ab.py, README "Benchmarks", "What changed". */
-static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_t ldy, float *y, const char *next) {
+static void rows_times_block(rows_x x, int M, int K, blocked_w src, int64_t ldy, float *y, const char *next) {
 #ifdef ERNIE_VF16
     if (M <= 0) return;
+    if (x.h) {  /* bfloat16 x and weights: the tile unit's (cpu_amx.c) */
+        ernie_amx_block(x.h, M, K, (const uint16_t *)src.p, ldy, y, next);
+        return;
+    }
     const int wide = M <= WIDE_UP_TO(src.bf16), span = wide ? COLS : 2 * VN, rows = wide ? WIDE_ROWS : ROWS;
     const int groups = (M + rows - 1) / rows, tiles_n = groups * (COLS / span);
     const int64_t block_bytes = (int64_t)K * COLS * (src.bf16 ? 2 : 4), share = (block_bytes + tiles_n - 1) / tiles_n;
@@ -191,7 +221,7 @@ static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_
     for (int c0 = 0; c0 < COLS; c0 += span)
         for (int g = 0, m0 = 0; g < groups; g++, tile++) {
             const int mb = M / groups + (g < M % groups);
-            const float *xm = x + (int64_t)m0 * K;
+            const float *xm = x.f + (int64_t)m0 * K;
             float *ym = y + m0 * ldy + c0;
             const char *pf = prefetch ? next + tile * share : NULL;
             if (src.bf16)
@@ -205,14 +235,14 @@ static void rows_times_block(const float *x, int M, int K, blocked_w src, int64_
     for (int m = 0; m < M; m++)
         for (int j = 0; j < COLS; j++) {
             float acc = 0.0f;
-            for (int k = 0; k < K; k++) acc += x[(int64_t)m * K + k] * weight_at(src, (int64_t)k * COLS + j);
+            for (int k = 0; k < K; k++) acc += x_at(x, (int64_t)m * K + k) * weight_at(src, (int64_t)k * COLS + j);
             y[m * ldy + j] = acc;
         }
 #endif
 }
 
 /* Rows [0, M) of x times column block b (a full one) -> y[m * ldy + j], j < COLS, prefetching `next`. */
-static void column_block(const float *x, int M, int K, blocked_w w, int64_t ldy, float *y, int b, const char *next) {
+static void column_block(rows_x x, int M, int K, blocked_w w, int64_t ldy, float *y, int b, const char *next) {
     rows_times_block(x, M, K, block_of(w, K, b), ldy, y, next);
 }
 
@@ -221,7 +251,7 @@ static const char *block_start(blocked_w w, int K, int b, int nb) {
     return b < nb ? (const char *)block_of(w, K, b).p : NULL;
 }
 
-static void gemm(const float *x, int M, int K, blocked_w w, int N, float *y) {
+static void gemm(rows_x x, int M, int K, blocked_w w, int N, float *y) {
     #pragma omp parallel for THREADS schedule(static)
     for (int b = 0; b < N / COLS; b++) column_block(x, M, K, w, N, y + b * COLS, b, block_start(w, K, b + 1, N / COLS));
     if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
@@ -239,19 +269,19 @@ static const char *next_task_block(int task, int chunk, int E, int nb, const int
  * rows). w[e] points at each expert's column-blocked weight. The threads split the (expert, column block) pairs, so
  * a step's many expert matmuls, small at decode or mid-sized in a step mixing decodes and a prefill chunk, become
  * one parallel loop instead of a call per expert. */
-static void moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K,
+static void moe_gemm(rows_x x, const int64_t *rows, const int64_t *starts, int E, int K,
                      const void *const *w, int bits, int N, float *y) {
     const int nb = N / COLS, chunk = ernie_task_chunk(rows, E, nb);
     #pragma omp parallel for THREADS schedule(static, chunk)
     for (int task = 0; task < E * nb; task++) {
         const int e = task / nb;
         if (!rows[e]) continue;  /* nothing to multiply, nor a next task to look up */
-        column_block(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N + task % nb * COLS,
+        column_block(expert_rows(x, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N + task % nb * COLS,
                      task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
     }
     if (N % COLS)
         for (int e = 0; e < E; e++)
-            columns_plain(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N,
+            columns_plain(expert_rows(x, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
                           y + starts[e] * N + N / COLS * COLS, N / COLS * COLS, N);
 }
 
@@ -267,13 +297,13 @@ int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
  * through rows_times_block in groups large enough for its half tiles. */
 #define SWIGLU_ROWS (4 * ROWS)
 
-static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float *y, int b, const char *next) {
+static void swiglu_rows(rows_x x, int M, int K, blocked_w w, int N, float *y, int b, const char *next) {
     const int I = N / 2, nb = I / COLS;
     float g[SWIGLU_ROWS * COLS], u[SWIGLU_ROWS * COLS];
     const blocked_w gate = block_of(w, K, b), up = block_of(w, K, b + nb);
     for (int m0 = 0; m0 < M; m0 += SWIGLU_ROWS) {
         int mb = M - m0 < SWIGLU_ROWS ? M - m0 : SWIGLU_ROWS;
-        const float *xm = x + (int64_t)m0 * K;
+        const rows_x xm = rows_at(x, (int64_t)m0 * K);
         rows_times_block(xm, mb, K, gate, COLS, g, m0 == 0 ? (const char *)up.p : NULL);
         rows_times_block(xm, mb, K, up, COLS, u, m0 + mb >= M ? next : NULL);
         for (int m = 0; m < mb; m++)
@@ -283,6 +313,41 @@ static void swiglu_rows(const float *x, int M, int K, blocked_w w, int N, float 
 
 static int is_float(int bits) { return bits == 32 || bits == 16; }
 
+/* Whether `rows` rows times bfloat16 weights of K rows run on AMX, x rounded to bfloat16 (else float32 x, widened
+ * weights). */
+static int on_amx(int64_t rows, int K) { return rows >= AMX_ROWS && K % 32 == 0 && ernie_amx_ready(); }
+
+int ernie_bf16_on_amx(int rows, int K) { return on_amx(rows, K); }
+
+/* x [n_rows, K] as a GEMM with `bits`-bit float weights multiplies it: where bfloat16 weights run on AMX for some
+ * of it (max_rows: the most rows one weight multiplies), rounded to bfloat16 too, once a call, into *held (the
+ * caller frees it), with the 16 rows past the last an AMX tile loads (zeros). Returns 0, or -1 out of memory. */
+static int rows_for(const float *x, int64_t n_rows, int64_t max_rows, int K, int bits, rows_x *out, uint16_t **held) {
+    rows_x r = {x, NULL};
+    *held = NULL;
+#ifdef __AVX512F__
+    if (bits == 16 && n_rows > 0 && on_amx(max_rows, K)) {
+        const int64_t n = n_rows * K, chunk = 16 * 1024;
+        uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(n + 16 * (int64_t)K));
+        if (!h) return -1;
+        memset(h + n, 0, sizeof(uint16_t) * 16 * (size_t)K);
+        #pragma omp parallel for THREADS schedule(static)
+        for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+            const int64_t i1 = i0 + chunk < n ? i0 + chunk : n;
+            int64_t i = i0;
+            for (; i + 16 <= i1; i += 16)  /* nearest even, as f32_to_bf16 */
+                _mm256_storeu_si256((__m256i *)(h + i), f32_to_bf16_16(_mm512_loadu_ps(x + i)));
+            for (; i < i1; i++) h[i] = f32_to_bf16(x[i]);
+        }
+        r.h = *held = h;
+    }
+#else
+    (void)n_rows, (void)max_rows, (void)K, (void)bits;
+#endif
+    *out = r;
+    return 0;
+}
+
 /* y = x @ W * scale: float32 / bfloat16 W (bits 32 / 16, s NULL) here, int8 / int4 codes (bits 8 / 4) in
  * cpu_qgemm.c, where int_x says x is integer-valued already (w4a8). swiglu: y [M, N / 2] as above. Returns 0, or -1
  * out of memory. */
@@ -290,12 +355,17 @@ int ernie_gemm(const float *x, int M, int K, const void *w, int N, const float *
                int int_x) {
     if (!is_float(bits)) return ernie_qgemm(x, M, K, w, N, s, y, bits, swiglu, int_x);
     const blocked_w wb = weight_of(w, bits);
+    rows_x xr;
+    uint16_t *held;
+    if (rows_for(x, M, M, K, bits, &xr, &held)) return -1;
     if (!swiglu) {
-        gemm(x, M, K, wb, N, y);
-        return 0;
+        gemm(xr, M, K, wb, N, y);
+    } else {
+        #pragma omp parallel for THREADS schedule(static)
+        for (int b = 0; b < N / 2 / COLS; b++)
+            swiglu_rows(xr, M, K, wb, N, y, b, block_start(wb, K, b + 1, N / 2 / COLS));
     }
-    #pragma omp parallel for THREADS schedule(static)
-    for (int b = 0; b < N / 2 / COLS; b++) swiglu_rows(x, M, K, wb, N, y, b, block_start(wb, K, b + 1, N / 2 / COLS));
+    free(held);
     return 0;
 }
 
@@ -304,18 +374,28 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
                    int N, const float *const *s, float *y, int bits, int swiglu, int int_x) {
     if (!is_float(bits))
         return ernie_moe_qgemm(x, rows, starts, E, K, (const uint8_t *const *)w, N, s, y, bits, swiglu, int_x);
+    int64_t n_rows = 0, max_rows = 0;  /* x's rows up to the last an expert reads (a padded batch's tail is not) */
+    for (int e = 0; e < E; e++)
+        if (rows[e]) {
+            n_rows = starts[e] + rows[e] > n_rows ? starts[e] + rows[e] : n_rows;
+            max_rows = rows[e] > max_rows ? rows[e] : max_rows;
+        }
+    rows_x xr;
+    uint16_t *held;
+    if (rows_for(x, n_rows, max_rows, K, bits, &xr, &held)) return -1;
     if (!swiglu) {
-        moe_gemm(x, rows, starts, E, K, w, bits, N, y);
-        return 0;
+        moe_gemm(xr, rows, starts, E, K, w, bits, N, y);
+    } else {
+        const int nb = N / 2 / COLS, chunk = ernie_task_chunk(rows, E, nb);
+        #pragma omp parallel for THREADS schedule(static, chunk)
+        for (int task = 0; task < E * nb; task++) {
+            const int e = task / nb;
+            if (!rows[e]) continue;
+            swiglu_rows(expert_rows(xr, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N / 2,
+                        task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
+        }
     }
-    const int nb = N / 2 / COLS, chunk = ernie_task_chunk(rows, E, nb);
-    #pragma omp parallel for THREADS schedule(static, chunk)
-    for (int task = 0; task < E * nb; task++) {
-        const int e = task / nb;
-        if (!rows[e]) continue;
-        swiglu_rows(x + starts[e] * K, (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N / 2, task % nb,
-                    next_task_block(task, chunk, E, nb, rows, w, bits, K));
-    }
+    free(held);
     return 0;
 }
 
@@ -352,11 +432,15 @@ int ernie_gemm_argmax(const float *x, int M, int K, const void *wp, int N, int n
                       float *best_val, int bits) {
     const int nb = N / COLS, threads = ernie_threads();
     const blocked_w w = weight_of(wp, bits);
+    rows_x xr;
+    uint16_t *held;
+    if (rows_for(x, M, M, K, bits, &xr, &held)) return -1;
     float *tiles = malloc(sizeof(float) * (size_t)threads * M * COLS + sizeof(float) * (size_t)threads * M);
     int64_t *part_idx = malloc(sizeof(int64_t) * (size_t)threads * M);
     if (!tiles || !part_idx) {
         free(tiles);
         free(part_idx);
+        free(held);
         return -1;
     }
     float *part_val = tiles + (size_t)threads * M * COLS;
@@ -372,7 +456,7 @@ int ernie_gemm_argmax(const float *x, int M, int K, const void *wp, int N, int n
         int64_t *bj = part_idx + (size_t)t * M;
         const int b0 = (int)((int64_t)nb * t / nt), b1 = (int)((int64_t)nb * (t + 1) / nt);
         for (int b = b0; b < b1 && b * COLS < n_valid; b++) {
-            column_block(x, M, K, w, COLS, tile, b, block_start(w, K, b + 1, b1));
+            column_block(xr, M, K, w, COLS, tile, b, block_start(w, K, b + 1, b1));
             rank_tile(tile, M, n_valid - b * COLS < COLS ? n_valid - b * COLS : COLS, (int64_t)b * COLS, bv, bj);
         }
     }
@@ -383,10 +467,11 @@ int ernie_gemm_argmax(const float *x, int M, int K, const void *wp, int N, int n
                 keep_best(part_val[(size_t)t * M + m], part_idx[(size_t)t * M + m], &best_val[m], &best_idx[m]);
     }
     if (n_valid > nb * COLS) {  /* then a last block narrower than COLS, in the first tile (free now) */
-        columns_plain(x, M, K, w, COLS, tiles, nb * COLS, n_valid);
+        columns_plain(xr, M, K, w, COLS, tiles, nb * COLS, n_valid);
         rank_tile(tiles, M, n_valid - nb * COLS, (int64_t)nb * COLS, best_val, best_idx);
     }
     free(tiles);
     free(part_idx);
+    free(held);
     return 0;
 }

@@ -1,7 +1,8 @@
 """The GEMMs of cpu_gemm.c (float32 / bfloat16) and cpu_qgemm.c (int8 / int4 codes), called through ctypes.
 
 y = (x @ W) * scale at every row count: float32 or bfloat16 W (bits 32 / 16; a bfloat16 weight is held as its bits
-in an int16 array, NumPy and Paddle's CPU tensors having no bfloat16 the kernels read) in the column-blocked
+in an int16 array, NumPy and Paddle's CPU tensors having no bfloat16 the kernels read; on AMX x is rounded to
+bfloat16 from 16 rows, bf16_on_amx) in the column-blocked
 serving layout (model/layers.BlockedLinear,
 model/moe.BlockedExperts; pack_columns), int8 or int4 codes of the weight-only formats in the integer kernel's
 layout (model/quantized_layers.QuantLinear; pack_codes), and every routed expert of a layer in one call. Without the
@@ -27,6 +28,13 @@ def swiglu_fits(n: int) -> bool:
     """Whether a [K, n] gate-up weight (gate half first) can run with SwiGLU fused (`swiglu=True`)."""
     lib = build.library()
     return lib is not None and bool(lib.ernie_gemm_swiglu_fits(n))
+
+
+def bf16_on_amx(rows: int, k: int) -> bool:
+    """Whether `rows` rows times a bfloat16 weight of k rows run on AMX (cpu_amx.c), x rounded to bfloat16 as vLLM-CPU
+    and FastDeploy compute bfloat16 (else x stays float32 and the weight is widened to it)."""
+    lib = build.library()
+    return lib is not None and bool(lib.ernie_bf16_on_amx(rows, k))
 
 
 def serves(t: paddle.Tensor) -> bool:

@@ -38,6 +38,17 @@ static inline vf16 vf16_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline void vf16_store(float *p, vf16 v) { _mm512_storeu_ps(p, v); }
+/* 16 float32 rounded to bfloat16 as f32_to_bf16 rounds one (AVX-512F alone: no AVX512-BF16 needed) */
+static inline __m256i f32_to_bf16_16(vf16 v) {
+    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __m512i even = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i r = _mm512_mask_or_epi32(_mm512_srli_epi32(even, 16), nan, _mm512_srli_epi32(u, 16),
+                                           _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
 static inline vf16 vf16_set1(float x) { return _mm512_set1_ps(x); }
 static inline vf16 vf16_zero(void) { return _mm512_setzero_ps(); }
 static inline vf16 vf16_add(vf16 a, vf16 b) { return _mm512_add_ps(a, b); }

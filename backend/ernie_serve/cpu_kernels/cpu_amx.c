@@ -1,0 +1,138 @@
+/* bfloat16 weights times bfloat16 activations on AMX (Intel Sapphire Rapids and later): one column block of
+ * cpu_gemm.c's layout at a time, products accumulated in float32 by the tile unit.
+ *
+ * Why: a `--dtype bfloat16` prefill is compute-bound, and on this Xeon the AVX-512 float32 FMA does ~110 G
+ * multiply-adds a second a core while TDPBF16PS does ~1460 G (one-off loops of each); vdpbf16ps, the AVX512-BF16
+ * dot product, ran at a quarter of the FMA's instruction rate here, so it would have been slower than widening the
+ * weight to float32. vLLM-CPU and FastDeploy's CPU path take bfloat16 matmuls to AMX through oneDNN likewise.
+ *
+ * The weight keeps the one layout every bfloat16 path reads, [K, 32] a column block; AMX wants a B tile's rows
+ * to be (k, k + 1) pairs of 16 columns, so a panel of the block is interleaved into that form as it is streamed
+ * in (the repack is the block's one pass over memory; at decode it also prefetches the thread's next block), and
+ * every row group then reads the panel from L1 / L2. x comes in already rounded to bfloat16 (cpu_gemm.c rounds it
+ * once a call), with 16 readable rows past the last: a tile always loads 16 rows, the extra ones are never stored.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "amx.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for the AMX tile data state (off by default for a process) */
+#define XFEATURE_XTILEDATA 18
+#define COLS 32                    /* cpu_gemm.c's column block */
+#define PANEL 512                  /* k values interleaved at once: 32 KB, read by every row group */
+
+static int allowed = 1, ready = -1; /* ready -1: not asked yet */
+
+void ernie_set_amx(int on) {
+    allowed = on;
+    ready = -1;
+}
+
+int ernie_amx_ready(void) {
+    if (ready < 0) ready = allowed && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ready;
+}
+
+/* Eight tiles of 16 rows x 64 bytes: C in 0-3 (two row groups of 16 x two 16-column halves), A in 4-5, B in 6-7.
+ * Loaded in every block: the configuration is per thread, and Paddle's own oneDNN kernels may load theirs. */
+static void configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [k0, k0 + kp) of the block w ([K, COLS]) as two B tiles' worth of (k, k + 1) pairs: pack[h][p] holds columns
+ * 16h .. 16h + 15 of rows k0 + 2p and k0 + 2p + 1, pair by pair. `pf`: bytes to prefetch alongside, 128 a pair. */
+static void interleave(const uint16_t *w, int k0, int kp, uint16_t pack[2][PANEL / 2][32], const char *pf) {
+    /* vpunpck*wd pairs the two rows within each 128-bit lane: lo holds columns 0-3, 8-11, 16-19, 24-27, hi 4-7, ...
+     * The qword permutes put them back in column order, the first 16 columns in one tile, the last 16 in the other. */
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int p = 0; p < kp / 2; p++) {
+        const uint16_t *r = w + (int64_t)(k0 + 2 * p) * COLS;
+        if (pf) {
+            _mm_prefetch(pf + (int64_t)p * 128, _MM_HINT_T0);
+            _mm_prefetch(pf + (int64_t)p * 128 + 64, _MM_HINT_T0);
+        }
+        const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + COLS);
+        const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+        _mm512_store_si512(pack[0][p], _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_store_si512(pack[1][p], _mm512_permutex2var_epi64(lo, second, hi));
+    }
+}
+
+void ernie_amx_block(const uint16_t *xh, int M, int K, const uint16_t *w, int64_t ldy, float *y, const char *next) {
+    uint16_t pack[2][PANEL / 2][32] __attribute__((aligned(64)));
+    float tail[32 * COLS] __attribute__((aligned(64))); /* C of a last group of fewer than 32 rows */
+    const int groups = (M + 31) / 32;
+    const char *pf = groups == 1 ? next : NULL; /* prefetch while one row group is all the block is read for */
+    configure();
+    for (int k0 = 0; k0 < K; k0 += PANEL) {
+        const int kp = K - k0 < PANEL ? K - k0 : PANEL;
+        interleave(w, k0, kp, pack, pf ? pf + (int64_t)k0 * COLS * 2 : NULL);
+        for (int g = 0; g < groups; g++) {
+            const int m0 = 32 * g, mb = M - m0 < 32 ? M - m0 : 32, two = mb > 16;
+            float *c = mb == 32 ? y + m0 * ldy : tail;
+            const int64_t ldc = (mb == 32 ? ldy : COLS) * (int64_t)sizeof(float);
+            if (k0 == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            } else {
+                _tile_loadd(0, c, ldc);
+                _tile_loadd(1, c + 16, ldc);
+                if (two) {
+                    _tile_loadd(2, (char *)c + 16 * ldc, ldc);
+                    _tile_loadd(3, (char *)c + 16 * ldc + 64, ldc);
+                }
+            }
+            const uint16_t *a = xh + (int64_t)m0 * K + k0;
+            for (int kc = 0; kc < kp; kc += 32) {
+                _tile_loadd(4, a + kc, (int64_t)K * 2);
+                _tile_loadd(6, pack[0][kc / 2], 64);
+                _tile_loadd(7, pack[1][kc / 2], 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, a + 16 * (int64_t)K + kc, (int64_t)K * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c, ldc);
+            _tile_stored(1, c + 16, ldc);
+            if (two) {
+                _tile_stored(2, (char *)c + 16 * ldc, ldc);
+                _tile_stored(3, (char *)c + 16 * ldc + 64, ldc);
+            }
+        }
+    }
+    if (M % 32)
+        for (int m = 0; m < M % 32; m++) memcpy(y + (int64_t)(M / 32 * 32 + m) * ldy, tail + m * COLS, sizeof(float) * COLS);
+}
+
+#else
+void ernie_set_amx(int on) { (void)on; }
+
+int ernie_amx_ready(void) { return 0; }
+
+void ernie_amx_block(const uint16_t *xh, int M, int K, const uint16_t *w, int64_t ldy, float *y, const char *next) {
+    (void)xh, (void)M, (void)K, (void)w, (void)ldy, (void)y, (void)next; /* never called: ernie_amx_ready() is 0 */
+}
+#endif
