@@ -22,7 +22,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_offline import bench_checkpoint  # noqa: E402
 
 FORMATS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-           "wint8": dict(quantization="wint8"), "wint4": dict(quantization="wint4")}
+           "wint8": dict(quantization="wint8"), "wint4": dict(quantization="wint4"),
+           "wint8-bf16": dict(quantization="wint8", dtype="bfloat16"),
+           "wint4-bf16": dict(quantization="wint4", dtype="bfloat16")}
 
 
 def _timed_steps(llm, prompts: list[list[int]], params) -> list[float]:

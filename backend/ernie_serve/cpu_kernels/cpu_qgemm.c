@@ -122,8 +122,9 @@ static void quantize_row(const float *x, int K, int Kp, int levels, int int_x, i
 }
 
 /* ------------------------------------------------------------------ register blocks */
-/* rows [m0, m0 + mb) of the activations times the 32-column block at w -> tile[mb][32] (before the weight scale) */
-typedef void (*qblock_fn)(const qacts *, int, int64_t, const uint8_t *, float *);
+/* rows [m0, m0 + mb) of the activations times the 32-column block at w -> tile[mb][32] (before the weight scale),
+ * prefetching pf_step bytes from pf a group (pf NULL: none) */
+typedef void (*qblock_fn)(const qacts *, int, int64_t, const uint8_t *, float *, const char *, int);
 
 static void finish_tile(const qacts *a, int m, const int32_t *acc /* [levels][32] */, float *tile) {
     for (int j = 0; j < COLS; j++) {
@@ -189,7 +190,7 @@ static inline __m512i broadcast4(const int8_t *p) {
  * array's every element twice per iteration and spilled two (32 moves beside 16 vpdpbusd); named, the loop is the
  * loads, broadcasts and vpdpbusd alone. q*: level-1 codes of rows m0.., r*: level-2. */
 #define QBLOCK(NAME, BITS, MB, LV)                                                                               \
-static void NAME(const qacts *a, int m0, int64_t G, const uint8_t *w, float *tile) {                             \
+static void NAME(const qacts *a, int m0, int64_t G, const uint8_t *w, float *tile, const char *pf, int pf_step) { \
     const __m512i z = _mm512_setzero_si512();                                                                    \
     __m512i a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;                              \
     __m512i b00 = z, b01 = z, b10 = z, b11 = z, b20 = z, b21 = z, b30 = z, b31 = z;                              \
@@ -202,6 +203,8 @@ static void NAME(const qacts *a, int m0, int64_t G, const uint8_t *w, float *til
     const int8_t *r0 = row[4], *r1 = row[5], *r2 = row[6], *r3 = row[7];                                         \
     const __m512i low4 = _mm512_set1_epi8(15);                                                                   \
     for (int64_t g = 0; g < G; g++, w += 4 * COLS) {                                                            \
+        if (pf)                                                                                                  \
+            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + g * pf_step + o, _MM_HINT_T0);               \
         const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);                               \
         if (BITS == 8) {                                                                                         \
             CHAINS(MB, LV, v0, v1, 4 * g)                                                                        \
@@ -347,9 +350,8 @@ static const qfblock_fn qf4[QROWS + 1] = {0, qf4_1, qf4_2, qf4_3, qf4_4};
 #endif
 #endif
 
-/* pf, pf_step: the widening path prefetches pf_step bytes from pf a group of each half's pass (cpu_gemm.c's
- * rows_times_block says why); the integer paths read the block in one pass a row group and leave it to the
- * hardware. */
+/* pf, pf_step: the widening path prefetches pf_step bytes from pf a group of each half's pass, the VNNI one a group
+ * of its one pass (cpu_gemm.c's rows_times_block says why); AVX2's integer path leaves it to the hardware. */
 static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile, const char *pf,
                    int pf_step) {
 #ifdef HAVE_WIDENING_QBLOCK
@@ -358,13 +360,14 @@ static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, 
         return;
     }
 #endif
-    (void)pf, (void)pf_step;
 #ifdef HAVE_VNNI
     const qblock_fn *fns = bits == 8 ? (a->levels == 1 ? qb8_l1_s : qb8_l2_s) : (a->levels == 1 ? qb4_l1_s : qb4_l2_s);
-    fns[mb](a, m0, G, w, tile);
+    fns[mb](a, m0, G, w, tile, pf, pf_step);
 #elif defined(HAVE_AVX2_QBLOCK)
+    (void)pf, (void)pf_step;
     qblock_avx2(a, m0, mb, G, w, bits, tile);
 #else
+    (void)pf, (void)pf_step;
     qblock_plain(a, m0, mb, G, w, bits, tile);
 #endif
 }
@@ -377,12 +380,20 @@ typedef struct {
     int64_t share;
 } row_groups;
 
-static row_groups row_groups_of(int M, int64_t G, int bits) {
+/* The most rows the integer path prefetches a block for. vpdpbusd multiplies 64 code pairs an instruction, so the
+ * block stays memory-bound longer than on the widening path (PREFETCH_ROWS): on this AMX Xeon (AVX-512 VNNI),
+ * against no prefetch, 16 experts at 1-8 rows 1.04-1.35x (int8) and 0.99-1.54x (int4), a dense layer at 16 rows
+ * 1.12x / 1.13x (scripts/bench_kernels_ab.py --bits 8 / --bits 4). */
+#define INT_PREFETCH_ROWS 16
+
+static row_groups row_groups_of(const qacts *a, int M, int64_t G, int bits) {
     row_groups r = {(M + QROWS - 1) / QROWS, 0, 0};
-    if (M > PREFETCH_ROWS(bits)) return r; /* compute-bound: no prefetch (share 0, so share_of gives NULL) */
-    const int passes = r.groups > 0 ? 2 * r.groups : 1; /* the widening path reads a block in two halves a group */
+    const int halves = a->x ? 2 : 1; /* the widening path reads a block in two halves a group, the integer one whole */
+    const int most = a->x ? PREFETCH_ROWS(bits) : INT_PREFETCH_ROWS;
+    if (M > most) return r; /* compute-bound: no prefetch (share 0, so share_of gives NULL) */
+    const int passes = r.groups > 0 ? halves * r.groups : 1;
     const int64_t pass = (G * 4 * COLS + passes - 1) / passes;
-    r.share = 2 * pass;
+    r.share = halves * pass;
     r.pf_step = (int)((pass + G - 1) / G);
     return r;
 }
@@ -398,7 +409,7 @@ static void qcolumns(const qacts *a, int r0, int M, int K, const uint8_t *w, int
                      int bits, const char *next) {
     const int64_t G = groups(K, bits);
     const int n0 = b * COLS, nc = N - n0 < COLS ? N - n0 : COLS;
-    const row_groups r = row_groups_of(M, G, bits);
+    const row_groups r = row_groups_of(a, M, G, bits);
     float tile[QROWS * COLS];
     for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {
         mb = rows_in_group(M, r, i);
@@ -416,7 +427,7 @@ static void qcolumns_swiglu(const qacts *a, int r0, int M, int K, const uint8_t 
                             int b, int bits, const char *next) {
     const int64_t G = groups(K, bits), block = G * 4 * COLS;
     const int I = N / 2, nb = I / COLS;
-    const row_groups r = row_groups_of(M, G, bits);
+    const row_groups r = row_groups_of(a, M, G, bits);
     const char *up = (const char *)(w + (b + nb) * block);
     float g[QROWS * COLS], u[QROWS * COLS];
     for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {

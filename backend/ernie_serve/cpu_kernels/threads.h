@@ -17,7 +17,7 @@ int ernie_task_chunk(const int64_t *rows, int E, int nb);
 /* The next task of the thread running `task` under that schedule, skipping experts without rows; -1: none. */
 int ernie_next_task(int task, int chunk, int E, int nb, const int64_t *rows);
 /* The most rows a block of `bits`-bit weights is prefetched for (cpu_gemm.c's rows_times_block, cpu_qgemm.c's
- * passes): up to bits / 2 rows (float32 16, bfloat16 8, int8 4, int4 2) memory bounds the block on this AVX2 box;
+ * widening passes; its VNNI passes have INT_PREFETCH_ROWS): up to bits / 2 rows (float32 16, bfloat16 8, int8 4, int4 2) memory bounds the block on this AVX2 box;
  * past that its arithmetic does and the prefetches cost more than they save (scripts/bench_kernels_ab.py: bfloat16
  * at 16 rows 0.84x with them, int4 at 4-8 rows 0.78-0.95x). */
 #define PREFETCH_ROWS(bits) ((bits) / 2)
