@@ -176,7 +176,7 @@ def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k,
     """bits 16: the weight rounded to bfloat16 once (nearest even), then float32 arithmetic on x: bit for bit the
     float32 kernel's product on the rounded weight, every row count and a last narrow block too. On AMX (from 16 rows,
     K % 32 == 0) x is rounded to bfloat16 as well and the tile unit accumulates in float32: then the float64 product of
-    the two rounded operands (panels of 512 k, row groups of 32 and a partial one included)."""
+    the two rounded operands (panels of 1024 k, row groups of 16 and a partial one included)."""
     rng = np.random.default_rng(m * 31 + n)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -208,15 +208,16 @@ def test_bfloat16_runs_on_amx_from_16_rows_where_the_cpu_has_it():
     assert not cpu_gemm.bf16_on_amx(15, 64) and not cpu_gemm.bf16_on_amx(16, 72)
 
 
-@pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100])
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 300])
 def test_every_row_count_on_the_amx_shapes_gives_the_product_of_the_rounded_operands(m):
-    """K a multiple of 32 over two panels (544 = 512 + 32) and a narrow last block: below 16 rows the widening tiles'
-    product of float32 x; from 16 (on AMX) the float64 product of bfloat16-rounded x, whatever the row groups of 32
-    and a partial one; the SwiGLU fused pass, which takes 32 rows at a time, matches the plain product either way."""
+    """K a multiple of 32 over two of cpu_amx.c's panels (1056 = 1024 + 32) and a narrow last block: below 16 rows the
+    widening tiles' product of float32 x; from 16 (on AMX) the float64 product of bfloat16-rounded x, whatever the row
+    groups of 16 and a partial one; the SwiGLU fused pass (gate and up blocks sharing each x tile on AMX, 256 rows at a
+    time) matches the plain product either way."""
     from ernie_serve.model.layers import silu_and_mul
 
     rng = np.random.default_rng(m)
-    k, n = 544, 70
+    k, n = 1056, 70
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
     got = cpu_gemm.gemm(x, cpu_gemm.packed(w, bits=16), n, None, 16).numpy()

@@ -12,7 +12,9 @@
 int ernie_amx_ready(void);
 /* Allow AMX (1, the default) or not (0: ERNIE_CPU_AMX=0, and A/B runs in one process). */
 void ernie_set_amx(int on);
-/* y[m * ldy + j] = sum over k of xh[m * K + k] * w[k * 32 + j], m < M, j < 32: bfloat16 x (rows readable 16 past M)
- * times one [K, 32] bfloat16 column block, K % 32 == 0, prefetching `next` (a block, or NULL) at decode sizes. */
-void ernie_amx_block(const uint16_t *xh, int M, int K, const uint16_t *w, int64_t ldy, float *y, const char *next);
+/* y[b][m * ldy + j] = sum over k of xh[m * K + k] * w[b][k * 32 + j], m < M, j < 32, for nw (1 or 2) [K, 32]
+ * bfloat16 column blocks that share each load of x: bfloat16 x (rows readable 16 past M), K % 32 == 0, prefetching
+ * `next` (a block, or NULL) at decode sizes. */
+void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
+                      int64_t ldy, const char *next);
 #endif

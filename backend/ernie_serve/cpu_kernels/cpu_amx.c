@@ -1,5 +1,5 @@
-/* bfloat16 weights times bfloat16 activations on AMX (Intel Sapphire Rapids and later): one column block of
- * cpu_gemm.c's layout at a time, products accumulated in float32 by the tile unit.
+/* bfloat16 weights times bfloat16 activations on AMX (Intel Sapphire Rapids and later): one or two column blocks
+ * of cpu_gemm.c's layout at a time, products accumulated in float32 by the tile unit.
  *
  * Why: a `--dtype bfloat16` prefill is compute-bound, and on this Xeon the AVX-512 float32 FMA does ~110 G
  * multiply-adds a second a core while TDPBF16PS does ~1460 G (one-off loops of each); vdpbf16ps, the AVX512-BF16
@@ -9,9 +9,11 @@
  * The weight keeps the one layout every bfloat16 path reads, [K, 32] a column block; AMX wants a B tile's rows
  * to be (k, k + 1) pairs of 16 columns, so a panel of the block is interleaved into that form as it is streamed
  * in (the repack is the block's one pass over memory; at decode it also prefetches the thread's next block), and
- * every row group then reads the panel from L1 / L2. x comes in already rounded to bfloat16 (cpu_gemm.c rounds it
- * once a call), with 16 readable rows past the last: a tile always loads 16 rows, the extra ones are never stored.
- */
+ * every row group of 16 then reads the panel from L1 / L2. The x tile (16 rows at K apart, read from L2) is the
+ * costly load, so a SwiGLU's gate and up blocks go through together and share each one (a 1024 x 32 block at 800
+ * rows: 52 us with groups of 32 rows and one block, 44 with groups of 16, one-off). x comes in already rounded to
+ * bfloat16 (cpu_gemm.c rounds it once a call), with 16 readable rows past the last: a tile always loads 16 rows,
+ * the extra ones are never stored. */
 #include <stdint.h>
 #include <string.h>
 
@@ -25,7 +27,10 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for the AMX tile data state (off by default for a process) */
 #define XFEATURE_XTILEDATA 18
 #define COLS 32                    /* cpu_gemm.c's column block */
-#define PANEL 512                  /* k values interleaved at once: 32 KB, read by every row group */
+/* k values interleaved at once (64 KB a block), read by every row group; C goes back to memory between panels. A
+ * 16 x 200-token bfloat16 prefill (K 704-1024, one panel) took 1034-1061 ms with panels of 1024, 1127-1219 with 256
+ * or 512 (scripts/bench_cpu_dtypes.py, one-off runs of each). */
+#define PANEL 1024
 
 static int allowed = 1, ready = -1; /* ready -1: not asked yet */
 
@@ -39,8 +44,8 @@ int ernie_amx_ready(void) {
     return ready;
 }
 
-/* Eight tiles of 16 rows x 64 bytes: C in 0-3 (two row groups of 16 x two 16-column halves), A in 4-5, B in 6-7.
- * Loaded in every block: the configuration is per thread, and Paddle's own oneDNN kernels may load theirs. */
+/* Eight tiles of 16 rows x 64 bytes: C in 0-3 (16 rows x the 32 columns of up to two blocks), A in 4, B in 6-7.
+ * Loaded in every call: the configuration is per thread, and Paddle's own oneDNN kernels may load theirs. */
 static void configure(void) {
     struct {
         uint8_t palette, start_row, reserved[14];
@@ -76,55 +81,63 @@ static void interleave(const uint16_t *w, int k0, int kp, uint16_t pack[2][PANEL
     }
 }
 
-void ernie_amx_block(const uint16_t *xh, int M, int K, const uint16_t *w, int64_t ldy, float *y, const char *next) {
-    uint16_t pack[2][PANEL / 2][32] __attribute__((aligned(64)));
-    float tail[32 * COLS] __attribute__((aligned(64))); /* C of a last group of fewer than 32 rows */
-    const int groups = (M + 31) / 32;
+/* One k chunk of 32 for 16 rows: A (tile 4) loaded once, times each block's two B tiles into C tiles 2b, 2b + 1. */
+#define CHUNK(NW)                                                                                           \
+    _tile_loadd(4, a + kc, (int64_t)K * 2);                                                                 \
+    _tile_loadd(6, pack[0][0][kc / 2], 64);                                                                 \
+    _tile_dpbf16ps(0, 4, 6);                                                                                \
+    _tile_loadd(7, pack[0][1][kc / 2], 64);                                                                 \
+    _tile_dpbf16ps(1, 4, 7);                                                                                \
+    if (NW > 1) {                                                                                           \
+        _tile_loadd(6, pack[1][0][kc / 2], 64);                                                             \
+        _tile_dpbf16ps(2, 4, 6);                                                                            \
+        _tile_loadd(7, pack[1][1][kc / 2], 64);                                                             \
+        _tile_dpbf16ps(3, 4, 7);                                                                            \
+    }
+
+void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
+                      int64_t ldy, const char *next) {
+    uint16_t pack[2][2][PANEL / 2][32] __attribute__((aligned(64))); /* 128 KB of stack */
+    float tail[2][16 * COLS] __attribute__((aligned(64))); /* C of a last group of fewer than 16 rows */
+    const int groups = (M + 15) / 16;
     const char *pf = groups == 1 ? next : NULL; /* prefetch while one row group is all the block is read for */
     configure();
     for (int k0 = 0; k0 < K; k0 += PANEL) {
         const int kp = K - k0 < PANEL ? K - k0 : PANEL;
-        interleave(w, k0, kp, pack, pf ? pf + (int64_t)k0 * COLS * 2 : NULL);
+        for (int b = 0; b < nw; b++) interleave(w[b], k0, kp, pack[b], pf && b == 0 ? pf + (int64_t)k0 * COLS * 2 : NULL);
         for (int g = 0; g < groups; g++) {
-            const int m0 = 32 * g, mb = M - m0 < 32 ? M - m0 : 32, two = mb > 16;
-            float *c = mb == 32 ? y + m0 * ldy : tail;
-            const int64_t ldc = (mb == 32 ? ldy : COLS) * (int64_t)sizeof(float);
+            const int m0 = 16 * g, full = M - m0 >= 16;
+            float *c0 = full ? y[0] + m0 * ldy : tail[0], *c1 = nw > 1 ? (full ? y[1] + m0 * ldy : tail[1]) : NULL;
+            const int64_t ldc = (full ? ldy : COLS) * (int64_t)sizeof(float);
             if (k0 == 0) {
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
             } else {
-                _tile_loadd(0, c, ldc);
-                _tile_loadd(1, c + 16, ldc);
-                if (two) {
-                    _tile_loadd(2, (char *)c + 16 * ldc, ldc);
-                    _tile_loadd(3, (char *)c + 16 * ldc + 64, ldc);
+                _tile_loadd(0, c0, ldc);
+                _tile_loadd(1, c0 + 16, ldc);
+                if (nw > 1) {
+                    _tile_loadd(2, c1, ldc);
+                    _tile_loadd(3, c1 + 16, ldc);
                 }
             }
             const uint16_t *a = xh + (int64_t)m0 * K + k0;
-            for (int kc = 0; kc < kp; kc += 32) {
-                _tile_loadd(4, a + kc, (int64_t)K * 2);
-                _tile_loadd(6, pack[0][kc / 2], 64);
-                _tile_loadd(7, pack[1][kc / 2], 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, a + 16 * (int64_t)K + kc, (int64_t)K * 2);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, c, ldc);
-            _tile_stored(1, c + 16, ldc);
-            if (two) {
-                _tile_stored(2, (char *)c + 16 * ldc, ldc);
-                _tile_stored(3, (char *)c + 16 * ldc + 64, ldc);
+            if (nw > 1)
+                for (int kc = 0; kc < kp; kc += 32) { CHUNK(2) }
+            else
+                for (int kc = 0; kc < kp; kc += 32) { CHUNK(1) }
+            _tile_stored(0, c0, ldc);
+            _tile_stored(1, c0 + 16, ldc);
+            if (nw > 1) {
+                _tile_stored(2, c1, ldc);
+                _tile_stored(3, c1 + 16, ldc);
             }
         }
     }
-    if (M % 32)
-        for (int m = 0; m < M % 32; m++) memcpy(y + (int64_t)(M / 32 * 32 + m) * ldy, tail + m * COLS, sizeof(float) * COLS);
+    for (int b = 0; b < nw; b++)
+        for (int m = M / 16 * 16; m < M; m++)
+            memcpy(y[b] + (int64_t)m * ldy, tail[b] + (m % 16) * COLS, sizeof(float) * COLS);
 }
 
 #else
@@ -132,7 +145,8 @@ void ernie_set_amx(int on) { (void)on; }
 
 int ernie_amx_ready(void) { return 0; }
 
-void ernie_amx_block(const uint16_t *xh, int M, int K, const uint16_t *w, int64_t ldy, float *y, const char *next) {
-    (void)xh, (void)M, (void)K, (void)w, (void)ldy, (void)y, (void)next; /* never called: ernie_amx_ready() is 0 */
+void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
+                      int64_t ldy, const char *next) {
+    (void)xh, (void)M, (void)K, (void)w, (void)nw, (void)y, (void)ldy, (void)next; /* never called: not ready */
 }
 #endif

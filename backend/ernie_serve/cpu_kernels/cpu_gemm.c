@@ -209,7 +209,8 @@ static void rows_times_block(rows_x x, int M, int K, blocked_w src, int64_t ldy,
 #ifdef ERNIE_VF16
     if (M <= 0) return;
     if (x.h) {  /* bfloat16 x and weights: the tile unit's (cpu_amx.c) */
-        ernie_amx_block(x.h, M, K, (const uint16_t *)src.p, ldy, y, next);
+        const uint16_t *w = src.p;
+        ernie_amx_blocks(x.h, M, K, &w, 1, &y, ldy, next);
         return;
     }
     const int wide = M <= WIDE_UP_TO(src.bf16), span = wide ? COLS : 2 * VN, rows = wide ? WIDE_ROWS : ROWS;
@@ -297,10 +298,25 @@ int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
  * through rows_times_block in groups large enough for its half tiles. */
 #define SWIGLU_ROWS (4 * ROWS)
 
+/* Rows a SwiGLU pass on AMX takes at once: its gate and up blocks are interleaved once a pass, and each load of x
+ * serves both (cpu_amx.c); 2 x 32 KB of tiles on the stack. */
+#define AMX_SWIGLU_ROWS 256
+
 static void swiglu_rows(rows_x x, int M, int K, blocked_w w, int N, float *y, int b, const char *next) {
     const int I = N / 2, nb = I / COLS;
-    float g[SWIGLU_ROWS * COLS], u[SWIGLU_ROWS * COLS];
     const blocked_w gate = block_of(w, K, b), up = block_of(w, K, b + nb);
+    if (x.h) {
+        float g[AMX_SWIGLU_ROWS * COLS], u[AMX_SWIGLU_ROWS * COLS], *gu[2] = {g, u};
+        const uint16_t *blocks[2] = {gate.p, up.p};
+        for (int m0 = 0; m0 < M; m0 += AMX_SWIGLU_ROWS) {
+            const int mb = M - m0 < AMX_SWIGLU_ROWS ? M - m0 : AMX_SWIGLU_ROWS;
+            ernie_amx_blocks(x.h + (int64_t)m0 * K, mb, K, blocks, 2, gu, COLS, m0 + mb >= M ? next : NULL);
+            for (int m = 0; m < mb; m++)
+                silu_mul_row(g + m * COLS, u + m * COLS, y + (int64_t)(m0 + m) * I + b * COLS, COLS);
+        }
+        return;
+    }
+    float g[SWIGLU_ROWS * COLS], u[SWIGLU_ROWS * COLS];
     for (int m0 = 0; m0 < M; m0 += SWIGLU_ROWS) {
         int mb = M - m0 < SWIGLU_ROWS ? M - m0 : SWIGLU_ROWS;
         const rows_x xm = rows_at(x, (int64_t)m0 * K);
