@@ -194,6 +194,12 @@ static blocked_w block_of(blocked_w w, int K, int b) {
     return block;
 }
 
+#ifdef __AVX512F__
+#define ONE_TILE_PREFETCH 1
+#else
+#define ONE_TILE_PREFETCH 0
+#endif
+
 /* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS: tiles of up to WIDE_ROWS rows over the
  * whole block when M is at most WIDE_UP_TO, else tiles of up to ROWS rows over each half of it. The rows are split
  * evenly (4 as 2 + 2, not 3 + 1): a one-row tile has too few accumulators to hide the FMA latency.
@@ -201,10 +207,12 @@ static blocked_w block_of(blocked_w w, int K, int b) {
  * `next` (or NULL): the block this thread reads after this one, prefetched while this one is multiplied, each tile
  * taking an equal share of it spread over its K steps. At decode a block is multiplied from L2 by a tile every few
  * rows; without the prefetch the memory stream ran during the first tile only and sat idle during the others
- * (16 experts at 4 rows each read 20.8-26.1 GB/s of float32 weights on a box that streams 29; with it 25.0-29.3). A float32
- * block that one tile reads (a row or three) is left to the hardware prefetcher, which keeps up with a single pass:
- * the software one cost 4-12% there. Past PREFETCH_ROWS (threads.h) the block is compute-bound and is not
- * prefetched either. Measured side by side: scripts/bench_kernels_ab.py, README "Benchmarks", "What changed". */
+ * (16 experts at 4 rows each read 20.8-26.1 GB/s of float32 weights on a box that streams 29; with it 25.0-29.3). On
+ * AVX2 a float32 block that one tile reads (a row or three) is left to the hardware prefetcher, which kept up with a
+ * single pass on the Zen 3 box: the software one cost 4-12% there; on the AVX-512 Xeon (every tile spans the block)
+ * it paid even for one tile: 16 experts at 1-8 rows 1.02-1.48x (ONE_TILE_PREFETCH). Past PREFETCH_ROWS (threads.h)
+ * the block is compute-bound and is not prefetched either. Measured side by side: scripts/bench_kernels_ab.py, README
+ * "Benchmarks", "What changed". */
 static void rows_times_block(rows_x x, int M, int K, blocked_w src, int64_t ldy, float *y, const char *next) {
 #ifdef ERNIE_VF16
     if (M <= 0) return;
@@ -217,7 +225,7 @@ static void rows_times_block(rows_x x, int M, int K, blocked_w src, int64_t ldy,
     const int groups = (M + rows - 1) / rows, tiles_n = groups * (COLS / span);
     const int64_t block_bytes = (int64_t)K * COLS * (src.bf16 ? 2 : 4), share = (block_bytes + tiles_n - 1) / tiles_n;
     const int pf_step = (int)((share + K - 1) / K), bits = src.bf16 ? 16 : 32;
-    const int prefetch = next && M <= PREFETCH_ROWS(bits) && (tiles_n > 1 || src.bf16);
+    const int prefetch = next && M <= PREFETCH_ROWS(bits) && (ONE_TILE_PREFETCH || tiles_n > 1 || src.bf16);
     int tile = 0;
     for (int c0 = 0; c0 < COLS; c0 += span)
         for (int g = 0, m0 = 0; g < groups; g++, tile++) {
