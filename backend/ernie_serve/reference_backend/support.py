@@ -11,7 +11,8 @@ WEIGHT_BITS = {"auto": 32, "float32": 32, "bfloat16": 16}  # --dtype -> the floa
 
 def weight_bits(config: EngineConfig) -> int:
     """The bits the float weights are held in: 16 for bfloat16 (widened to float32 as the C kernels stream them; the
-    activations, norms, router and attention's arithmetic stay float32), else 32."""
+    activations, norms, router and attention's arithmetic stay float32, but for the GEMMs of 16+ rows on an AMX CPU,
+    which take x rounded to bfloat16: cpu_kernels/cpu_amx.c), else 32."""
     return WEIGHT_BITS[config.dtype]
 
 
