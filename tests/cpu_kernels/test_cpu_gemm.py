@@ -349,21 +349,18 @@ def test_the_kernels_thread_count_holds_in_every_calling_thread():
     assert seen == [3]
 
 
-@pytest.mark.parametrize("value,expect", [("0", "available False"), ("yes", "ERNIE_CPU_KERNELS='yes'")])
-def test_the_kernel_switch_turns_them_off_or_is_refused(value, expect):
-    env = dict(os.environ, ERNIE_CPU_KERNELS=value)
-    code = ("from ernie_serve.cpu_kernels import build\n"
-            "try:\n    print('available', build.available())\nexcept ValueError as e:\n    print(e)")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert expect in r.stdout, r.stderr
-
-
-@pytest.mark.parametrize("value,expect", [("0", "amx False"), ("no", "ERNIE_CPU_AMX='no'")])
-def test_the_amx_switch_keeps_bfloat16_off_the_tile_unit_or_is_refused(value, expect):
-    env = dict(os.environ, ERNIE_CPU_AMX=value)
-    code = ("from ernie_serve.cpu_kernels import cpu_gemm\n"
-            "try:\n    print('amx', cpu_gemm.bf16_on_amx(64, 1024))\nexcept ValueError as e:\n    print(e)")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("switch,probe,expect", [
+    ({"ERNIE_CPU_KERNELS": "0"}, "build.available()", "= False"),
+    ({"ERNIE_CPU_KERNELS": "yes"}, "build.available()", "ERNIE_CPU_KERNELS='yes'"),
+    ({"ERNIE_CPU_AMX": "0"}, "cpu_gemm.bf16_on_amx(64, 1024)", "= False"),
+    ({"ERNIE_CPU_AMX": "no"}, "cpu_gemm.bf16_on_amx(64, 1024)", "ERNIE_CPU_AMX='no'"),
+])
+def test_the_kernel_switches_turn_them_off_or_are_refused(switch, probe, expect):
+    """ERNIE_CPU_KERNELS=0: the Paddle path; ERNIE_CPU_AMX=0: bfloat16 off the tile unit; any other value refused."""
+    code = ("from ernie_serve.cpu_kernels import build, cpu_gemm\n"
+            f"try:\n    print('=', {probe})\nexcept ValueError as e:\n    print(e)")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **switch), capture_output=True, text=True,
+                       timeout=120)
     assert expect in r.stdout, r.stderr
 
 
