@@ -5,7 +5,8 @@
 
 /* From how many rows a bfloat16 column block goes to AMX. Fewer rows are memory-bound, and there cpu_gemm.c's
  * widening tiles stream the block faster than cpu_amx.c interleaves it for the tile unit (16 experts at 1-8 rows:
- * 0.56-0.86x of the widening tiles' GB/s; a 1024 x 1536 layer at 16 rows 1.24x; scripts/bench_kernels_ab.py --bits 16). */
+ * 0.56-0.86x of the widening tiles' GB/s; a 1024 x 1536 layer at 16 rows 1.24x; scripts/bench_kernels_ab.py
+ * --bits 16). */
 #define AMX_ROWS 16
 
 /* 1 once this process may use AMX tiles (built for a CPU with AMX-BF16, allowed, and Linux granted the tile state). */

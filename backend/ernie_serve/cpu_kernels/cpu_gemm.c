@@ -285,8 +285,9 @@ static void moe_gemm(rows_x x, const int64_t *rows, const int64_t *starts, int E
     for (int task = 0; task < E * nb; task++) {
         const int e = task / nb;
         if (!rows[e]) continue;  /* nothing to multiply, nor a next task to look up */
-        column_block(expert_rows(x, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N + task % nb * COLS,
-                     task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
+        column_block(expert_rows(x, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
+                     y + starts[e] * N + task % nb * COLS, task % nb,
+                     next_task_block(task, chunk, E, nb, rows, w, bits, K));
     }
     if (N % COLS)
         for (int e = 0; e < E; e++)
@@ -307,7 +308,7 @@ int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
 #define SWIGLU_ROWS (4 * ROWS)
 
 /* Rows a SwiGLU pass on AMX takes at once: its gate and up blocks are interleaved once a pass, and each load of x
- * serves both (cpu_amx.c); 2 x 32 KB of tiles on the stack. */
+ * serves both (cpu_amx.c); their products take 2 x 32 KB of stack. */
 #define AMX_SWIGLU_ROWS 256
 
 static void swiglu_rows(rows_x x, int M, int K, blocked_w w, int N, float *y, int b, const char *next) {
@@ -415,8 +416,8 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
         for (int task = 0; task < E * nb; task++) {
             const int e = task / nb;
             if (!rows[e]) continue;
-            swiglu_rows(expert_rows(xr, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N, y + starts[e] * N / 2,
-                        task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
+            swiglu_rows(expert_rows(xr, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
+                        y + starts[e] * N / 2, task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
         }
     }
     free(held);
