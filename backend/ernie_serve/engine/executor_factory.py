@@ -51,6 +51,11 @@ def load_executor(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelCo
     """num_output_ids: the tokenizer's size (None: the checkpoint's vocabulary, skip_tokenizer_init)."""
     backend = resolve_backend(config)
     config = replace(config, execution_backend=backend)  # what the backend and tensor-parallel workers read
+    if backend == "reference" and config.dtype == "auto":
+        from ..reference_backend.support import resolve_dtype
+
+        config = replace(config, dtype=resolve_dtype(config, model_cfg.checkpoint_dtype))
+        log.info("dtype auto: %s (the checkpoint declares %s)", config.dtype, model_cfg.checkpoint_dtype)
     check_supported(config)
     if config.tensor_parallel_size > 1:
         loaded = _tensor_parallel(config, model_dir, model_cfg, num_output_ids)

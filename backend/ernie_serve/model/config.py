@@ -45,6 +45,11 @@ class ErnieModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
+    def checkpoint_dtype(self) -> str:
+        """The dtype the checkpoint declares (HF's torch_dtype, `dtype` from transformers 5 on), float32 if none."""
+        return str(self.raw.get("torch_dtype") or self.raw.get("dtype") or "float32")
+
+    @property
     def is_moe(self) -> bool:
         return self.moe_num_experts > 0
 
