@@ -382,7 +382,7 @@ typedef struct {
 
 /* The most rows the integer path prefetches a block for. vpdpbusd multiplies 64 code pairs an instruction, so the
  * block stays memory-bound longer than on the widening path (PREFETCH_ROWS): on this AMX Xeon (AVX-512 VNNI),
- * against no prefetch, 16 experts at 1-8 rows 1.04-1.35x (int8) and 0.99-1.54x (int4), a dense layer at 16 rows
+ * against no prefetch, 16 experts at 1-8 rows 1.08-1.35x (int8) and 0.99-1.54x (int4), a dense layer at 16 rows
  * 1.12x / 1.13x (scripts/bench_kernels_ab.py --bits 8 / --bits 4). */
 #define INT_PREFETCH_ROWS 16
 
