@@ -76,7 +76,7 @@ class EngineConfig:
     async_scheduling: bool = False
     # The dtype activations and float weights compute in: "auto" is what the backend runs well (bfloat16 on the
     # kernels backend's GPU, float32 in triton's interpreter; on the CPU reference backend the checkpoint's bfloat16
-    # where its C kernels run it, else float32: reference_backend/support.resolve_dtype); another value is checked
+    # where its C kernels run it, else float32: reference_backend/support.resolve_auto_dtype); another value is checked
     # against the backend at start-up and refused with what it supports.
     dtype: str = "auto"
 

@@ -308,29 +308,24 @@ int ernie_gemm_swiglu_fits(int N) { return swiglu_fits(N); }
 #define SWIGLU_ROWS (4 * ROWS)
 
 /* Rows a SwiGLU pass on AMX takes at once: its gate and up blocks are interleaved once a pass, and each load of x
- * serves both (cpu_amx.c); their products take 2 x 32 KB of stack. */
+ * serves both (cpu_amx.c); the passes' products take 2 x 32 KB of stack. */
 #define AMX_SWIGLU_ROWS 256
 
 static void swiglu_rows(rows_x x, int M, int K, blocked_w w, int N, float *y, int b, const char *next) {
-    const int I = N / 2, nb = I / COLS;
+    const int I = N / 2, nb = I / COLS, pass = x.h ? AMX_SWIGLU_ROWS : SWIGLU_ROWS;
     const blocked_w gate = block_of(w, K, b), up = block_of(w, K, b + nb);
-    if (x.h) {
-        float g[AMX_SWIGLU_ROWS * COLS], u[AMX_SWIGLU_ROWS * COLS], *gu[2] = {g, u};
-        const uint16_t *blocks[2] = {gate.p, up.p};
-        for (int m0 = 0; m0 < M; m0 += AMX_SWIGLU_ROWS) {
-            const int mb = M - m0 < AMX_SWIGLU_ROWS ? M - m0 : AMX_SWIGLU_ROWS;
-            ernie_amx_blocks(x.h + (int64_t)m0 * K, mb, K, blocks, 2, gu, COLS, m0 + mb >= M ? next : NULL);
-            for (int m = 0; m < mb; m++)
-                silu_mul_row(g + m * COLS, u + m * COLS, y + (int64_t)(m0 + m) * I + b * COLS, COLS);
+    const uint16_t *blocks[2] = {gate.p, up.p};
+    float g[AMX_SWIGLU_ROWS * COLS], u[AMX_SWIGLU_ROWS * COLS], *gu[2] = {g, u};
+    for (int m0 = 0; m0 < M; m0 += pass) {
+        const int mb = M - m0 < pass ? M - m0 : pass;
+        const char *after = m0 + mb >= M ? next : NULL;
+        if (x.h) {
+            ernie_amx_blocks(x.h + (int64_t)m0 * K, mb, K, blocks, 2, gu, COLS, after);
+        } else {
+            const rows_x xm = rows_at(x, (int64_t)m0 * K);
+            rows_times_block(xm, mb, K, gate, COLS, g, m0 == 0 ? (const char *)up.p : NULL);
+            rows_times_block(xm, mb, K, up, COLS, u, after);
         }
-        return;
-    }
-    float g[SWIGLU_ROWS * COLS], u[SWIGLU_ROWS * COLS];
-    for (int m0 = 0; m0 < M; m0 += SWIGLU_ROWS) {
-        int mb = M - m0 < SWIGLU_ROWS ? M - m0 : SWIGLU_ROWS;
-        const rows_x xm = rows_at(x, (int64_t)m0 * K);
-        rows_times_block(xm, mb, K, gate, COLS, g, m0 == 0 ? (const char *)up.p : NULL);
-        rows_times_block(xm, mb, K, up, COLS, u, m0 + mb >= M ? next : NULL);
         for (int m = 0; m < mb; m++)
             silu_mul_row(g + m * COLS, u + m * COLS, y + (int64_t)(m0 + m) * I + b * COLS, COLS);
     }

