@@ -13,8 +13,13 @@ worker threads spinning for 200 ms after each parallel region (KMP_BLOCKTIME). B
 engine those spinning workers take the cores that tritonserver, the detokenizer stub and the client need: on this
 2-core box ernie_moe spent 0.44 ms of CPU a streamed token with the default and 0.27 with KMP_BLOCKTIME=0, and the
 gRPC stream's tok/s rose by 16-26% (`.venv/bin/python scripts/served_ab.py --b-env KMP_BLOCKTIME=200`: medians of
-8 alternating runs of two servers, 64 streams x 256 tokens). Offline throughput did not move beyond this box's
-noise. So the workers sleep at once unless the user chose otherwise.
+8 alternating runs of two servers, 64 streams x 256 tokens). But with 0 a worker sleeps after every one of a
+step's ~100 parallel regions and the next one waits for the kernel to wake it: on the AMX Xeon a 1024 x 1536 GEMM
+of one row took 241 us instead of 147 and a bfloat16 decode step at 16 running 43.6 ms instead of 39.4 (float32
+71.9 -> 68.7, wint8 32.0 -> 27.7; scripts/bench_cpu_dtypes.py). So the default is 1 ms (vLLM-CPU sets 5), which
+keeps them awake through a step, and at the end of each step the reference backend puts them to sleep at once
+(cpu_kernels.build.park_threads), leaving the cores to the host work between steps as 0 did (served tiny model,
+`scripts/served_ab.py --a-env KMP_BLOCKTIME=0`: 0.973x, rounds 0.91-1.06x, within this box's noise).
 
 And glibc hands every allocation over 128 KB back to the kernel when it is freed, so each big activation of a
 prefill step (a few MB each, hundreds a step) is faulted in afresh, page by page: on this VM a prefill RMSNorm or
@@ -28,7 +33,7 @@ import os
 import sys
 
 os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
-os.environ.setdefault("KMP_BLOCKTIME", "0")
+os.environ.setdefault("KMP_BLOCKTIME", "1")  # ms
 # If paddle came first, the 1 in OMP_NUM_THREADS is paddle's own default, not the user's choice.
 _USER_OMP_THREADS = None if "paddle" in sys.modules else os.environ.get("OMP_NUM_THREADS")
 

@@ -24,9 +24,43 @@ def blocktime(env_blocktime: str | None) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def test_workers_sleep_at_once_after_a_parallel_region_by_default():
-    assert blocktime(None) == 0  # the runtime's own default is 200 (ms of spinning)
+def test_workers_spin_one_ms_after_a_parallel_region_by_default():
+    assert blocktime(None) == 1  # the runtime's own default is 200 (ms of spinning)
 
 
 def test_a_users_blocktime_is_kept():
     assert blocktime("37") == 37
+
+
+PARK = """
+import resource, time
+import numpy as np
+import ernie_serve
+from ernie_serve import _env
+_env.setup_model_process(2)
+from ernie_serve.cpu_kernels import build
+lib = build.library()
+x, w, y = np.ones((4, 64), np.float32), np.ones((2, 64, 32), np.float32), np.zeros((4, 64), np.float32)
+
+def cpu_ms_in_a_sleep(park):
+    assert lib.ernie_gemm(x.ctypes.data, 4, 64, w.ctypes.data, 64, None, y.ctypes.data, 32, 0, 0) == 0
+    if park:
+        build.park_threads()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(0.2)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) * 1e3
+
+print(cpu_ms_in_a_sleep(False), cpu_ms_in_a_sleep(True), build.threads())
+"""
+
+
+def test_parked_workers_sleep_at_once_and_spin_again_after_the_next_region():
+    """The end of a step parks the workers (reference_backend/shard.py); under a blocktime of 200 ms an unparked
+    worker spins through a 200 ms sleep, a parked one does not."""
+    env = dict(os.environ, KMP_BLOCKTIME="200")
+    out = subprocess.run([sys.executable, "-c", PARK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    spun, parked, threads = map(float, out.stdout.strip().splitlines()[-1].split())
+    assert threads == 2
+    assert spun > 100 and parked < 20, (spun, parked)

@@ -42,6 +42,7 @@ _SIGNATURES = {
     "ernie_route": ([_P, _P, _P, _I, _I, _I, _I, _F, _P, _P], None),
     "ernie_set_num_threads": ([_I], None),
     "ernie_threads": ([], _I),
+    "ernie_park_threads": ([], None),
     "ernie_next_task": ([_I, _I, _I, _I, _P], _I),
     "ernie_decoder_layers": ([_P, _P, _I, _P, _P, _P], _I),
     "ernie_decoder_layers_work": ([_P, _P, _I, _I], ctypes.c_int64),
@@ -138,6 +139,14 @@ def set_threads(n: int) -> None:
     lib = library()
     if lib is not None:
         lib.ernie_set_num_threads(n)
+
+
+def park_threads() -> None:
+    """The kernels' (and Paddle's) OpenMP workers sleep now rather than spin out KMP_BLOCKTIME: the end of a step,
+    so the host work between steps has the cores (_env.py)."""
+    lib = library()
+    if lib is not None:
+        lib.ernie_park_threads()
 
 
 def threads() -> int:

@@ -9,7 +9,26 @@
 
 static int num_threads = 0;  /* 0: not set, the OpenMP default of the calling thread */
 
+/* Intel OpenMP's (libiomp5, which the library links): weak, so a build on another OpenMP runtime runs without. */
+extern int kmp_get_blocktime(void) __attribute__((weak));
+extern void kmp_set_blocktime(int msec) __attribute__((weak));
+
 void ernie_set_num_threads(int n) { num_threads = n > 0 ? n : 0; }
+
+/* The workers go to sleep now instead of spinning out their blocktime: one empty parallel region under a
+ * blocktime of 0 (the runtime hands a region's workers the blocktime of the thread that starts it), then the
+ * caller's blocktime again. Called at the end of a step (_env.py says why). */
+void ernie_park_threads(void) {
+#ifdef _OPENMP
+    if (!kmp_get_blocktime || !kmp_set_blocktime) return;
+    const int blocktime = kmp_get_blocktime();
+    if (blocktime == 0) return;
+    kmp_set_blocktime(0);
+    #pragma omp parallel THREADS
+    __asm__ volatile("" ::: "memory"); /* a body the compiler keeps: an empty region is left out */
+    kmp_set_blocktime(blocktime);
+#endif
+}
 
 int ernie_threads(void) {
     if (num_threads > 0) return num_threads;

@@ -12,6 +12,8 @@
 #include <stdint.h>
 
 int ernie_threads(void);
+/* Puts the OpenMP workers to sleep at once (threads.c). */
+void ernie_park_threads(void);
 /* The static schedule's chunk for E experts x nb column-block tasks with rows[e] rows each (threads.c). */
 int ernie_task_chunk(const int64_t *rows, int E, int nb);
 /* The next task of the thread running `task` under that schedule, skipping experts without rows; -1: none. */

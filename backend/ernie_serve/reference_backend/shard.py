@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from ..cpu_kernels.build import park_threads
 from ..host_tensor import to_paddle
 from ..kv_blocks import CODE_DTYPES, KVBlocks
 from ..model.ernie import ErnieForCausalLM
@@ -57,11 +58,18 @@ class ModelShard:
         """Swaps and copies, in the order the block pool recorded them."""
         apply_kv_ops(ops, self.cache, self.host_cache)
 
-    @paddle.no_grad()
     def execute(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | ArgmaxLogits | None]:
         """KV ops, then the forward: (final hidden states [T, H], logits [R, vocab] of step.sample_rows, or on an
         argmax-only step their ArgmaxLogits where the model computes those); None for what the step has not got
-        (no tokens: a KV-ops-only step; no rows to sample)."""
+        (no tokens: a KV-ops-only step; no rows to sample). The OpenMP workers then sleep until the next step
+        (cpu_kernels.build.park_threads)."""
+        try:
+            return self._forward(step)
+        finally:
+            park_threads()
+
+    @paddle.no_grad()
+    def _forward(self, step: StepInput) -> tuple[paddle.Tensor | None, paddle.Tensor | ArgmaxLogits | None]:
         self.apply_kv_ops(step.kv_ops)
         if not step.num_tokens:
             return None, None
