@@ -11,6 +11,8 @@
 
 /* 1 once this process may use AMX tiles (built for a CPU with AMX-BF16, allowed, and Linux granted the tile state). */
 int ernie_amx_ready(void);
+/* Every GEMM entry point calls this first: each thread then loads the tile configuration once in the call. */
+void ernie_amx_new_call(void);
 /* Allow AMX (1, the default) or not (0: ERNIE_CPU_AMX=0, and A/B runs in one process). */
 void ernie_set_amx(int on);
 /* y[b][m * ldy + j] = sum over k of xh[m * K + k] * w[b][k * 32 + j], m < M, j < 32, for nw (1 or 2) [K, 32]
@@ -18,4 +20,16 @@ void ernie_set_amx(int on);
  * `next` (a block, or NULL) at decode sizes. */
 void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
                       int64_t ldy, const char *next);
+/* From how many rows an int8 column block goes to AMX (cpu_qgemm.c): at 16 the VNNI blocks' four rows a pass made
+ * a dense layer compute-bound (a 1024 x 1536 layer at 16 rows 1.25x on AMX); at 8 rows an expert AMX was no faster
+ * (0.90-1.01x) and at 3-4 slower (0.74-0.83x; scripts/bench_kernels_ab.py --bits 8). */
+#define AMX_INT8_ROWS 16
+/* 1 where AMX-INT8 is built in and ernie_amx_ready. */
+int ernie_amx_int8_ready(void);
+/* acc[l][m][j] = sum over k < 4G of q[l][m * ldq + k] * w[(k / 4 * 32 + j) * 4 + k % 4], m < 16, j < 32, l < levels
+ * (1 or 2): 16 rows of int8 activation codes per level (rows readable 16 past the caller's last) times one column
+ * block of cpu_qgemm.c's int8 layout (unsigned, offset codes), exact int32 sums; G % 16 == 0; prefetching pf_step
+ * bytes from pf (or NULL) every 64 k. */
+void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G, const uint8_t *w, int32_t *acc,
+                         const char *pf, int pf_step);
 #endif

@@ -31,6 +31,7 @@ _SIGNATURES = {
     "ernie_moe_gemm": ([_P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I], _I),
     "ernie_gemm_swiglu_fits": ([_I], _I),
     "ernie_bf16_on_amx": ([_I, _I], _I),
+    "ernie_int8_on_amx": ([_I, _I], _I),
     "ernie_set_amx": ([_I], None),
     "ernie_gemm_argmax": ([_P, _I, _I, _P, _I, _I, _P, _P, _I], _I),
     "ernie_paged_attention": ([_P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P], _I),

@@ -1,5 +1,7 @@
 /* bfloat16 weights times bfloat16 activations on AMX (Intel Sapphire Rapids and later): one or two column blocks
- * of cpu_gemm.c's layout at a time, products accumulated in float32 by the tile unit.
+ * of cpu_gemm.c's layout at a time, products accumulated in float32 by the tile unit. And int8 codes times int8
+ * activation codes (ernie_amx_int8_rows, for cpu_qgemm.c): its layout is already the tile unit's (each group of 4 k
+ * a row of 32 columns x 4 bytes), so a B tile loads straight from the weight, no repack.
  *
  * Why: a `--dtype bfloat16` prefill is compute-bound, and on this Xeon the AVX-512 float32 FMA does ~110 G
  * multiply-adds a second a core while TDPBF16PS does ~1460 G (one-off loops of each); vdpbf16ps, the AVX512-BF16
@@ -44,9 +46,19 @@ int ernie_amx_ready(void) {
     return ready;
 }
 
-/* Eight tiles of 16 rows x 64 bytes: C in 0-3 (16 rows x the 32 columns of up to two blocks), A in 4, B in 6-7.
- * Loaded in every call: the configuration is per thread, and Paddle's own oneDNN kernels may load theirs. */
+/* The tile configuration's generation: ernie_amx_new_call advances it at each GEMM entry point, and a thread loads
+ * the configuration once a generation. LDTILECFG cost ~0.5 us, 20-30% of a decode-sized block's product when it
+ * was loaded for every block (a one-off loop of int8 blocks); and within one of our parallel regions no other code
+ * runs on its threads, while between two calls Paddle's own oneDNN kernels may load theirs. */
+static unsigned generation = 1;
+static __thread unsigned configured_in = 0;
+
+void ernie_amx_new_call(void) { __atomic_add_fetch(&generation, 1, __ATOMIC_RELAXED); }
+
+/* Eight tiles of 16 rows x 64 bytes: C in 0-3 (16 rows x the 32 columns of up to two blocks), A in 4-5, B in 6-7. */
 static void configure(void) {
+    const unsigned now = __atomic_load_n(&generation, __ATOMIC_RELAXED);
+    if (configured_in == now) return;
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
@@ -59,6 +71,7 @@ static void configure(void) {
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
+    configured_in = now;
 }
 
 /* Rows [k0, k0 + kp) of the block w ([K, COLS]) as two B tiles' worth of (k, k + 1) pairs: pack[h][p] holds columns
@@ -71,8 +84,8 @@ static void interleave(const uint16_t *w, int k0, int kp, uint16_t pack[2][PANEL
     for (int p = 0; p < kp / 2; p++) {
         const uint16_t *r = w + (int64_t)(k0 + 2 * p) * COLS;
         if (pf) {
-            _mm_prefetch(pf + (int64_t)p * 128, _MM_HINT_T0);
-            _mm_prefetch(pf + (int64_t)p * 128 + 64, _MM_HINT_T0);
+            _mm_prefetch(pf + (int64_t)p * 128, _MM_HINT_T1);
+            _mm_prefetch(pf + (int64_t)p * 128 + 64, _MM_HINT_T1);
         }
         const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + COLS);
         const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
@@ -141,10 +154,59 @@ void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w
             memcpy(y[b] + (int64_t)m * ldy, tail[b] + (m % 16) * COLS, sizeof(float) * COLS);
 }
 
+#ifdef __AMX_INT8__
+int ernie_amx_int8_ready(void) { return ernie_amx_ready(); }
+
+void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G, const uint8_t *w, int32_t *acc,
+                         const char *pf, int pf_step) {
+    configure();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int g = 0; g < G; g += 16) { /* 64 k: 16 groups of 4, a B tile's rows */
+        if (pf)
+            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + (int64_t)g / 16 * pf_step + o, _MM_HINT_T0);
+        _tile_loadd(6, w + (int64_t)g * 4 * COLS, 4 * COLS);      /* columns 0-15: 64 bytes of each group */
+        _tile_loadd(7, w + (int64_t)g * 4 * COLS + 64, 4 * COLS); /* columns 16-31 */
+        _tile_loadd(4, q[0] + (int64_t)g * 4, ldq);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        if (levels > 1) {
+            _tile_loadd(5, q[1] + (int64_t)g * 4, ldq);
+            _tile_dpbsud(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, 4 * COLS);
+    _tile_stored(1, acc + 16, 4 * COLS);
+    if (levels > 1) {
+        _tile_stored(2, acc + 16 * COLS, 4 * COLS);
+        _tile_stored(3, acc + 16 * COLS + 16, 4 * COLS);
+    }
+}
+#else
+int ernie_amx_int8_ready(void) { return 0; }
+
+void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G, const uint8_t *w, int32_t *acc,
+                         const char *pf, int pf_step) {
+    (void)q, (void)levels, (void)ldq, (void)G, (void)w, (void)acc, (void)pf, (void)pf_step; /* never called */
+}
+#endif
+
 #else
 void ernie_set_amx(int on) { (void)on; }
 
+void ernie_amx_new_call(void) {}
+
 int ernie_amx_ready(void) { return 0; }
+
+int ernie_amx_int8_ready(void) { return 0; }
+
+void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G, const uint8_t *w, int32_t *acc,
+                         const char *pf, int pf_step) {
+    (void)q, (void)levels, (void)ldq, (void)G, (void)w, (void)acc, (void)pf, (void)pf_step; /* never called */
+}
 
 void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
                       int64_t ldy, const char *next) {

@@ -373,6 +373,7 @@ static int rows_for(const float *x, int64_t n_rows, int64_t max_rows, int K, int
  * out of memory. */
 int ernie_gemm(const float *x, int M, int K, const void *w, int N, const float *s, float *y, int bits, int swiglu,
                int int_x) {
+    ernie_amx_new_call();
     if (!is_float(bits)) return ernie_qgemm(x, M, K, w, N, s, y, bits, swiglu, int_x);
     const blocked_w wb = weight_of(w, bits);
     rows_x xr;
@@ -392,6 +393,7 @@ int ernie_gemm(const float *x, int M, int K, const void *w, int N, const float *
 /* moe_gemm above (or cpu_qgemm.c's for int codes), or with swiglu each expert's rows -> y rows of width N / 2. */
 int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, int E, int K, const void *const *w,
                    int N, const float *const *s, float *y, int bits, int swiglu, int int_x) {
+    ernie_amx_new_call();
     if (!is_float(bits))
         return ernie_moe_qgemm(x, rows, starts, E, K, (const uint8_t *const *)w, N, s, y, bits, swiglu, int_x);
     int64_t n_rows = 0, max_rows = 0;  /* x's rows up to the last an expert reads (a padded batch's tail is not) */
@@ -450,6 +452,7 @@ static void rank_tile(const float *tile, int M, int width, int64_t col0, float *
  * Returns 0, or -1 out of memory. */
 int ernie_gemm_argmax(const float *x, int M, int K, const void *wp, int N, int n_valid, int64_t *best_idx,
                       float *best_val, int bits) {
+    ernie_amx_new_call();
     const int nb = N / COLS, threads = ernie_threads();
     const blocked_w w = weight_of(wp, bits);
     rows_x xr;

@@ -37,6 +37,12 @@ def bf16_on_amx(rows: int, k: int) -> bool:
     return lib is not None and bool(lib.ernie_bf16_on_amx(rows, k))
 
 
+def int8_on_amx(rows: int, k: int) -> bool:
+    """Whether `rows` rows times int8 codes of K rows run on AMX-INT8 (cpu_qgemm.c: the same integer sums as VNNI)."""
+    lib = build.library()
+    return bool(lib is not None and lib.ernie_int8_on_amx(rows, k))
+
+
 def serves(t: paddle.Tensor) -> bool:
     """Whether cpu_gemm.c can multiply a weight held like `t`: on the CPU, with the library built."""
     return t.place.is_cpu_place() and available()

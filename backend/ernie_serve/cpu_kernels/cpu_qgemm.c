@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "qgemm.h"
 #include "threads.h"
 #include "vec_math.h"
@@ -167,6 +168,39 @@ static inline __m512i broadcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* Row m's integer sums acc[level][half] (columns 0-15, 16-31), offset and scaled -> out[32], unscaled by the weight:
+ * both the VNNI blocks and the AMX ones (qblock_amx) end here, so the two give the same floats. */
+static inline void finish_row(const qacts *a, int m, const __m512i acc[2][2], float *out) {
+    __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
+    for (int l = 0; l < a->levels; l++) {
+        const int64_t i = (int64_t)m * a->levels + l;
+        const __m512i off = _mm512_set1_epi32(a->bias * a->sum[i]);
+        const __m512 sc = _mm512_set1_ps(a->scale[i]);
+        f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[l][0], off)), sc, f0);
+        f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[l][1], off)), sc, f1);
+    }
+    _mm512_storeu_ps(out, f0);
+    _mm512_storeu_ps(out + 16, f1);
+}
+
+/* Rows [m0, m0 + mb), mb <= 16, times the int8 block at w on the tile unit (cpu_amx.c): TDPBSUD sums the same
+ * integer products vpdpbusd does, exactly, 16 rows x 64 k an instruction. */
+static void qblock_amx(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, float *tile, const char *pf,
+                       int pf_step) {
+    int32_t acc[MAX_LEVELS][16][COLS] __attribute__((aligned(64)));
+    const int64_t row = (int64_t)m0 * a->levels * a->Kp;
+    const int8_t *q[MAX_LEVELS] = {a->q + row, a->q + row + (a->levels > 1 ? a->Kp : 0)};
+    ernie_amx_int8_rows(q, a->levels, (int64_t)a->levels * a->Kp, (int)G, w, &acc[0][0][0], pf, pf_step);
+    for (int m = 0; m < mb; m++) {
+        __m512i r[2][2];
+        for (int l = 0; l < a->levels; l++) {
+            r[l][0] = _mm512_load_si512(acc[l][m]);
+            r[l][1] = _mm512_load_si512(acc[l][m] + 16);
+        }
+        finish_row(a, m0 + m, r, tile + m * COLS);
+    }
+}
+
 /* Row m's level-l chains for one pair of weight vectors (X0: columns 0-15, X1: 16-31) and the codes at OFF. */
 #define CHAIN(P, A0, A1, X0, X1, OFF)                                                                            \
     {                                                                                                            \
@@ -218,18 +252,7 @@ static void NAME(const qacts *a, int m0, int64_t G, const uint8_t *w, float *til
     }                                                                                                            \
     const __m512i acc[QROWS][2][2] = {{{a00, a01}, {b00, b01}}, {{a10, a11}, {b10, b11}},                        \
                                       {{a20, a21}, {b20, b21}}, {{a30, a31}, {b30, b31}}};                       \
-    for (int m = 0; m < MB; m++) {                                                                               \
-        __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();                                              \
-        for (int l = 0; l < LV; l++) {                                                                           \
-            const int64_t i = (int64_t)(m0 + m) * LV + l;                                                        \
-            const __m512i off = _mm512_set1_epi32(a->bias * a->sum[i]);                                          \
-            const __m512 sc = _mm512_set1_ps(a->scale[i]);                                                       \
-            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][l][0], off)), sc, f0);               \
-            f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][l][1], off)), sc, f1);               \
-        }                                                                                                        \
-        _mm512_storeu_ps(tile + m * COLS, f0);                                                                   \
-        _mm512_storeu_ps(tile + m * COLS + 16, f1);                                                              \
-    }                                                                                                            \
+    for (int m = 0; m < MB; m++) finish_row(a, m0 + m, acc[m], tile + m * COLS);                                \
 }
 #define QBLOCKS(P, BITS, LV) QBLOCK(P##1, BITS, 1, LV) QBLOCK(P##2, BITS, 2, LV) QBLOCK(P##3, BITS, 3, LV)          \
     QBLOCK(P##4, BITS, 4, LV) static const qblock_fn P##s[QROWS + 1] = {0, P##1, P##2, P##3, P##4};
@@ -373,10 +396,11 @@ static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, 
 }
 
 /* ------------------------------------------------------------------ tasks */
-/* How M rows go through a block: `groups` row groups of at most QROWS, split evenly (5 as 3 + 2: a one-row pass
- * has too few accumulators to hide the FMA latency), each prefetching an equal share of the next block. */
+/* How M rows go through a block: `groups` row groups, of at most QROWS split evenly (5 as 3 + 2: a one-row pass
+ * has too few accumulators to hide the FMA latency), or on AMX (amx set) of 16, the last one short; each group
+ * prefetches an equal share of the next block. */
 typedef struct {
-    int groups, pf_step;
+    int groups, pf_step, amx, M;
     int64_t share;
 } row_groups;
 
@@ -386,22 +410,53 @@ typedef struct {
  * 1.12x / 1.13x (scripts/bench_kernels_ab.py --bits 8 / --bits 4). */
 #define INT_PREFETCH_ROWS 16
 
+/* Whether M rows of int8 codes go through a block on AMX: from AMX_INT8_ROWS, where the VNNI blocks' four rows a
+ * pass made a 16-row layer compute-bound; K a multiple of 64 (a tile's 16 groups). */
+static int int8_on_amx(int M, int64_t G) {
+#ifdef HAVE_VNNI
+    return M >= AMX_INT8_ROWS && G % 16 == 0 && ernie_amx_int8_ready();
+#else
+    (void)M, (void)G;
+    return 0;
+#endif
+}
+
+int ernie_int8_on_amx(int rows, int K) { return int8_on_amx(rows, groups(K, 8)); }
+
+static int on_amx_int8(const qacts *a, int M, int64_t G, int bits) { return bits == 8 && a->q && int8_on_amx(M, G); }
+
 static row_groups row_groups_of(const qacts *a, int M, int64_t G, int bits) {
-    row_groups r = {(M + QROWS - 1) / QROWS, 0, 0};
+    const int amx = on_amx_int8(a, M, G, bits), per = amx ? 16 : QROWS;
+    row_groups r = {(M + per - 1) / per, 0, amx, M, 0};
     const int halves = a->x ? 2 : 1; /* the widening path reads a block in two halves a group, the integer one whole */
     const int most = a->x ? PREFETCH_ROWS(bits) : INT_PREFETCH_ROWS;
     if (M > most) return r; /* compute-bound: no prefetch (share 0, so share_of gives NULL) */
     const int passes = r.groups > 0 ? halves * r.groups : 1;
-    const int64_t pass = (G * 4 * COLS + passes - 1) / passes;
+    const int64_t pass = (G * 4 * COLS + passes - 1) / passes, steps = amx ? G / 16 : G; /* AMX: a step is 16 groups */
     r.share = halves * pass;
-    r.pf_step = (int)((pass + G - 1) / G);
+    r.pf_step = (int)((pass + steps - 1) / steps);
     return r;
 }
 
-static int rows_in_group(int M, row_groups r, int i) { return M / r.groups + (i < M % r.groups); }
+static int rows_in_group(row_groups r, int i) {
+    if (r.amx) return r.M - 16 * i < 16 ? r.M - 16 * i : 16;
+    return r.M / r.groups + (i < r.M % r.groups);
+}
 
 /* Row group i's share of the next block, or NULL. */
 static const char *share_of(const char *next, row_groups r, int i) { return next && r.share ? next + i * r.share : NULL; }
+
+/* Rows [m0, m0 + mb) (row group i of r) times the block at w -> tile[mb][COLS], before the weight scale. */
+static void group_times_block(const qacts *a, row_groups r, int m0, int mb, int64_t G, const uint8_t *w, int bits,
+                              float *tile, const char *pf) {
+#ifdef HAVE_VNNI
+    if (r.amx) {
+        qblock_amx(a, m0, mb, G, w, tile, pf, r.pf_step);
+        return;
+    }
+#endif
+    qblock(a, m0, mb, G, w, bits, tile, pf, r.pf_step);
+}
 
 /* Rows [r0, r0 + M) times column block b of one weight -> y rows (stride N), columns scaled by s; `next`: the block
  * this thread reads next, prefetched meanwhile (NULL: none). */
@@ -410,10 +465,10 @@ static void qcolumns(const qacts *a, int r0, int M, int K, const uint8_t *w, int
     const int64_t G = groups(K, bits);
     const int n0 = b * COLS, nc = N - n0 < COLS ? N - n0 : COLS;
     const row_groups r = row_groups_of(a, M, G, bits);
-    float tile[QROWS * COLS];
+    float tile[16 * COLS];
     for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {
-        mb = rows_in_group(M, r, i);
-        qblock(a, r0 + m0, mb, G, w + (int64_t)b * G * 4 * COLS, bits, tile, share_of(next, r, i), r.pf_step);
+        mb = rows_in_group(r, i);
+        group_times_block(a, r, r0 + m0, mb, G, w + (int64_t)b * G * 4 * COLS, bits, tile, share_of(next, r, i));
         for (int m = 0; m < mb; m++) {
             float *yr = y + (int64_t)(r0 + m0 + m) * N + n0;
             for (int j = 0; j < nc; j++) yr[j] = tile[m * COLS + j] * s[n0 + j];
@@ -429,11 +484,11 @@ static void qcolumns_swiglu(const qacts *a, int r0, int M, int K, const uint8_t 
     const int I = N / 2, nb = I / COLS;
     const row_groups r = row_groups_of(a, M, G, bits);
     const char *up = (const char *)(w + (b + nb) * block);
-    float g[QROWS * COLS], u[QROWS * COLS];
+    float g[16 * COLS], u[16 * COLS];
     for (int i = 0, m0 = 0, mb; i < r.groups; i++, m0 += mb) {
-        mb = rows_in_group(M, r, i);
-        qblock(a, r0 + m0, mb, G, w + b * block, bits, g, share_of(up, r, i), r.pf_step);
-        qblock(a, r0 + m0, mb, G, w + (b + nb) * block, bits, u, share_of(next, r, i), r.pf_step);
+        mb = rows_in_group(r, i);
+        group_times_block(a, r, r0 + m0, mb, G, w + b * block, bits, g, share_of(up, r, i));
+        group_times_block(a, r, r0 + m0, mb, G, w + (b + nb) * block, bits, u, share_of(next, r, i));
         for (int m = 0; m < mb; m++) {
             for (int j = 0; j < COLS; j++) {
                 g[m * COLS + j] *= s[b * COLS + j];
@@ -455,13 +510,14 @@ static int prepare(const float *x, int M, int K, int bits, int int_x, qacts *a) 
     }
 #endif
     const int levels = int_x ? 1 : 2, Kp = (int)groups(K, bits) * (bits == 4 ? 8 : 4);
-    a->q = malloc((size_t)M * levels * Kp + 64);
+    a->q = malloc((size_t)(M + 16) * levels * Kp + 64); /* and 16 rows past the last: an AMX tile loads 16 */
     a->scale = malloc(sizeof(float) * (size_t)M * levels + 4);
     a->sum = malloc(sizeof(int32_t) * (size_t)M * levels + 4);
     if (!a->q || !a->scale || !a->sum) {
         free(a->q), free(a->scale), free(a->sum);
         return -1;
     }
+    memset(a->q + (size_t)M * levels * Kp, 0, (size_t)16 * levels * Kp + 64);
     #pragma omp parallel for THREADS schedule(static) if ((int64_t)M * K >= (1 << 18))
     for (int m = 0; m < M; m++)
         quantize_row(x + (int64_t)m * K, K, Kp, levels, int_x, a->q + (int64_t)m * levels * Kp, a->scale + m * levels,
