@@ -17,7 +17,7 @@ void ernie_amx_new_call(void);
 void ernie_set_amx(int on);
 /* y[b][m * ldy + j] = sum over k of xh[m * K + k] * w[b][k * 32 + j], m < M, j < 32, for nw (1 or 2) [K, 32]
  * bfloat16 column blocks that share each load of x: bfloat16 x (rows readable 16 past M), K % 32 == 0, prefetching
- * `next` (a block, or NULL) at decode sizes. */
+ * at decode sizes the next call's blocks: its first at `next` (or NULL), a second as far from it as w[1] from w[0]. */
 void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
                       int64_t ldy, const char *next);
 /* From how many rows an int8 column block goes to AMX (cpu_qgemm.c): at 16 the VNNI blocks' four rows a pass made

@@ -117,8 +117,8 @@ void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w
     configure();
     for (int k0 = 0; k0 < K; k0 += PANEL) {
         const int kp = K - k0 < PANEL ? K - k0 : PANEL;
-        for (int b = 0; b < nw; b++)
-            interleave(w[b], k0, kp, pack[b], pf && b == 0 ? pf + (int64_t)k0 * COLS * 2 : NULL);
+        for (int b = 0; b < nw; b++) /* the next call's block b lies as far from its first as w[b] from w[0] */
+            interleave(w[b], k0, kp, pack[b], pf ? pf + (w[b] - w[0]) * 2 + (int64_t)k0 * COLS * 2 : NULL);
         for (int g = 0; g < groups; g++) {
             const int m0 = 16 * g, full = M - m0 >= 16;
             float *c0 = full ? y[0] + m0 * ldy : tail[0], *c1 = nw > 1 ? (full ? y[1] + m0 * ldy : tail[1]) : NULL;
