@@ -434,6 +434,7 @@ def test_int8_runs_on_amx_from_16_rows_where_the_cpu_has_it():
     assert not cpu_gemm.int8_on_amx(15, 1024) and not cpu_gemm.int8_on_amx(16, 96)
 
 
+@pytest.mark.skipif(not cpu_gemm.int8_on_amx(16, 64), reason="no AMX-INT8 on this CPU (or ERNIE_CPU_AMX=0)")
 @pytest.mark.parametrize("int_x", [False, True])
 @pytest.mark.parametrize("m,k,n", [(16, 64, 32), (17, 128, 40), (37, 1024, 96), (300, 192, 64), (20, 96, 64)])
 def test_int8_on_amx_gives_the_vnni_paths_floats_bit_for_bit(m, k, n, int_x):

@@ -446,7 +446,7 @@ static int rows_in_group(row_groups r, int i) {
 /* Row group i's share of the next block, or NULL. */
 static const char *share_of(const char *next, row_groups r, int i) { return next && r.share ? next + i * r.share : NULL; }
 
-/* Rows [m0, m0 + mb) (row group i of r) times the block at w -> tile[mb][COLS], before the weight scale. */
+/* Rows [m0, m0 + mb) (a row group of r) times the block at w -> tile[mb][COLS], before the weight scale. */
 static void group_times_block(const qacts *a, row_groups r, int m0, int mb, int64_t G, const uint8_t *w, int bits,
                               float *tile, const char *pf) {
 #ifdef HAVE_VNNI
