@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import ctypes
 import ernie_serve
@@ -64,3 +66,31 @@ def test_parked_workers_sleep_at_once_and_spin_again_after_the_next_region():
     spun, parked, threads = map(float, out.stdout.strip().splitlines()[-1].split())
     assert threads == 2
     assert spun > 100 and parked < 20, (spun, parked)
+
+
+def test_every_step_of_the_reference_backend_ends_with_the_workers_parked(tiny_model_dir, monkeypatch):
+    """ModelShard.execute parks the workers after each forward, and after one that raised."""
+    from ernie_serve import LLM, SamplingParams
+    from ernie_serve.reference_backend import shard
+
+    parked = []
+    monkeypatch.setattr(shard, "park_threads", lambda: parked.append(1))
+    llm = LLM(str(tiny_model_dir), max_model_len=256, max_num_seqs=4, disable_progress_bar=True)
+    try:
+        executor = llm.engine.runner.executor
+        assert isinstance(executor, shard.ModelShard)
+        calls = []
+        execute = executor.execute
+        monkeypatch.setattr(executor, "execute", lambda step: calls.append(1) or execute(step))
+        llm.generate(["hello there"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        assert len(calls) >= 5 and len(parked) == len(calls)
+
+        def fails(step):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(executor, "_forward", fails)
+        with pytest.raises(RuntimeError, match="boom"):
+            execute(None)
+        assert len(parked) == len(calls) + 1
+    finally:
+        llm.engine.close()
