@@ -7,7 +7,8 @@
  * compute-bound at 4+ rows (wint8 decoded little faster than fp32 while reading a quarter of its bytes);
  * vpdpbusd multiplies 64 byte pairs an instruction and needs no widening, so the weights are used as they are
  * stored. AVX2 has no such instruction (its vpmaddubsw needs the codes split into nibbles), so there the widening
- * path below serves float activations (README "bfloat16 on the CPU" has both measured).
+ * path below serves float activations (README "bfloat16 on the CPU" has both measured). From 16 rows, on a CPU with
+ * AMX-INT8, int8 codes go to the tile unit instead (cpu_amx.c's ernie_amx_int8_rows: the same integer sums).
  *
  * On the integer paths the activations enter at 16-bit precision: each row is quantized to two int8 levels,
  * x ~ s1 * q1 + s2 * q2 with s1 = max|x| / 127 and s2 = s1 / 254, so |x - (s1 q1 + s2 q2)| <= max|x| / 64516 (per
