@@ -13,7 +13,7 @@
 int ernie_amx_ready(void);
 /* Every GEMM entry point calls this first: each thread then loads the tile configuration once in the call. */
 void ernie_amx_new_call(void);
-/* Allow AMX (1, the default) or not (0: ERNIE_CPU_AMX=0, and A/B runs in one process). */
+/* Allow AMX (1, the default) or not (0: ERNIE_CPU_AMX=0, and A/B runs in one process), bfloat16 and int8 alike. */
 void ernie_set_amx(int on);
 /* y[b][m * ldy + j] = sum over k of xh[m * K + k] * w[b][k * 32 + j], m < M, j < 32, for nw (1 or 2) [K, 32]
  * bfloat16 column blocks that share each load of x: bfloat16 x (rows readable 16 past M), K % 32 == 0, prefetching

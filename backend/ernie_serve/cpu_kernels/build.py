@@ -4,7 +4,8 @@ Compiled with the system C compiler for this CPU (-march=native) and linked agai
 ships, so the kernels' threads are Paddle's threads and the two never compete for the cores. The library is
 keyed by the sources' hash, so an edited kernel is rebuilt; a file lock keeps concurrent processes (tests,
 tensor-parallel workers) from building it twice. Without a compiler (or with ERNIE_CPU_KERNELS=0) `library()` is None, callers keep their
-Paddle path, and one warning says why. ERNIE_CPU_AMX=0 keeps bfloat16 GEMMs off AMX (cpu_amx.c) on a CPU that has it.
+Paddle path, and one warning says why. ERNIE_CPU_AMX=0 keeps bfloat16 GEMMs and int8 codes off AMX (cpu_amx.c) on a
+CPU that has it.
 """
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def library() -> ctypes.CDLL | None:
         raise ValueError(f"ERNIE_CPU_KERNELS={switch!r}: expected 1 (the C kernels, default) or 0 (Paddle ops only)")
     amx = os.environ.get("ERNIE_CPU_AMX", "1")
     if amx not in ("0", "1"):
-        raise ValueError(f"ERNIE_CPU_AMX={amx!r}: expected 1 (bfloat16 GEMMs on AMX where the CPU has it, default) "
-                         "or 0 (never)")
+        raise ValueError(f"ERNIE_CPU_AMX={amx!r}: expected 1 (bfloat16 and int8 GEMMs on AMX where the CPU has it, "
+                         "default) or 0 (never)")
     if switch == "0":  # the Paddle-only path, for A/B runs and bisecting
         _failed = "ERNIE_CPU_KERNELS=0"
         return None
