@@ -76,7 +76,7 @@ static void configure(void) {
 
 /* Rows [k0, k0 + kp) of the block w ([K, COLS]) as two B tiles' worth of (k, k + 1) pairs: pack[h][p] holds columns
  * 16h .. 16h + 15 of rows k0 + 2p and k0 + 2p + 1, pair by pair. `pf`: bytes to prefetch alongside, 128 a pair,
- * into L2 (into L1, 200 MB of distinct blocks at 16 rows streamed at 0.93-0.96x of that: a one-off C harness). */
+ * into L2 (into L1, 200 MB of distinct blocks at 16 rows streamed at 0.91-0.96x of that: a one-off C harness). */
 static void interleave(const uint16_t *w, int k0, int kp, uint16_t pack[2][PANEL / 2][32], const char *pf) {
     /* vpunpck*wd pairs the two rows within each 128-bit lane: lo holds columns 0-3, 8-11, 16-19, 24-27, hi 4-7, ...
      * The qword permutes put them back in column order, the first 16 columns in one tile, the last 16 in the other. */
