@@ -167,7 +167,7 @@ void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G,
     _tile_zero(3);
     for (int g = 0; g < G; g += 16) { /* 64 k: 16 groups of 4, a B tile's rows */
         if (pf)
-            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + (int64_t)g / 16 * pf_step + o, _MM_HINT_T0);
+            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + (int64_t)g / 16 * pf_step + o, _MM_HINT_T1);
         _tile_loadd(6, w + (int64_t)g * 4 * COLS, 4 * COLS);      /* columns 0-15: 64 bytes of each group */
         _tile_loadd(7, w + (int64_t)g * 4 * COLS + 64, 4 * COLS); /* columns 16-31 */
         _tile_loadd(4, q[0] + (int64_t)g * 4, ldq);
