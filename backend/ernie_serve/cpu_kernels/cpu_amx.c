@@ -186,13 +186,7 @@ void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G,
         _tile_stored(3, acc + 16 * COLS + 16, 4 * COLS);
     }
 }
-#else
-int ernie_amx_int8_ready(void) { return 0; }
-
-void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G, const uint8_t *w, int32_t *acc,
-                         const char *pf, int pf_step) {
-    (void)q, (void)levels, (void)ldq, (void)G, (void)w, (void)acc, (void)pf, (void)pf_step; /* never called */
-}
+#define HAVE_AMX_INT8 1
 #endif
 
 #else
@@ -202,15 +196,17 @@ void ernie_amx_new_call(void) {}
 
 int ernie_amx_ready(void) { return 0; }
 
+void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
+                      int64_t ldy, const char *next) {
+    (void)xh, (void)M, (void)K, (void)w, (void)nw, (void)y, (void)ldy, (void)next; /* never called: not ready */
+}
+#endif
+
+#ifndef HAVE_AMX_INT8 /* built without AMX-INT8 (or without AMX at all) */
 int ernie_amx_int8_ready(void) { return 0; }
 
 void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G, const uint8_t *w, int32_t *acc,
                          const char *pf, int pf_step) {
     (void)q, (void)levels, (void)ldq, (void)G, (void)w, (void)acc, (void)pf, (void)pf_step; /* never called */
-}
-
-void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
-                      int64_t ldy, const char *next) {
-    (void)xh, (void)M, (void)K, (void)w, (void)nw, (void)y, (void)ldy, (void)next; /* never called: not ready */
 }
 #endif

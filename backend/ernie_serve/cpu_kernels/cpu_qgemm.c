@@ -424,10 +424,8 @@ static int int8_on_amx(int M, int64_t G) {
 
 int ernie_int8_on_amx(int rows, int K) { return int8_on_amx(rows, groups(K, 8)); }
 
-static int on_amx_int8(const qacts *a, int M, int64_t G, int bits) { return bits == 8 && a->q && int8_on_amx(M, G); }
-
 static row_groups row_groups_of(const qacts *a, int M, int64_t G, int bits) {
-    const int amx = on_amx_int8(a, M, G, bits), per = amx ? 16 : QROWS;
+    const int amx = bits == 8 && a->q && int8_on_amx(M, G), per = amx ? 16 : QROWS; /* a->q: the integer path */
     row_groups r = {(M + per - 1) / per, 0, amx, M, 0};
     const int halves = a->x ? 2 : 1; /* the widening path reads a block in two halves a group, the integer one whole */
     const int most = a->x ? PREFETCH_ROWS(bits) : INT_PREFETCH_ROWS;
@@ -511,14 +509,15 @@ static int prepare(const float *x, int M, int K, int bits, int int_x, qacts *a) 
     }
 #endif
     const int levels = int_x ? 1 : 2, Kp = (int)groups(K, bits) * (bits == 4 ? 8 : 4);
-    a->q = malloc((size_t)(M + 16) * levels * Kp + 64); /* and 16 rows past the last: an AMX tile loads 16 */
+    const int pad = bits == 8 ? 16 : 0; /* rows past the last: an AMX tile loads 16 (int8 codes only go there) */
+    a->q = malloc((size_t)(M + pad) * levels * Kp + 64);
     a->scale = malloc(sizeof(float) * (size_t)M * levels + 4);
     a->sum = malloc(sizeof(int32_t) * (size_t)M * levels + 4);
     if (!a->q || !a->scale || !a->sum) {
         free(a->q), free(a->scale), free(a->sum);
         return -1;
     }
-    memset(a->q + (size_t)M * levels * Kp, 0, (size_t)16 * levels * Kp + 64);
+    memset(a->q + (size_t)M * levels * Kp, 0, (size_t)pad * levels * Kp + 64);
     #pragma omp parallel for THREADS schedule(static) if ((int64_t)M * K >= (1 << 18))
     for (int m = 0; m < M; m++)
         quantize_row(x + (int64_t)m * K, K, Kp, levels, int_x, a->q + (int64_t)m * levels * Kp, a->scale + m * levels,
