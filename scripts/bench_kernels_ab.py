@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2                       # decode-sized GEMMs
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --attention                 # paged attention
+    .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --prefill --bits 16         # prefill-sized GEMMs
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --workload mixed --dtype bfloat16 --rounds 4
 
 Why: this shared 2-core VM swings by up to 2x within minutes, so two runs one after the other do not rank two
@@ -16,7 +17,11 @@ so each call streams them from memory, as a decode step does. Prints each build'
 median of the rounds' new / base (each round runs the two back to back), and whether the outputs are bit-identical.
 
 Attention (--attention): ernie_paged_attention from a float32 paged cache (8 heads, 2 KV heads, head_dim 128, blocks
-of 16) on prefill chunks, chunks on a cached context and decodes; median times and the median of the rounds' ratios.
+of 16), or with --dtype bfloat16 a bfloat16 one in blocks of 64 (the engine's then), on prefill chunks, chunks on a
+cached context and decodes; median times and the median of the rounds' ratios.
+
+Prefill GEMMs (--prefill): compute-bound shapes, hundreds of rows an expert and thousands for a dense layer; G
+multiply-adds a second of each build.
 
 Engine (--workload): one LLM on the benchmark checkpoint (prefix caching off, so every round computes its
 prefills), the library swapped between rounds, the order flipped every round; tok/s a round, the median ratio,
@@ -33,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,9 +81,11 @@ def _weights(bits: int, k: int, n: int, count: int, rng: np.random.Generator):
             [paddle.to_tensor(s) for _, s in quantized])
 
 
-def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int) -> None:
+def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, prefill: bool = False) -> None:
     rng = np.random.default_rng(0)
     experts = 16
+    if prefill:
+        return prefill_gemms(libs, bits_list, rounds, rng)
     print(f"{'format':8} {'GEMM':28} {'rows':>4}  " + "  ".join(f"{n:>15}" for n in libs) + "  new/base  same bits")
     for bits in bits_list:
         # float32 experts are 92 MB a layer; the narrower formats get more layers' worth so they too exceed the L3
@@ -123,14 +131,55 @@ def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int) -> No
 _FORMAT = {32: "float32", 16: "bfloat16", 8: "int8", 4: "int4"}
 
 
-def attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
+def prefill_gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, rng: np.random.Generator) -> None:
+    """Prefill-sized GEMMs, compute-bound: one layer's 16 experts at 200 and 800 rows each (a 16 x 200-token
+    prefill routes ~800 rows to each), and a dense 1024 x 1536 and SwiGLU 1024 x 1408 (the shared expert) at 800 and
+    3200 rows. G multiply-adds a second of each build, the median of the rounds' new / base, bit-identity."""
+    experts, CALLS = 16, 6  # a call is a few ms: a round times several, back to back
+    print(f"{'format':8} {'GEMM':28} {'rows':>5}  " + "  ".join(f"{n:>14}" for n in libs) + "  new/base  same bits")
+    for bits in bits_list:
+        for k, n, swiglu, dense in ((1024, 1408, 1, False), (704, 1024, 0, False), (1024, 1536, 0, True),
+                                    (1024, 1408, 1, True)):
+            ws, scales = _weights(bits, k, n, 1 if dense else experts, rng)
+            w_ptrs = (ctypes.c_void_p * len(ws))(*[w.data_ptr() for w in ws])
+            s_ptrs = None if scales is None else (ctypes.c_void_p * len(ws))(*[s.data_ptr() for s in scales])
+            for per in ((800, 3200) if dense else (200, 800)):
+                m = per if dense else experts * per
+                rows = np.full(experts, per, np.int64)
+                starts = np.arange(experts, dtype=np.int64) * per
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                ys = {name: np.zeros((m, n // 2 if swiglu else n), np.float32) for name in libs}
+                spent: dict[str, list[float]] = {name: [] for name in libs}
+                for r in range(rounds):
+                    for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+                        lib, y = libs[name], ys[name]
+                        t = time.perf_counter()
+                        for _ in range(CALLS):
+                            if dense:
+                                lib.ernie_gemm(x.ctypes.data, m, k, w_ptrs[0], n,
+                                               None if s_ptrs is None else s_ptrs[0], y.ctypes.data, bits, swiglu, 0)
+                            else:
+                                lib.ernie_moe_gemm(x.ctypes.data, rows.ctypes.data, starts.ctypes.data, experts, k,
+                                                   w_ptrs, n, s_ptrs, y.ctypes.data, bits, swiglu, 0)
+                        spent[name].append((time.perf_counter() - t) / CALLS)
+                what = (f"dense {k}x{n}" if dense else f"{experts} experts {k}x{n}") + (" swiglu" if swiglu else "")
+                ratio = statistics.median(b / n for b, n in zip(spent["base"], spent["new"]))
+                print(f"{_FORMAT[bits]:8} {what:28} {per:5d}  "
+                      + "  ".join(f"{m * k * n / statistics.median(spent[nm]) / 1e9:8.0f} GMAC/s" for nm in libs)
+                      + f"  {ratio:7.2f}x  {np.array_equal(ys['base'], ys['new'])}", flush=True)
+
+
+def attention(libs: dict[str, ctypes.CDLL], rounds: int, kv_bf16: bool = False) -> None:
     rng = np.random.default_rng(0)
-    nh, nkv, hd, bs = 8, 2, 128, 16
+    nh, nkv, hd, bs = 8, 2, 128, 64 if kv_bf16 else 16  # the engine's block size with --dtype bfloat16 is 64
+    print(f"{'bfloat16' if kv_bf16 else 'float32'} cache, blocks of {bs}")
     print(f"{'sequences x new tokens on context':36} " + "  ".join(f"{n:>10}" for n in libs) + "  new/base  same bits")
-    for seqs, q_len, ctx in ((16, 200, 200), (4, 256, 256), (2, 100, 400), (16, 1, 300)):
+    for seqs, q_len, ctx in ((16, 200, 200), (4, 256, 256), (2, 100, 400), (16, 1, 300), (16, 1, 1000)):
         per = (ctx + bs - 1) // bs
         k_cache = rng.standard_normal((seqs * per, bs, nkv, hd)).astype(np.float32)
         v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+        if kv_bf16:  # bfloat16 bits, rounded to nearest even as the cache write does
+            k_cache, v_cache = (np.asarray(c.astype(ml_dtypes.bfloat16)).view(np.uint16) for c in (k_cache, v_cache))
         tables = np.arange(seqs * per, dtype=np.int64).reshape(seqs, per)
         q = rng.standard_normal((seqs * q_len, nh, hd)).astype(np.float32)
         starts = np.arange(seqs + 1, dtype=np.int64) * q_len
@@ -142,7 +191,7 @@ def attention(libs: dict[str, ctypes.CDLL], rounds: int) -> None:
                 t = time.perf_counter()
                 for _ in range(3):
                     libs[name].ernie_paged_attention(
-                        q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, 0, tables.ctypes.data, per,
+                        q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, int(kv_bf16), tables.ctypes.data, per,
                         starts.ctypes.data, lens.ctypes.data, seqs, nh, nkv, hd, bs, hd ** -0.5, outs[name].ctypes.data)
                 spent[name].append((time.perf_counter() - t) / 3)
         ratio = statistics.median(b / n for b, n in zip(spent["base"], spent["new"]))
@@ -188,6 +237,7 @@ def main() -> None:
     ap.add_argument("--bits", default="32,16,8,4", help="GEMM formats: 32 float32, 16 bfloat16, 8 / 4 int codes")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--attention", action="store_true", help="paged attention instead of the GEMMs")
+    ap.add_argument("--prefill", action="store_true", help="prefill-sized GEMMs (hundreds of rows) instead")
     ap.add_argument("--workload", choices=["mixed", "uniform"], help="run the engine instead of the GEMMs")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
@@ -205,9 +255,9 @@ def main() -> None:
         if args.workload:
             engine(libs, args.workload, args.dtype, args.rounds, Path(tmp))
         elif args.attention:
-            attention(libs, args.rounds)
+            attention(libs, args.rounds, args.dtype == "bfloat16")
         else:
-            gemms(libs, [int(b) for b in args.bits.split(",")], args.rounds)
+            gemms(libs, [int(b) for b in args.bits.split(",")], args.rounds, args.prefill)
 
 
 if __name__ == "__main__":
