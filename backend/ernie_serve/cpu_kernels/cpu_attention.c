@@ -16,8 +16,11 @@
  * at [query_start_loc[s], query_start_loc[s + 1]); row i of a sequence with seq_len visible tokens and q_len
  * new ones sees keys j <= seq_len - q_len + i (the causal rule of model/attention.py). Any head_dim, block
  * size and GQA ratio; the (sequence, KV head) tasks are split across Paddle's OpenMP threads. A bfloat16 cache's
- * block is widened into the task's float32 scratch (its keys and values for this KV head, head_dim apart) before the
- * same tiles run over it, so both caches share one arithmetic.
+ * rows are widened as the tiles load them, so both caches share one arithmetic (a bfloat16 cache's values give a
+ * float32 cache's result bit for bit); a head_dim the vector loops do not take widens a block into float32 scratch
+ * first. Each score tile's 16 dot products are summed across their lanes together (sum16): reduced one by one
+ * they cost as much as their FMAs. `scripts/bench_kernels_ab.py --attention [--dtype bfloat16]`: 1.2-1.5x over the
+ * widening pass and one-by-one sums on the prefills and decodes it times.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,6 +40,11 @@ static inline float dot(const float *a, const float *b, int n) {
 }
 
 #define RT 4  /* (row, head) pairs per register tile */
+#ifdef ERNIE_VF16
+#define VEC_HD(hd) ((hd) % 16 == 0) /* head_dims the vector loops take */
+#else
+#define VEC_HD(hd) 0
+#endif
 #ifdef __AVX512F__
 #define KT 4  /* keys per score tile: RT x KT accumulators, 16 of AVX-512's 32 registers */
 #define SRT RT
@@ -45,31 +53,95 @@ static inline float dot(const float *a, const float *b, int n) {
 #define SRT 2
 #endif
 
-/* p[r][j] = q_r . k_j * scale for the `rows` pairs (qp: their query vectors) and keys j < nk of a block. */
+#ifdef __AVX512F__
+/* sums[i] = the sum of x[i]'s 16 lanes, for 16 vectors at once: a tree of in-lane unpacks and cross-lane shuffles,
+ * 45 instructions where 16 separate reductions took ~130 (the score tiles' reductions cost as much as their FMAs). */
+static inline __m512 sum16(const __m512 x[16]) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: x2i[0]+x2i[2], x2i+1[0]+[2], x2i[1]+[3], x2i+1[1]+[3] */
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sums of x4i .. x4i+3 */
+        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes 0 + 1 and 2 + 3 of u2i, then of u2i+1 */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+#endif
+
+#ifdef ERNIE_VF16
+/* 16 values of a key or value row from the cache: float32, or bfloat16 bits widened (bf16 is a constant in every
+ * caller, so each form gets its own loop). */
+static inline __attribute__((always_inline)) vf16 kv_load(const void *base, int64_t i, int bf16) {
+    return bf16 ? vf16_load_bf16((const uint16_t *)base + i) : vf16_load((const float *)base + i);
+}
+
+/* p[r][j] = q_r . k_j * scale for the `rows` pairs (qp: their query vectors) and keys j < nk of a block, read
+ * straight from the cache (hd % 16 == 0). RT x KT dot products at a time: each q and k vector loaded once a tile. */
+static inline __attribute__((always_inline)) void scores_vec(const float *const *qp, int rows, const void *kb,
+                                                             int64_t key_stride, int nk, int hd, float scale,
+                                                             float *p, int ldp, int bf16) {
+    for (int r0 = 0; r0 < rows; r0 += SRT)
+        for (int j0 = 0; j0 < nk; j0 += KT) {
+            const float *qr[SRT];
+            int64_t kr[KT];
+            for (int i = 0; i < SRT; i++) qr[i] = qp[r0 + i < rows ? r0 + i : rows - 1];
+            for (int i = 0; i < KT; i++) kr[i] = (j0 + i < nk ? j0 + i : nk - 1) * key_stride;
+            vf16 acc[SRT * KT];
+            for (int i = 0; i < SRT * KT; i++) acc[i] = vf16_zero();
+            for (int d = 0; d < hd; d += 16) {
+                vf16 kv[KT];
+                for (int b = 0; b < KT; b++) kv[b] = kv_load(kb, kr[b] + d, bf16);
+                for (int a = 0; a < SRT; a++) {
+                    vf16 qv = vf16_load(qr[a] + d);
+                    for (int b = 0; b < KT; b++) acc[a * KT + b] = vf16_fmadd(qv, kv[b], acc[a * KT + b]);
+                }
+            }
+#if defined(__AVX512F__) && SRT * KT == 16
+            /* lane a * KT + b: row r0 + a, key j0 + b; 128-bit lane a holds row a's KT = 4 scores */
+            const __m512 sums = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+            float lanes[16] __attribute__((aligned(64)));
+            _mm512_store_ps(lanes, sums);
+            const __mmask8 keys = (__mmask8)((1u << (nk - j0 < KT ? nk - j0 : KT)) - 1);
+            for (int a = 0; a < SRT && r0 + a < rows; a++)
+                _mm_mask_storeu_ps(p + (r0 + a) * ldp + j0, keys, _mm_load_ps(lanes + a * KT));
+#else
+            for (int a = 0; a < SRT && r0 + a < rows; a++)
+                for (int b = 0; b < KT && j0 + b < nk; b++)
+                    p[(r0 + a) * ldp + j0 + b] = vf16_reduce_add(acc[a * KT + b]) * scale;
+#endif
+        }
+}
+
+/* acc[r] += sum_j p[r][j] * v_j over keys j < nk (p is zero past what row r sees), values straight from the cache:
+ * a tile of RT accumulators stays in registers across the block's keys. */
+static inline __attribute__((always_inline)) void values_vec(const float *p, int ldp, int rows, const void *vb,
+                                                             int64_t key_stride, int nk, int hd, float *acc,
+                                                             int bf16) {
+    for (int r0 = 0; r0 < rows; r0 += RT) {
+        const int nr = rows - r0 < RT ? rows - r0 : RT;
+        for (int d = 0; d < hd; d += 16) {
+            vf16 a[RT];
+            for (int i = 0; i < RT; i++) a[i] = i < nr ? vf16_load(acc + (int64_t)(r0 + i) * hd + d) : vf16_zero();
+            for (int j = 0; j < nk; j++) {
+                vf16 v = kv_load(vb, j * key_stride + d, bf16);
+                for (int i = 0; i < RT; i++)
+                    a[i] = vf16_fmadd(vf16_set1(p[(r0 + (i < nr ? i : 0)) * ldp + j]), v, a[i]);
+            }
+            for (int i = 0; i < nr; i++) vf16_store(acc + (int64_t)(r0 + i) * hd + d, a[i]);
+        }
+    }
+}
+#endif
+
+/* p[r][j] = q_r . k_j * scale for the `rows` pairs and keys j < nk of a float32 block (kb), any head_dim. */
 static void block_scores(const float *const *qp, int rows, const float *kb, int64_t key_stride, int nk, int hd,
                          float scale, float *p, int ldp) {
 #ifdef ERNIE_VF16
-    if (hd % 16 == 0) {  /* RT x KT dot products at a time: each q and k vector loaded once per tile */
-        for (int r0 = 0; r0 < rows; r0 += SRT)
-            for (int j0 = 0; j0 < nk; j0 += KT) {
-                const float *qr[SRT], *kr[KT];
-                for (int i = 0; i < SRT; i++) qr[i] = qp[r0 + i < rows ? r0 + i : rows - 1];
-                for (int i = 0; i < KT; i++) kr[i] = kb + (j0 + i < nk ? j0 + i : nk - 1) * key_stride;
-                vf16 acc[SRT][KT];
-                for (int a = 0; a < SRT; a++)
-                    for (int b = 0; b < KT; b++) acc[a][b] = vf16_zero();
-                for (int d = 0; d < hd; d += 16) {
-                    vf16 kv[KT];
-                    for (int b = 0; b < KT; b++) kv[b] = vf16_load(kr[b] + d);
-                    for (int a = 0; a < SRT; a++) {
-                        vf16 qv = vf16_load(qr[a] + d);
-                        for (int b = 0; b < KT; b++) acc[a][b] = vf16_fmadd(qv, kv[b], acc[a][b]);
-                    }
-                }
-                for (int a = 0; a < SRT && r0 + a < rows; a++)
-                    for (int b = 0; b < KT && j0 + b < nk; b++)
-                        p[(r0 + a) * ldp + j0 + b] = vf16_reduce_add(acc[a][b]) * scale;
-            }
+    if (VEC_HD(hd)) {
+        scores_vec(qp, rows, kb, key_stride, nk, hd, scale, p, ldp, 0);
         return;
     }
 #endif
@@ -77,25 +149,12 @@ static void block_scores(const float *const *qp, int rows, const float *kb, int6
         for (int r = 0; r < rows; r++) p[r * ldp + j] = dot(qp[r], kb + j * key_stride, hd) * scale;
 }
 
-/* acc[r] += sum_j p[r][j] * v_j over keys j < nk (p is zero past what row r sees). */
+/* acc[r] += sum_j p[r][j] * v_j over keys j < nk of a float32 block, any head_dim. */
 static void block_values(const float *p, int ldp, int rows, const float *vb, int64_t key_stride, int nk, int hd,
                          float *acc) {
 #ifdef ERNIE_VF16
-    if (hd % 16 == 0) {  /* a tile of RT accumulators stays in registers across the block's keys */
-        for (int r0 = 0; r0 < rows; r0 += RT) {
-            const int nr = rows - r0 < RT ? rows - r0 : RT;
-            for (int d = 0; d < hd; d += 16) {
-                vf16 a[RT];
-                for (int i = 0; i < RT; i++) a[i] = i < nr ? vf16_load(acc + (int64_t)(r0 + i) * hd + d)
-                                                           : vf16_zero();
-                for (int j = 0; j < nk; j++) {
-                    vf16 v = vf16_load(vb + j * key_stride + d);
-                    for (int i = 0; i < RT; i++)
-                        a[i] = vf16_fmadd(vf16_set1(p[(r0 + (i < nr ? i : 0)) * ldp + j]), v, a[i]);
-                }
-                for (int i = 0; i < nr; i++) vf16_store(acc + (int64_t)(r0 + i) * hd + d, a[i]);
-            }
-        }
+    if (VEC_HD(hd)) {
+        values_vec(p, ldp, rows, vb, key_stride, nk, hd, acc, 0);
         return;
     }
 #endif
@@ -108,16 +167,13 @@ static void block_values(const float *p, int ldp, int rows, const float *vb, int
         }
 }
 
-/* Rows [0, n) of a bfloat16 block's keys (or values) for one KV head, `stride` apart -> float32 rows hd apart. */
+/* Rows [0, n) of a bfloat16 block's keys (or values) for one KV head, `stride` apart -> float32 rows hd apart (a
+ * head_dim the vector loops do not take). */
 static void widen_rows(const uint16_t *src, int64_t stride, int n, int hd, float *dst) {
     for (int j = 0; j < n; j++) {
         const uint16_t *s = src + j * stride;
         float *d = dst + (int64_t)j * hd;
-        int i = 0;
-#ifdef ERNIE_VF16
-        for (; i + 16 <= hd; i += 16) vf16_store(d + i, vf16_load_bf16(s + i));
-#endif
-        for (; i < hd; i++) d[i] = bf16_to_f32(s[i]);
+        for (int i = 0; i < hd; i++) d[i] = bf16_to_f32(s[i]);
     }
 }
 
@@ -129,7 +185,11 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
                    float scale, float *out, float *m, float *l, float *acc, float *p, int *seen, const float **qp,
                    float *kw, float *vw) {
     const int G = nh / nkv, rows = q_len * G;
-    const int64_t cache_stride = (int64_t)nkv * hd, key_stride = kv_bf16 ? hd : cache_stride;
+    const int64_t cache_stride = (int64_t)nkv * hd;
+    /* a bfloat16 cache's rows go through the vector loops as they lie; else (a head_dim they do not take) a block
+     * is widened into the scratch kw / vw first, its rows hd apart */
+    const int direct = VEC_HD(hd);
+    const int64_t key_stride = kv_bf16 && !direct ? hd : cache_stride;
     for (int r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -149,13 +209,19 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         }
         if (r0 == rows) continue;
         const float *kb = (const float *)k_cache + base, *vb = (const float *)v_cache + base;
-        if (kv_bf16) {
-            widen_rows((const uint16_t *)k_cache + base, cache_stride, nk_max, hd, kw);
-            widen_rows((const uint16_t *)v_cache + base, cache_stride, nk_max, hd, vw);
+        const uint16_t *kh = (const uint16_t *)k_cache + base, *vh = (const uint16_t *)v_cache + base;
+        if (kv_bf16 && !direct) {
+            widen_rows(kh, cache_stride, nk_max, hd, kw);
+            widen_rows(vh, cache_stride, nk_max, hd, vw);
             kb = kw;
             vb = vw;
         }
-        block_scores(qp + r0, rows - r0, kb, key_stride, nk_max, hd, scale, p + (int64_t)r0 * bs, bs);
+#ifdef ERNIE_VF16
+        if (kv_bf16 && direct)
+            scores_vec(qp + r0, rows - r0, kh, cache_stride, nk_max, hd, scale, p + (int64_t)r0 * bs, bs, 1);
+        else
+#endif
+            block_scores(qp + r0, rows - r0, kb, key_stride, nk_max, hd, scale, p + (int64_t)r0 * bs, bs);
         for (int r = r0; r < rows; r++) {
             const int nk = seen[r];
             float *pr = p + r * bs;
@@ -171,7 +237,12 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
             #pragma omp simd
             for (int d = 0; d < hd; d++) a[d] *= alpha;
         }
-        block_values(p + (int64_t)r0 * bs, bs, rows - r0, vb, key_stride, nk_max, hd, acc + (int64_t)r0 * hd);
+#ifdef ERNIE_VF16
+        if (kv_bf16 && direct)
+            values_vec(p + (int64_t)r0 * bs, bs, rows - r0, vh, cache_stride, nk_max, hd, acc + (int64_t)r0 * hd, 1);
+        else
+#endif
+            block_values(p + (int64_t)r0 * bs, bs, rows - r0, vb, key_stride, nk_max, hd, acc + (int64_t)r0 * hd);
     }
     for (int r = 0; r < rows; r++) {
         float *o = out + ((q_start + r / G) * nh + kvh * G + r % G) * (int64_t)hd;
@@ -195,7 +266,7 @@ int ernie_paged_attention(const float *q, const void *k_cache, const void *v_cac
         const int rows = q_len * (nh / nkv);
         /* qp [rows] pointers, then m, l [rows], acc [rows, hd], p [rows, bs] floats, seen [rows] ints, then for a
          * bfloat16 cache the widened block's keys and values [bs, hd] each */
-        const size_t floats = (size_t)rows * (hd + 3 + bs) + (kv_bf16 ? 2 * (size_t)bs * hd : 0);
+        const size_t floats = (size_t)rows * (hd + 3 + bs) + (kv_bf16 && !VEC_HD(hd) ? 2 * (size_t)bs * hd : 0);
         const float **qp = malloc(sizeof(float *) * (size_t)rows + sizeof(float) * floats);
         if (!qp) { failed = 1; continue; }
         float *buf = (float *)(qp + rows), *kw = buf + (size_t)rows * (hd + 3 + bs), *vw = kw + (size_t)bs * hd;
