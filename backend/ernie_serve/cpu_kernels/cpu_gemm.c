@@ -255,14 +255,33 @@ static void column_block(rows_x x, int M, int K, blocked_w w, int64_t ldy, float
     rows_times_block(x, M, K, block_of(w, K, b), ldy, y, next);
 }
 
+/* Rows from which a dense GEMM's column blocks go through AMX two at a time (amx_column_pair): 1024 x 1536 at 800
+ * and 3200 rows 1.22x and 1.31x, at 16 rows 0.93x (scripts/bench_kernels_ab.py --prefill / the decode GEMMs). A
+ * MoE layer's experts (K 704 and 1024, 200 and 800 rows each) measured 0.96-1.02x that way, so they keep one. */
+#define AMX_PAIR_ROWS 64
+
 /* Where column block b starts, for a prefetch; NULL past the last one. */
 static const char *block_start(blocked_w w, int K, int b, int nb) {
     return b < nb ? (const char *)block_of(w, K, b).p : NULL;
 }
 
+/* Column blocks b and b + 1 (when there is one) on AMX for M >= AMX_PAIR_ROWS rows: one load of an x tile serves
+ * both blocks' B tiles, and a prefill's x tiles come from L2 / L3, the costly load (cpu_amx.c). */
+static void amx_column_pair(rows_x x, int M, int K, blocked_w w, int64_t ldy, float *y, int b, int nb) {
+    const uint16_t *blocks[2] = {block_of(w, K, b).p, b + 1 < nb ? block_of(w, K, b + 1).p : NULL};
+    float *ys[2] = {y, y + COLS};
+    ernie_amx_blocks(x.h, M, K, blocks, b + 1 < nb ? 2 : 1, ys, ldy, NULL);
+}
+
 static void gemm(rows_x x, int M, int K, blocked_w w, int N, float *y) {
-    #pragma omp parallel for THREADS schedule(static)
-    for (int b = 0; b < N / COLS; b++) column_block(x, M, K, w, N, y + b * COLS, b, block_start(w, K, b + 1, N / COLS));
+    const int nb = N / COLS;
+    if (x.h && M >= AMX_PAIR_ROWS) {
+        #pragma omp parallel for THREADS schedule(static)
+        for (int b = 0; b < nb; b += 2) amx_column_pair(x, M, K, w, N, y + b * COLS, b, nb);
+    } else {
+        #pragma omp parallel for THREADS schedule(static)
+        for (int b = 0; b < nb; b++) column_block(x, M, K, w, N, y + b * COLS, b, block_start(w, K, b + 1, nb));
+    }
     if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
 }
 
