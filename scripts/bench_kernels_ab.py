@@ -11,7 +11,7 @@ kernel builds; alternating them in one process, on the same weights, does. The b
 backend/ernie_serve/cpu_kernels is built beside this one's (build.compile_library).
 
 GEMMs (default): every routed expert of a MoE layer in one call (16 experts: SwiGLU up K1024 x N1408 and down
-K704 x N1024, the benchmark checkpoint's shapes) at 1, 2, 4 and 8 rows an expert, and a dense 1024 x 1536 layer at 16
+K704 x N1024, the benchmark checkpoint's shapes) at 1, 2, 4, 8 and 12 rows an expert, and a dense 1024 x 1536 layer at 16
 rows, per weight format (--bits 32,16,8,4: float32, bfloat16, int8, int4 codes); the weights are sized past the L3
 so each call streams them from memory, as a decode step does. Prints each build's weight GB/s (median over the rounds), the
 median of the rounds' new / base (each round runs the two back to back), and whether the outputs are bit-identical.
@@ -88,14 +88,15 @@ def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, prefi
         return prefill_gemms(libs, bits_list, rounds, rng)
     print(f"{'format':8} {'GEMM':28} {'rows':>4}  " + "  ".join(f"{n:>15}" for n in libs) + "  new/base  same bits")
     for bits in bits_list:
-        # float32 experts are 92 MB a layer; the narrower formats get more layers' worth so they too exceed the L3
-        layers = max(1, 32 // bits)
+        # float32 experts are 92 MB a layer: two layers' worth (the narrower formats more) exceed the ~100 MB of L3 a
+        # core pair of this VM gets, so each call streams its weights from memory as a decode step does
+        layers = max(2, 64 // bits)
         for k, n, swiglu, dense in ((1024, 1408, 1, False), (704, 1024, 0, False), (1024, 1536, 0, True)):
             count = (16 if dense else experts) * layers
             ws, scales = _weights(bits, k, n, count, rng)
             w_ptrs = (ctypes.c_void_p * count)(*[w.data_ptr() for w in ws])
             s_ptrs = None if scales is None else (ctypes.c_void_p * count)(*[s.data_ptr() for s in scales])
-            for per in ((16,) if dense else (1, 2, 4, 8)):
+            for per in ((16,) if dense else (1, 2, 4, 8, 12)):
                 rows = np.full(experts, per, np.int64)
                 starts = np.arange(experts, dtype=np.int64) * per
                 x = rng.standard_normal((experts * per, k)).astype(np.float32)

@@ -199,6 +199,8 @@ static blocked_w block_of(blocked_w w, int K, int b) {
 #else
 #define ONE_TILE_PREFETCH 0
 #endif
+/* How far ahead of its own rows a block's one tile prefetches. */
+#define PREFETCH_AHEAD 4096
 
 /* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS: tiles of up to WIDE_ROWS rows over the
  * whole block when M is at most WIDE_UP_TO, else tiles of up to ROWS rows over each half of it. The rows are split
@@ -210,9 +212,14 @@ static blocked_w block_of(blocked_w w, int K, int b) {
  * (16 experts at 4 rows each read 20.8-26.1 GB/s of float32 weights on a box that streams 29; with it 25.0-29.3). On
  * AVX2 a float32 block that one tile reads (a row or three) is left to the hardware prefetcher, which kept up with a
  * single pass on the Zen 3 box: the software one cost 4-12% there; on the AVX-512 Xeon (every tile spans the block)
- * it paid even for one tile: 16 experts at 1-8 rows 1.02-1.48x (ONE_TILE_PREFETCH). Past PREFETCH_ROWS (threads.h)
- * the block is compute-bound and is not prefetched either. Measured side by side: scripts/bench_kernels_ab.py, README
- * "Benchmarks", "What changed". */
+ * it paid even for one tile: 16 experts at 1-8 rows 1.02-1.48x (ONE_TILE_PREFETCH). There a block's one tile (up to
+ * 8 rows) now prefetches its own rows PREFETCH_AHEAD bytes on instead, running into the next block at its end (a
+ * thread's blocks lie one after another, an expert's and the experts' of a layer too): a prefetch a block (64 KB) ahead
+ * into L1 was evicted from it before its use. From memory (a one-off C loop of 100 dense 1024 x 1536 calls): bfloat16
+ * 1-8 rows 13.3-17.5 -> 15.5-18.5 GB/s, float32 16.2-19.2 -> 16.4-20.4. And two tiles of 9-16 bfloat16 rows prefetch
+ * `next` as float32's do: 7.9-9.7 -> 11.6-13.6 GB/s (it was left unprefetched as compute-bound on the AVX2 box,
+ * 0.84x at 16 rows there). Past PREFETCH_ROWS (threads.h; 16 rows on AVX-512) the block is compute-bound and is not
+ * prefetched. Measured side by side: scripts/bench_kernels_ab.py, README "Benchmarks", "What changed". */
 static void rows_times_block(rows_x x, int M, int K, blocked_w src, int64_t ldy, float *y, const char *next) {
 #ifdef ERNIE_VF16
     if (M <= 0) return;
@@ -224,15 +231,18 @@ static void rows_times_block(rows_x x, int M, int K, blocked_w src, int64_t ldy,
     const int wide = M <= WIDE_UP_TO(src.bf16), span = wide ? COLS : 2 * VN, rows = wide ? WIDE_ROWS : ROWS;
     const int groups = (M + rows - 1) / rows, tiles_n = groups * (COLS / span);
     const int64_t block_bytes = (int64_t)K * COLS * (src.bf16 ? 2 : 4), share = (block_bytes + tiles_n - 1) / tiles_n;
-    const int pf_step = (int)((share + K - 1) / K), bits = src.bf16 ? 16 : 32;
-    const int prefetch = next && M <= PREFETCH_ROWS(bits) && (ONE_TILE_PREFETCH || tiles_n > 1 || src.bf16);
+    const int bits = src.bf16 ? 16 : 32, most = ONE_TILE_PREFETCH ? 16 : PREFETCH_ROWS(bits);
+    const int ahead = ONE_TILE_PREFETCH && tiles_n == 1;
+    const int prefetch = next && M <= most && (ONE_TILE_PREFETCH || tiles_n > 1 || src.bf16);
+    /* one tile: its own rows PREFETCH_AHEAD bytes on (into the next block at its end), else a share of `next` each */
+    const int pf_step = ahead ? COLS * bits / 8 : (int)((share + K - 1) / K);
     int tile = 0;
     for (int c0 = 0; c0 < COLS; c0 += span)
         for (int g = 0, m0 = 0; g < groups; g++, tile++) {
             const int mb = M / groups + (g < M % groups);
             const float *xm = x.f + (int64_t)m0 * K;
             float *ym = y + m0 * ldy + c0;
-            const char *pf = prefetch ? next + tile * share : NULL;
+            const char *pf = ahead ? (const char *)src.p + PREFETCH_AHEAD : prefetch ? next + tile * share : NULL;
             if (src.bf16)
                 tiles_bf16[wide][mb](xm, K, (const uint16_t *)src.p + c0, ldy, ym, pf, pf_step);
             else
