@@ -32,11 +32,13 @@ def reference(q, k_cache, v_cache, tables, qsl, lens, scale):
 
 @pytest.mark.parametrize("nh,nkv,hd,bs", [(8, 2, 128, 64), (4, 1, 64, 16), (2, 2, 96, 1), (12, 4, 80, 32),
                                           (1, 1, 16, 8), (4, 2, 72, 16)])
-@pytest.mark.parametrize("q_lens", [[1], [1, 1, 1, 1], [3, 1, 2], [8], [40], [17, 33]])
+@pytest.mark.parametrize("q_lens", [[1], [1, 1, 1, 1], [3, 1, 2], [8], [40], [17, 33], [1] * 9,
+                                    [3, 1, 2, 1, 1, 5, 1, 1, 2, 1]])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 def test_matches_numpy_attention_over_the_paged_cache(nh, nkv, hd, bs, q_lens, cache_dtype):
     """A bfloat16 cache (--dtype bfloat16) gives the float32 kernel's result on its values bit for bit. Chunks of 17-40
-    rows span blocks whose leading rows see none of them (the kernel skips those rows there)."""
+    rows span blocks whose leading rows see none of them (the kernel skips those rows there). From 8 sequences (on 2
+    threads) a task takes every KV head of its sequence."""
     rng = np.random.default_rng(nh * 100 + hd + bs + len(q_lens))
     num_blocks = 64
     k_cache = rng.standard_normal((num_blocks, bs, nkv, hd)).astype(np.float32)

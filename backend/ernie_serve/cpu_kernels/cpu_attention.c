@@ -71,6 +71,35 @@ static inline __m512 sum16(const __m512 x[16]) {
 }
 #endif
 
+/* One KV head's rows in a cache block, for prefetching into L2 (k NULL: none). A step reaches a layer's cache from
+ * memory (its weights have streamed through the caches since), and a block's rows of one head lie nkv * head_dim
+ * apart, a pattern the hardware prefetcher ramps up on late: a 16-sequence decode read a cold bfloat16 cache at
+ * ~6 GB/s without this. The next block's rows are prefetched a tile's keys at a time as the scores go (a burst of
+ * all of them at once waited on fill buffers), a thread's next task's first block at once. */
+typedef struct {
+    const char *k, *v;
+    int64_t stride;  /* bytes between rows */
+    int rows, bytes; /* rows, and bytes a row */
+} kv_rows;
+
+static kv_rows rows_of(const void *k_cache, const void *v_cache, int kv_bf16, int64_t block, int kvh, int nkv, int hd,
+                       int bs, int64_t nk) {
+    const int64_t es = kv_bf16 ? 2 : 4, at = (block * bs * nkv + kvh) * (int64_t)hd * es;
+    const kv_rows r = {(const char *)k_cache + at, (const char *)v_cache + at, (int64_t)nkv * hd * es, (int)nk,
+                       (int)(hd * es)};
+    return r;
+}
+
+/* Keys and values of rows [j0, j0 + n) of `a`, into L2. */
+static inline void prefetch_rows(kv_rows a, int j0, int n) {
+    if (!a.k) return;
+    for (int j = j0; j < j0 + n && j < a.rows; j++)
+        for (int o = 0; o < a.bytes; o += 64) {
+            __builtin_prefetch(a.k + j * a.stride + o, 0, 2);
+            __builtin_prefetch(a.v + j * a.stride + o, 0, 2);
+        }
+}
+
 #ifdef ERNIE_VF16
 /* 16 values of a key or value row from the cache: float32, or bfloat16 bits widened (bf16 is a constant in every
  * caller, so each form gets its own loop). */
@@ -82,9 +111,11 @@ static inline __attribute__((always_inline)) vf16 kv_load(const void *base, int6
  * straight from the cache (hd % 16 == 0). RT x KT dot products at a time: each q and k vector loaded once a tile. */
 static inline __attribute__((always_inline)) void scores_vec(const float *const *qp, int rows, const void *kb,
                                                              int64_t key_stride, int nk, int hd, float scale,
-                                                             float *p, int ldp, int bf16) {
+                                                             float *p, int ldp, int bf16, kv_rows ahead) {
     for (int r0 = 0; r0 < rows; r0 += SRT)
         for (int j0 = 0; j0 < nk; j0 += KT) {
+            if (r0 == 0) /* the next block's rows, a tile's keys' worth (all of them by the last tile) */
+                prefetch_rows(ahead, j0 * ahead.rows / nk, (j0 + KT) * ahead.rows / nk - j0 * ahead.rows / nk);
             const float *qr[SRT];
             int64_t kr[KT];
             for (int i = 0; i < SRT; i++) qr[i] = qp[r0 + i < rows ? r0 + i : rows - 1];
@@ -138,13 +169,14 @@ static inline __attribute__((always_inline)) void values_vec(const float *p, int
 
 /* p[r][j] = q_r . k_j * scale for the `rows` pairs and keys j < nk of a float32 block (kb), any head_dim. */
 static void block_scores(const float *const *qp, int rows, const float *kb, int64_t key_stride, int nk, int hd,
-                         float scale, float *p, int ldp) {
+                         float scale, float *p, int ldp, kv_rows ahead) {
 #ifdef ERNIE_VF16
     if (VEC_HD(hd)) {
-        scores_vec(qp, rows, kb, key_stride, nk, hd, scale, p, ldp, 0);
+        scores_vec(qp, rows, kb, key_stride, nk, hd, scale, p, ldp, 0, ahead);
         return;
     }
 #endif
+    prefetch_rows(ahead, 0, ahead.rows);
     for (int j = 0; j < nk; j++)
         for (int r = 0; r < rows; r++) p[r * ldp + j] = dot(qp[r], kb + j * key_stride, hd) * scale;
 }
@@ -177,26 +209,13 @@ static void widen_rows(const uint16_t *src, int64_t stride, int n, int hd, float
     }
 }
 
-/* Rows [0, nk) of one KV head's keys and values in cache block `block`, into L2 while other rows are worked on. A
- * step reaches a layer's cache from memory (its weights have streamed through the caches since), and a block's rows
- * of one head lie nkv * head_dim apart, a pattern the hardware prefetcher ramps up on late: a 16-sequence decode read
- * a cold bfloat16 cache at ~6 GB/s without this. */
-static void prefetch_kv(const void *k_cache, const void *v_cache, int kv_bf16, int64_t block, int kvh, int nkv,
-                        int hd, int bs, int64_t nk) {
-    const int64_t es = kv_bf16 ? 2 : 4, row = hd * es, stride = (int64_t)nkv * hd * es;
-    const int64_t at = (block * bs * nkv + kvh) * (int64_t)hd * es;
-    for (int64_t j = 0; j < nk; j++)
-        for (int64_t o = 0; o < row; o += 64) {
-            __builtin_prefetch((const char *)k_cache + at + j * stride + o, 0, 2);
-            __builtin_prefetch((const char *)v_cache + at + j * stride + o, 0, 2);
-        }
-}
-
-/* One sequence's query rows for one KV head: `rows` = q_len * G (row, head) pairs, row-major in p [rows, bs].
- * Each key and value row is read once per tile of pairs that see it. kw / vw: [bs, hd] float32 scratch for a
- * bfloat16 cache's block (unused for a float32 one). */
+/* One sequence's query rows for KV heads [kvh0, kvh0 + heads): per head `rows` = q_len * G (row, head) pairs, a
+ * head's state (m, l, acc, p, qp) `rows` entries after the previous head's; p row-major [rows, bs]. Each key and value
+ * row is read once per tile of pairs that see it, and a block's heads go one after another, so with every head in
+ * one task a block's rows are read in order (a row holds the heads side by side). kw / vw: [bs, hd] float32 scratch
+ * for a bfloat16 cache's block where the vector loops do not take head_dim. */
 static void attend(const float *q, const void *k_cache, const void *v_cache, int kv_bf16, const int64_t *table,
-                   int64_t q_start, int q_len, int64_t seq_len, int kvh, int nh, int nkv, int hd, int bs,
+                   int64_t q_start, int q_len, int64_t seq_len, int kvh0, int heads, int nh, int nkv, int hd, int bs,
                    float scale, float *out, float *m, float *l, float *acc, float *p, int *seen, const float **qp,
                    float *kw, float *vw) {
     const int G = nh / nkv, rows = q_len * G;
@@ -205,14 +224,14 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
      * is widened into the scratch kw / vw first, its rows hd apart */
     const int direct = VEC_HD(hd);
     const int64_t key_stride = kv_bf16 && !direct ? hd : cache_stride;
-    for (int r = 0; r < rows; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        qp[r] = q + ((q_start + r / G) * nh + kvh * G + r % G) * (int64_t)hd;
+    for (int i = 0; i < heads * rows; i++) {
+        const int h = i / rows, r = i % rows;
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        qp[i] = q + ((q_start + r / G) * nh + (kvh0 + h) * G + r % G) * (int64_t)hd;
     }
-    memset(acc, 0, sizeof(float) * rows * hd);
+    memset(acc, 0, sizeof(float) * heads * rows * hd);
     for (int64_t b0 = 0; b0 < seq_len; b0 += bs) {
-        const int64_t base = (table[b0 / bs] * bs * nkv + kvh) * (int64_t)hd;
         /* Rows see keys up to their own position, so the rows that see none of this block are the first r0: a
          * prefill chunk's rows before the block skip it (half of a long chunk's score and value work). */
         int nk_max = 0, r0 = rows;
@@ -223,48 +242,60 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
             r0 = seen[r] && r < r0 ? r : r0;
         }
         if (r0 == rows) continue;
-        if (b0 + bs < seq_len) /* the next block, while this one is worked on */
-            prefetch_kv(k_cache, v_cache, kv_bf16, table[b0 / bs + 1], kvh, nkv, hd, bs,
-                        seq_len - b0 - bs < bs ? seq_len - b0 - bs : bs);
-        const float *kb = (const float *)k_cache + base, *vb = (const float *)v_cache + base;
-        const uint16_t *kh = (const uint16_t *)k_cache + base, *vh = (const uint16_t *)v_cache + base;
-        if (kv_bf16 && !direct) {
-            widen_rows(kh, cache_stride, nk_max, hd, kw);
-            widen_rows(vh, cache_stride, nk_max, hd, vw);
-            kb = kw;
-            vb = vw;
-        }
+        for (int h = 0; h < heads; h++) {
+            const int kvh = kvh0 + h;
+            float *mh = m + h * rows, *lh = l + h * rows, *ah = acc + (int64_t)h * rows * hd;
+            float *ph = p + (int64_t)h * rows * bs;
+            const float *const *qh = qp + h * rows;
+            const int64_t base = (table[b0 / bs] * bs * nkv + kvh) * (int64_t)hd;
+            kv_rows ahead = {0}; /* the next block's rows of this head, prefetched as this one's scores go */
+            if (b0 + bs < seq_len)
+                ahead = rows_of(k_cache, v_cache, kv_bf16, table[b0 / bs + 1], kvh, nkv, hd, bs,
+                                seq_len - b0 - bs < bs ? seq_len - b0 - bs : bs);
+            const float *kb = (const float *)k_cache + base, *vb = (const float *)v_cache + base;
+            const uint16_t *kh = (const uint16_t *)k_cache + base, *vh = (const uint16_t *)v_cache + base;
+            if (kv_bf16 && !direct) {
+                widen_rows(kh, cache_stride, nk_max, hd, kw);
+                widen_rows(vh, cache_stride, nk_max, hd, vw);
+                kb = kw;
+                vb = vw;
+            }
 #ifdef ERNIE_VF16
-        if (kv_bf16 && direct)
-            scores_vec(qp + r0, rows - r0, kh, cache_stride, nk_max, hd, scale, p + (int64_t)r0 * bs, bs, 1);
-        else
+            if (kv_bf16 && direct)
+                scores_vec(qh + r0, rows - r0, kh, cache_stride, nk_max, hd, scale, ph + (int64_t)r0 * bs, bs, 1,
+                           ahead);
+            else
 #endif
-            block_scores(qp + r0, rows - r0, kb, key_stride, nk_max, hd, scale, p + (int64_t)r0 * bs, bs);
-        for (int r = r0; r < rows; r++) {
-            const int nk = seen[r];
-            float *pr = p + r * bs;
-            float mb = -INFINITY;
-            for (int j = 0; j < nk; j++) mb = pr[j] > mb ? pr[j] : mb;
-            const float m_new = mb > m[r] ? mb : m[r];
-            const float alpha = expf(m[r] - m_new);  /* 0 on the first block (m = -inf) */
-            const float sum = exp_shifted_sum(pr, nk, m_new);
-            for (int j = nk; j < nk_max; j++) pr[j] = 0.0f;  /* keys this row does not see */
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
-            float *a = acc + (int64_t)r * hd;
-            #pragma omp simd
-            for (int d = 0; d < hd; d++) a[d] *= alpha;
-        }
+                block_scores(qh + r0, rows - r0, kb, key_stride, nk_max, hd, scale, ph + (int64_t)r0 * bs, bs, ahead);
+            for (int r = r0; r < rows; r++) {
+                const int nk = seen[r];
+                float *pr = ph + r * bs;
+                float mb = -INFINITY;
+                for (int j = 0; j < nk; j++) mb = pr[j] > mb ? pr[j] : mb;
+                const float m_new = mb > mh[r] ? mb : mh[r];
+                const float alpha = expf(mh[r] - m_new);  /* 0 on the first block (m = -inf) */
+                const float sum = exp_shifted_sum(pr, nk, m_new);
+                for (int j = nk; j < nk_max; j++) pr[j] = 0.0f;  /* keys this row does not see */
+                lh[r] = lh[r] * alpha + sum;
+                mh[r] = m_new;
+                float *a = ah + (int64_t)r * hd;
+                #pragma omp simd
+                for (int d = 0; d < hd; d++) a[d] *= alpha;
+            }
 #ifdef ERNIE_VF16
-        if (kv_bf16 && direct)
-            values_vec(p + (int64_t)r0 * bs, bs, rows - r0, vh, cache_stride, nk_max, hd, acc + (int64_t)r0 * hd, 1);
-        else
+            if (kv_bf16 && direct)
+                values_vec(ph + (int64_t)r0 * bs, bs, rows - r0, vh, cache_stride, nk_max, hd, ah + (int64_t)r0 * hd,
+                           1);
+            else
 #endif
-            block_values(p + (int64_t)r0 * bs, bs, rows - r0, vb, key_stride, nk_max, hd, acc + (int64_t)r0 * hd);
+                block_values(ph + (int64_t)r0 * bs, bs, rows - r0, vb, key_stride, nk_max, hd,
+                             ah + (int64_t)r0 * hd);
+        }
     }
-    for (int r = 0; r < rows; r++) {
-        float *o = out + ((q_start + r / G) * nh + kvh * G + r % G) * (int64_t)hd;
-        const float inv = 1.0f / l[r], *a = acc + (int64_t)r * hd;
+    for (int i = 0; i < heads * rows; i++) {
+        const int h = i / rows, r = i % rows;
+        float *o = out + ((q_start + r / G) * nh + (kvh0 + h) * G + r % G) * (int64_t)hd;
+        const float inv = 1.0f / l[i], *a = acc + (int64_t)i * hd;
         #pragma omp simd
         for (int d = 0; d < hd; d++) o[d] = a[d] * inv;
     }
@@ -277,11 +308,15 @@ int ernie_paged_attention(const float *q, const void *k_cache, const void *v_cac
                           const int64_t *seq_lens, int num_seqs, int nh, int nkv, int hd, int bs, float scale,
                           float *out) {
     int failed = 0;
+    /* A task per sequence when there are enough of them to share out (a block's rows then read in order, every head
+     * in turn: 16 decodes from memory 1.12-1.24x), else per (sequence, KV head): a lone long prefill still splits
+     * across the threads (4 prefill chunks as 4 tasks were 0.92x). */
+    const int heads = num_seqs >= 4 * ernie_threads() ? nkv : 1, per = nkv / heads, tasks = num_seqs * per;
     #pragma omp parallel for THREADS schedule(static, 1) reduction(| : failed)
-    for (int task = 0; task < num_seqs * nkv; task++) {
-        const int s = task / nkv, kvh = task % nkv;
+    for (int task = 0; task < tasks; task++) {
+        const int s = task / per, kvh0 = task % per * heads;
         const int q_len = (int)(query_start_loc[s + 1] - query_start_loc[s]);
-        const int rows = q_len * (nh / nkv);
+        const int rows = q_len * (nh / nkv) * heads;
         /* qp [rows] pointers, then m, l [rows], acc [rows, hd], p [rows, bs] floats, seen [rows] ints, then for a
          * bfloat16 cache the widened block's keys and values [bs, hd] each */
         const size_t floats = (size_t)rows * (hd + 3 + bs) + (kv_bf16 && !VEC_HD(hd) ? 2 * (size_t)bs * hd : 0);
@@ -289,11 +324,15 @@ int ernie_paged_attention(const float *q, const void *k_cache, const void *v_cac
         if (!qp) { failed = 1; continue; }
         float *buf = (float *)(qp + rows), *kw = buf + (size_t)rows * (hd + 3 + bs), *vw = kw + (size_t)bs * hd;
         const int later = task + ernie_threads(); /* this thread's next task (schedule(static, 1)): its first block */
-        if (later < num_seqs * nkv)
-            prefetch_kv(k_cache, v_cache, kv_bf16, block_tables[(int64_t)(later / nkv) * table_stride], later % nkv, nkv,
-                        hd, bs, seq_lens[later / nkv] < bs ? seq_lens[later / nkv] : bs);
+        if (later < tasks) {
+            const int s2 = later / per;
+            for (int h = 0; h < heads; h++)
+                prefetch_rows(rows_of(k_cache, v_cache, kv_bf16, block_tables[(int64_t)s2 * table_stride],
+                                      later % per * heads + h, nkv, hd, bs, seq_lens[s2] < bs ? seq_lens[s2] : bs),
+                              0, bs);
+        }
         attend(q, k_cache, v_cache, kv_bf16, block_tables + (int64_t)s * table_stride, query_start_loc[s], q_len,
-               seq_lens[s], kvh, nh, nkv, hd, bs, scale, out, buf, buf + rows, buf + 2 * rows,
+               seq_lens[s], kvh0, heads, nh, nkv, hd, bs, scale, out, buf, buf + rows, buf + 2 * rows,
                buf + (size_t)rows * (hd + 2), (int *)(buf + (size_t)rows * (hd + 2 + bs)), qp, kw, vw);
         free(qp);
     }
