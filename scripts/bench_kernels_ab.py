@@ -11,8 +11,8 @@ kernel builds; alternating them in one process, on the same weights, does. The b
 backend/ernie_serve/cpu_kernels is built beside this one's (build.compile_library).
 
 GEMMs (default): every routed expert of a MoE layer in one call (16 experts: SwiGLU up K1024 x N1408 and down
-K704 x N1024, the benchmark checkpoint's shapes) at 1, 2, 4, 8 and 12 rows an expert, and a dense 1024 x 1536 layer at 16
-rows, per weight format (--bits 32,16,8,4: float32, bfloat16, int8, int4 codes); the weights are sized past the L3
+K704 x N1024, the benchmark checkpoint's shapes) at 1, 2, 4, 8 and 12 rows an expert, and a dense 1024 x 1536 layer
+at 16 and 32 rows, per weight format (--bits 32,16,8,4: float32, bfloat16, int8, int4 codes); the weights are sized past the L3
 so each call streams them from memory, as a decode step does. Prints each build's weight GB/s (median over the rounds), the
 median of the rounds' new / base (each round runs the two back to back), and whether the outputs are bit-identical.
 
@@ -96,7 +96,7 @@ def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, prefi
             ws, scales = _weights(bits, k, n, count, rng)
             w_ptrs = (ctypes.c_void_p * count)(*[w.data_ptr() for w in ws])
             s_ptrs = None if scales is None else (ctypes.c_void_p * count)(*[s.data_ptr() for s in scales])
-            for per in ((16,) if dense else (1, 2, 4, 8, 12)):
+            for per in ((16, 32) if dense else (1, 2, 4, 8, 12)):
                 rows = np.full(experts, per, np.int64)
                 starts = np.arange(experts, dtype=np.int64) * per
                 x = rng.standard_normal((experts * per, k)).astype(np.float32)
@@ -133,9 +133,9 @@ _FORMAT = {32: "float32", 16: "bfloat16", 8: "int8", 4: "int4"}
 
 
 def prefill_gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, rng: np.random.Generator) -> None:
-    """Prefill-sized GEMMs, compute-bound: one layer's 16 experts at 200 and 800 rows each (a 16 x 200-token
-    prefill routes ~800 rows to each), and a dense 1024 x 1536 and SwiGLU 1024 x 1408 (the shared expert) at 800 and
-    3200 rows. G multiply-adds a second of each build, the median of the rounds' new / base, bit-identity."""
+    """Prefill-sized GEMMs: one layer's 16 experts at 32, 200 and 800 rows each (a 16 x 200-token prefill routes
+    ~800 rows to each, a step with one prompt's chunk a few dozen), and a dense 1024 x 1536 and SwiGLU 1024 x 1408 (the
+    shared expert) at 32, 800 and 3200 rows. G multiply-adds a second of each build, the median of the rounds' new / base, bit-identity."""
     experts, CALLS = 16, 6  # a call is a few ms: a round times several, back to back
     print(f"{'format':8} {'GEMM':28} {'rows':>5}  " + "  ".join(f"{n:>14}" for n in libs) + "  new/base  same bits")
     for bits in bits_list:
@@ -144,7 +144,7 @@ def prefill_gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: in
             ws, scales = _weights(bits, k, n, 1 if dense else experts, rng)
             w_ptrs = (ctypes.c_void_p * len(ws))(*[w.data_ptr() for w in ws])
             s_ptrs = None if scales is None else (ctypes.c_void_p * len(ws))(*[s.data_ptr() for s in scales])
-            for per in ((800, 3200) if dense else (200, 800)):
+            for per in ((32, 800, 3200) if dense else (32, 200, 800)):
                 m = per if dense else experts * per
                 rows = np.full(experts, per, np.int64)
                 starts = np.arange(experts, dtype=np.int64) * per

@@ -33,6 +33,10 @@
  * 16 x 200-token bfloat16 prefill (K 704-1024, one panel) took 1034-1061 ms with panels of 1024, 1127-1219 with 256
  * or 512 (scripts/bench_cpu_dtypes.py, one-off runs of each). */
 #define PANEL 1024
+/* Up to this many row groups of 16 a block is memory-bound and its interleave pass prefetches the next call's block:
+ * a dense 1024 x 1536 layer from memory at 32 rows 1.06x with it (scripts/bench_kernels_ab.py --bits 16; it was one
+ * group only), at 24 and 32 rows 11.0-12.3 -> 11.9-13.7 GB/s in a one-off C loop of 100 calls. */
+#define PREFETCH_GROUPS 4
 
 static int allowed = 1, ready = -1; /* ready -1: not asked yet */
 
@@ -114,7 +118,7 @@ void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w
     uint16_t pack[2][2][PANEL / 2][32] __attribute__((aligned(64))); /* 128 KB of stack */
     float tail[2][16 * COLS] __attribute__((aligned(64))); /* C of a last group of fewer than 16 rows */
     const int groups = (M + 15) / 16;
-    const char *pf = groups == 1 ? next : NULL; /* prefetch while one row group is all the block is read for */
+    const char *pf = groups <= PREFETCH_GROUPS ? next : NULL;
     configure();
     for (int k0 = 0; k0 < K; k0 += PANEL) {
         const int kp = K - k0 < PANEL ? K - k0 : PANEL;
