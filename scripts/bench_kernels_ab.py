@@ -65,6 +65,14 @@ def build_revision(rev: str, into: Path) -> Path:
     return out
 
 
+def _alternating(libs: dict[str, ctypes.CDLL], rounds: int):
+    """(round, build) in the order they run: both builds each round, which goes first flipped every round, so the
+    box's drift hurts both alike."""
+    for r in range(rounds):
+        for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+            yield r, name
+
+
 def _weights(bits: int, k: int, n: int, count: int, rng: np.random.Generator):
     """`count` random [k, n] weights in the serving layout of `bits`, with their scales (None for floats)."""
     import paddle
@@ -102,25 +110,24 @@ def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, prefi
                 x = rng.standard_normal((experts * per, k)).astype(np.float32)
                 ys = {name: np.zeros((experts * per, n // 2 if swiglu else n), np.float32) for name in libs}
                 spent: dict[str, list[float]] = {name: [] for name in libs}
-                for r in range(rounds):
-                    for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                        lib, y = libs[name], ys[name]
-                        t = time.perf_counter()
-                        for layer in range(layers):
-                            if dense:  # one layer's weight after another, as a step reads them
-                                for i in range(layer * 16, layer * 16 + 16):
-                                    lib.ernie_gemm(x.ctypes.data, per, k, w_ptrs[i], n,
-                                                   None if s_ptrs is None else s_ptrs[i], y.ctypes.data, bits, 0, 0)
-                            else:
-                                at = layer * experts
-                                lib.ernie_moe_gemm(
-                                    x.ctypes.data, rows.ctypes.data, starts.ctypes.data, experts, k,
-                                    ctypes.cast(ctypes.byref(w_ptrs, at * ctypes.sizeof(ctypes.c_void_p)),
-                                                ctypes.c_void_p), n,
-                                    None if s_ptrs is None else ctypes.cast(
-                                        ctypes.byref(s_ptrs, at * ctypes.sizeof(ctypes.c_void_p)), ctypes.c_void_p),
-                                    y.ctypes.data, bits, swiglu, 0)
-                        spent[name].append((time.perf_counter() - t) / layers)
+                for _, name in _alternating(libs, rounds):
+                    lib, y = libs[name], ys[name]
+                    t = time.perf_counter()
+                    for layer in range(layers):
+                        if dense:  # one layer's weight after another, as a step reads them
+                            for i in range(layer * 16, layer * 16 + 16):
+                                lib.ernie_gemm(x.ctypes.data, per, k, w_ptrs[i], n,
+                                               None if s_ptrs is None else s_ptrs[i], y.ctypes.data, bits, 0, 0)
+                        else:
+                            at = layer * experts
+                            lib.ernie_moe_gemm(
+                                x.ctypes.data, rows.ctypes.data, starts.ctypes.data, experts, k,
+                                ctypes.cast(ctypes.byref(w_ptrs, at * ctypes.sizeof(ctypes.c_void_p)),
+                                            ctypes.c_void_p), n,
+                                None if s_ptrs is None else ctypes.cast(
+                                    ctypes.byref(s_ptrs, at * ctypes.sizeof(ctypes.c_void_p)), ctypes.c_void_p),
+                                y.ctypes.data, bits, swiglu, 0)
+                    spent[name].append((time.perf_counter() - t) / layers)
                 weight_bytes = (16 if dense else experts) * k * n * bits / 8
                 what = f"dense {k}x{n}" if dense else f"{experts} experts {k}x{n}{' swiglu' if swiglu else ''}"
                 ratio = statistics.median(b / n for b, n in zip(spent["base"], spent["new"]))
@@ -151,18 +158,17 @@ def prefill_gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: in
                 x = rng.standard_normal((m, k)).astype(np.float32)
                 ys = {name: np.zeros((m, n // 2 if swiglu else n), np.float32) for name in libs}
                 spent: dict[str, list[float]] = {name: [] for name in libs}
-                for r in range(rounds):
-                    for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                        lib, y = libs[name], ys[name]
-                        t = time.perf_counter()
-                        for _ in range(CALLS):
-                            if dense:
-                                lib.ernie_gemm(x.ctypes.data, m, k, w_ptrs[0], n,
-                                               None if s_ptrs is None else s_ptrs[0], y.ctypes.data, bits, swiglu, 0)
-                            else:
-                                lib.ernie_moe_gemm(x.ctypes.data, rows.ctypes.data, starts.ctypes.data, experts, k,
-                                                   w_ptrs, n, s_ptrs, y.ctypes.data, bits, swiglu, 0)
-                        spent[name].append((time.perf_counter() - t) / CALLS)
+                for _, name in _alternating(libs, rounds):
+                    lib, y = libs[name], ys[name]
+                    t = time.perf_counter()
+                    for _ in range(CALLS):
+                        if dense:
+                            lib.ernie_gemm(x.ctypes.data, m, k, w_ptrs[0], n,
+                                           None if s_ptrs is None else s_ptrs[0], y.ctypes.data, bits, swiglu, 0)
+                        else:
+                            lib.ernie_moe_gemm(x.ctypes.data, rows.ctypes.data, starts.ctypes.data, experts, k,
+                                               w_ptrs, n, s_ptrs, y.ctypes.data, bits, swiglu, 0)
+                    spent[name].append((time.perf_counter() - t) / CALLS)
                 what = (f"dense {k}x{n}" if dense else f"{experts} experts {k}x{n}") + (" swiglu" if swiglu else "")
                 ratio = statistics.median(b / n for b, n in zip(spent["base"], spent["new"]))
                 print(f"{_FORMAT[bits]:8} {what:28} {per:5d}  "
@@ -190,18 +196,17 @@ def attention(libs: dict[str, ctypes.CDLL], rounds: int, kv_bf16: bool = False, 
         lens = np.full(seqs, ctx, np.int64)
         outs = {name: np.empty((seqs * q_len, nh * hd), np.float32) for name in libs}
         spent: dict[str, list[float]] = {name: [] for name in libs}
-        for r in range(rounds):
-            for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-                took = 0.0
-                for _ in range(3):
-                    if cold:
-                        flush.sum()
-                    t = time.perf_counter()
-                    libs[name].ernie_paged_attention(
-                        q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, int(kv_bf16), tables.ctypes.data, per,
-                        starts.ctypes.data, lens.ctypes.data, seqs, nh, nkv, hd, bs, hd ** -0.5, outs[name].ctypes.data)
-                    took += time.perf_counter() - t
-                spent[name].append(took / 3)
+        for _, name in _alternating(libs, rounds):
+            took = 0.0
+            for _ in range(3):
+                if cold:
+                    flush.sum()
+                t = time.perf_counter()
+                libs[name].ernie_paged_attention(
+                    q.ctypes.data, k_cache.ctypes.data, v_cache.ctypes.data, int(kv_bf16), tables.ctypes.data, per,
+                    starts.ctypes.data, lens.ctypes.data, seqs, nh, nkv, hd, bs, hd ** -0.5, outs[name].ctypes.data)
+                took += time.perf_counter() - t
+            spent[name].append(took / 3)
         ratio = statistics.median(b / n for b, n in zip(spent["base"], spent["new"]))
         print(f"{f'{seqs} x {q_len} on {ctx}':36} " + "  ".join(f"{statistics.median(spent[n]) * 1e3:7.2f} ms"
                                                                for n in libs)
@@ -224,15 +229,14 @@ def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, rounds: int,
     prompts = [r.prompt_token_ids for r in w.requests]
     rates: dict[str, list[float]] = {name: [] for name in libs}
     tokens: dict[str, list[list[int]]] = {}
-    for r in range(rounds):
-        for name in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-            build._lib = libs[name]
-            t = time.perf_counter()
-            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-            elapsed = time.perf_counter() - t
-            tokens.setdefault(name, [list(o.outputs[0].token_ids) for o in outs])
-            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-            print(f"round {r} {name:4}: {rates[name][-1]:7.1f} tok/s", flush=True)
+    for r, name in _alternating(libs, rounds):
+        build._lib = libs[name]
+        t = time.perf_counter()
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        tokens.setdefault(name, [list(o.outputs[0].token_ids) for o in outs])
+        rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+        print(f"round {r} {name:4}: {rates[name][-1]:7.1f} tok/s", flush=True)
     ratios = [n / b for b, n in zip(rates["base"], rates["new"])]
     print(f"{workload} {dtype}: base median {statistics.median(rates['base']):.1f} tok/s, new median "
           f"{statistics.median(rates['new']):.1f}; new/base a round {[round(x, 3) for x in ratios]}, median "
