@@ -266,8 +266,8 @@ static void column_block(rows_x x, int M, int K, blocked_w w, int64_t ldy, float
 }
 
 /* Rows from which a dense GEMM's column blocks go through AMX two at a time (amx_column_pair): 1024 x 1536 at 800
- * and 3200 rows 1.22x and 1.31x, at 16 rows 0.93x (scripts/bench_kernels_ab.py --prefill / the decode GEMMs). A
- * MoE layer's experts (K 704 and 1024, 200 and 800 rows each) measured 0.96-1.02x that way, so they keep one. */
+ * and 3200 rows 1.25x and 1.36x, at 16 rows 0.93x (scripts/bench_kernels_ab.py --prefill / the decode GEMMs). A
+ * MoE layer's experts (K 704 and 1024, 200 and 800 rows each) measured 0.94-1.09x that way, so they keep one. */
 #define AMX_PAIR_ROWS 64
 
 /* Where column block b starts, for a prefetch; NULL past the last one. */
