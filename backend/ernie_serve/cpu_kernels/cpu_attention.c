@@ -18,8 +18,8 @@
  * size and GQA ratio; the (sequence, KV head) tasks are split across Paddle's OpenMP threads. A bfloat16 cache's
  * rows are widened as the tiles load them, so both caches share one arithmetic (a bfloat16 cache's values give a
  * float32 cache's result bit for bit); a head_dim the vector loops do not take widens a block into float32 scratch
- * first. Each score tile's 16 dot products are summed across their lanes together (sum16): reduced one by one
- * they cost as much as their FMAs. `scripts/bench_kernels_ab.py --attention [--dtype bfloat16]`: 1.2-1.5x over the
+ * first. Each score tile's 16 dot products are summed across their lanes together (sum16, in the order one
+ * reduction each used): reduced one by one they cost as much as their FMAs. `scripts/bench_kernels_ab.py --attention [--dtype bfloat16]`: 1.2-1.5x over the
  * widening pass and one-by-one sums on the prefills and decodes it times.
  */
 #include <math.h>
@@ -54,20 +54,23 @@ static inline float dot(const float *a, const float *b, int n) {
 #endif
 
 #ifdef __AVX512F__
-/* sums[i] = the sum of x[i]'s 16 lanes, for 16 vectors at once: a tree of in-lane unpacks and cross-lane shuffles,
- * 45 instructions where 16 separate reductions took ~130 (the score tiles' reductions cost as much as their FMAs). */
+/* The lane sums of 16 vectors at once, out[4j + e] = the sum of x[j + 4e]'s 16 lanes, each added in
+ * _mm512_reduce_add_ps's order (lanes i and i + 8, then i + 4, i + 2, i + 1), so the scores are the ones 16 separate
+ * reductions gave, bit for bit (checked against it on random vectors), in 45 instructions where those took ~130. */
 static inline __m512 sum16(const __m512 x[16]) {
-    __m512 s[8], u[4], w[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: x2i[0]+x2i[2], x2i+1[0]+[2], x2i[1]+[3], x2i+1[1]+[3] */
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sums of x4i .. x4i+3 */
-        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    __m512 p[8], q[4], r[2];
+    for (int k = 0; k < 8; k++) /* lanes 0-7: x[2k]'s i + (i + 8), 8-15: x[2k + 1]'s */
+        p[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xEE));
+    for (int m = 0; m < 4; m++) /* 128-bit lane j: x[4m + j]'s four partial sums */
+        q[m] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * m], p[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(p[2 * m], p[2 * m + 1], 0xDD));
+    for (int n = 0; n < 2; n++) { /* lane j: two partial sums of x[8n + j], two of x[8n + 4 + j] */
+        const __m512d a = _mm512_castps_pd(q[2 * n]), b = _mm512_castps_pd(q[2 * n + 1]);
+        r[n] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
-    for (int i = 0; i < 2; i++) /* 128-bit lanes 0 + 1 and 2 + 3 of u2i, then of u2i+1 */
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 #endif
 
@@ -127,11 +130,11 @@ static inline __attribute__((always_inline)) void scores_vec(const float *const 
                 for (int b = 0; b < KT; b++) kv[b] = kv_load(kb, kr[b] + d, bf16);
                 for (int a = 0; a < SRT; a++) {
                     vf16 qv = vf16_load(qr[a] + d);
-                    for (int b = 0; b < KT; b++) acc[a * KT + b] = vf16_fmadd(qv, kv[b], acc[a * KT + b]);
+                    for (int b = 0; b < KT; b++) acc[b * SRT + a] = vf16_fmadd(qv, kv[b], acc[b * SRT + a]);
                 }
             }
 #if defined(__AVX512F__) && SRT * KT == 16
-            /* lane a * KT + b: row r0 + a, key j0 + b; 128-bit lane a holds row a's KT = 4 scores */
+            /* acc[b * SRT + a] (row r0 + a, key j0 + b) sums into lane a * KT + b: 128-bit lane a holds row a's 4 */
             const __m512 sums = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
             float lanes[16] __attribute__((aligned(64)));
             _mm512_store_ps(lanes, sums);
@@ -141,7 +144,7 @@ static inline __attribute__((always_inline)) void scores_vec(const float *const 
 #else
             for (int a = 0; a < SRT && r0 + a < rows; a++)
                 for (int b = 0; b < KT && j0 + b < nk; b++)
-                    p[(r0 + a) * ldp + j0 + b] = vf16_reduce_add(acc[a * KT + b]) * scale;
+                    p[(r0 + a) * ldp + j0 + b] = vf16_reduce_add(acc[b * SRT + a]) * scale;
 #endif
         }
 }
