@@ -12,9 +12,10 @@ backend/ernie_serve/cpu_kernels is built beside this one's (build.compile_librar
 
 GEMMs (default): every routed expert of a MoE layer in one call (16 experts: SwiGLU up K1024 x N1408 and down
 K704 x N1024, the benchmark checkpoint's shapes) at 1, 2, 4, 8 and 12 rows an expert, and a dense 1024 x 1536 layer
-at 16 and 32 rows, per weight format (--bits 32,16,8,4: float32, bfloat16, int8, int4 codes); the weights are sized past the L3
-so each call streams them from memory, as a decode step does. Prints each build's weight GB/s (median over the rounds), the
-median of the rounds' new / base (each round runs the two back to back), and whether the outputs are bit-identical.
+at 16 and 32 rows, per weight format (--bits 32,16,8,4: float32, bfloat16, int8, int4 codes); the weights are sized
+past the L3 so each call streams them from memory, as a decode step does. Prints each build's weight GB/s (median
+over the rounds), the median of the rounds' new / base (each round runs the two back to back), and whether the
+outputs are bit-identical.
 
 Attention (--attention): ernie_paged_attention from a float32 paged cache (8 heads, 2 KV heads, head_dim 128, blocks
 of 16), or with --dtype bfloat16 a bfloat16 one in blocks of 64 (the engine's then), on prefill chunks, chunks on a
@@ -89,11 +90,9 @@ def _weights(bits: int, k: int, n: int, count: int, rng: np.random.Generator):
             [paddle.to_tensor(s) for _, s in quantized])
 
 
-def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, prefill: bool = False) -> None:
+def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int) -> None:
     rng = np.random.default_rng(0)
     experts = 16
-    if prefill:
-        return prefill_gemms(libs, bits_list, rounds, rng)
     print(f"{'format':8} {'GEMM':28} {'rows':>4}  " + "  ".join(f"{n:>15}" for n in libs) + "  new/base  same bits")
     for bits in bits_list:
         # float32 experts are 92 MB a layer: two layers' worth (the narrower formats more) exceed the ~100 MB of L3 a
@@ -139,10 +138,12 @@ def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, prefi
 _FORMAT = {32: "float32", 16: "bfloat16", 8: "int8", 4: "int4"}
 
 
-def prefill_gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int, rng: np.random.Generator) -> None:
+def prefill_gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int) -> None:
     """Prefill-sized GEMMs: one layer's 16 experts at 32, 200 and 800 rows each (a 16 x 200-token prefill routes
-    ~800 rows to each, a step with one prompt's chunk a few dozen), and a dense 1024 x 1536 and SwiGLU 1024 x 1408 (the
-    shared expert) at 32, 800 and 3200 rows. G multiply-adds a second of each build, the median of the rounds' new / base, bit-identity."""
+    ~800 rows to each, a step with one prompt's chunk a few dozen), and a dense 1024 x 1536 and SwiGLU 1024 x 1408
+    (the shared expert) at 32, 800 and 3200 rows. G multiply-adds a second of each build, the median of the rounds'
+    new / base, bit-identity."""
+    rng = np.random.default_rng(0)
     experts, CALLS = 16, 6  # a call is a few ms: a round times several, back to back
     print(f"{'format':8} {'GEMM':28} {'rows':>5}  " + "  ".join(f"{n:>14}" for n in libs) + "  new/base  same bits")
     for bits in bits_list:
@@ -254,6 +255,10 @@ def main() -> None:
     ap.add_argument("--workload", choices=["mixed", "uniform"], help="run the engine instead of the GEMMs")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    if args.cold and not args.attention:
+        ap.error("--cold times the attention's cache from memory: it needs --attention")
+    if args.prefill and (args.attention or args.workload):
+        ap.error("--prefill times the GEMMs: not with --attention or --workload")
     setup_model_process()
     from ernie_serve.cpu_kernels import build
 
@@ -270,7 +275,7 @@ def main() -> None:
         elif args.attention:
             attention(libs, args.rounds, args.dtype == "bfloat16", args.cold)
         else:
-            gemms(libs, [int(b) for b in args.bits.split(",")], args.rounds, args.prefill)
+            (prefill_gemms if args.prefill else gemms)(libs, [int(b) for b in args.bits.split(",")], args.rounds)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@
  * Layout: cache [num_blocks, block_size, kv_heads, head_dim]; q [T, heads, head_dim] with sequence s's rows
  * at [query_start_loc[s], query_start_loc[s + 1]); row i of a sequence with seq_len visible tokens and q_len
  * new ones sees keys j <= seq_len - q_len + i (the causal rule of model/attention.py). Any head_dim, block
- * size and GQA ratio; the (sequence, KV head) tasks are split across Paddle's OpenMP threads. A bfloat16 cache's
- * rows are widened as the tiles load them, so both caches share one arithmetic (a bfloat16 cache's values give a
- * float32 cache's result bit for bit); a head_dim the vector loops do not take widens a block into float32 scratch
- * first. Each score tile's 16 dot products are summed across their lanes together (sum16, in the order one
- * reduction each used): reduced one by one they cost as much as their FMAs. `scripts/bench_kernels_ab.py --attention [--dtype bfloat16]`: 1.2-1.5x over the
- * widening pass and one-by-one sums on the prefills and decodes it times.
+ * size and GQA ratio; the (sequence, KV head) tasks, or with enough sequences one task a sequence, are split across
+ * the OpenMP threads. A bfloat16 cache's rows are widened as the tiles load them, so both caches share one arithmetic
+ * (a bfloat16 cache's values give a float32 cache's result bit for bit); a head_dim the vector loops do not take
+ * widens a block into float32 scratch first. Each score tile's 16 dot products are summed across their lanes together
+ * (sum16, in the order one reduction each used): reduced one by one they cost as much as their FMAs.
+ * `scripts/bench_kernels_ab.py --attention [--dtype bfloat16]`: 1.2-1.5x over the widening pass and one-by-one sums on
+ * the prefills and decodes it times.
  */
 #include <math.h>
 #include <stdint.h>
