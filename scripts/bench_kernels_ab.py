@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --attention                 # paged attention
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --prefill --bits 16         # prefill-sized GEMMs
     .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --workload mixed --dtype bfloat16 --rounds 4
+    .venv/bin/python scripts/bench_kernels_ab.py --base HEAD~2 --workload uniform --dtype bfloat16 --quantization wint8
 
 Why: this shared 2-core VM swings by up to 2x within minutes, so two runs one after the other do not rank two
 kernel builds; alternating them in one process, on the same weights, does. The base revision's
@@ -26,7 +27,8 @@ multiply-adds a second of each build.
 
 Engine (--workload): one LLM on the benchmark checkpoint (prefix caching off, so every round computes its
 prefills), the library swapped between rounds, the order flipped every round; tok/s a round, the median ratio,
-and whether the greedy tokens agree.
+and whether the greedy tokens agree. --quantization wint8 / wint4 gives it weight-only int weights (with --dtype
+bfloat16 the rest in bfloat16, as bench_cpu_dtypes.py's wint8-bf16).
 """
 from __future__ import annotations
 
@@ -214,7 +216,8 @@ def attention(libs: dict[str, ctypes.CDLL], rounds: int, kv_bf16: bool = False, 
               + f"  {ratio:7.2f}x  {np.array_equal(outs['base'], outs['new'])}", flush=True)
 
 
-def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, rounds: int, tmp: Path) -> None:
+def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, quantization: str | None, rounds: int,
+           tmp: Path) -> None:
     import common
     from bench_offline import bench_checkpoint, write_workload
 
@@ -225,7 +228,8 @@ def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, rounds: int,
     write_workload(path, workload, max_num_seqs=16)
     w = common.load_workload(path)
     llm = LLM(model=str(bench_checkpoint()), max_model_len=max(512, w.max_seq_len), max_num_seqs=w.max_num_seqs,
-              skip_tokenizer_init=True, disable_progress_bar=True, dtype=dtype, enable_prefix_caching=False)
+              skip_tokenizer_init=True, disable_progress_bar=True, dtype=dtype, quantization=quantization,
+              enable_prefix_caching=False)
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=w.ignore_eos) for r in w.requests]
     prompts = [r.prompt_token_ids for r in w.requests]
     rates: dict[str, list[float]] = {name: [] for name in libs}
@@ -239,7 +243,8 @@ def engine(libs: dict[str, ctypes.CDLL], workload: str, dtype: str, rounds: int,
         rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
         print(f"round {r} {name:4}: {rates[name][-1]:7.1f} tok/s", flush=True)
     ratios = [n / b for b, n in zip(rates["base"], rates["new"])]
-    print(f"{workload} {dtype}: base median {statistics.median(rates['base']):.1f} tok/s, new median "
+    what = f"{workload} {dtype}" + (f" {quantization}" if quantization else "")
+    print(f"{what}: base median {statistics.median(rates['base']):.1f} tok/s, new median "
           f"{statistics.median(rates['new']):.1f}; new/base a round {[round(x, 3) for x in ratios]}, median "
           f"{statistics.median(ratios):.3f}; greedy tokens equal: {tokens['base'] == tokens['new']}")
 
@@ -254,11 +259,14 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="prefill-sized GEMMs (hundreds of rows) instead")
     ap.add_argument("--workload", choices=["mixed", "uniform"], help="run the engine instead of the GEMMs")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", choices=["wint8", "wint4"], help="--workload: weight-only int weights")
     args = ap.parse_args()
     if args.cold and not args.attention:
         ap.error("--cold times the attention's cache from memory: it needs --attention")
     if args.prefill and (args.attention or args.workload):
         ap.error("--prefill times the GEMMs: not with --attention or --workload")
+    if args.quantization and not args.workload:
+        ap.error("--quantization sets the engine's weights: it needs --workload (the GEMMs take --bits)")
     setup_model_process()
     from ernie_serve.cpu_kernels import build
 
@@ -271,7 +279,7 @@ def main() -> None:
         print(f"base: {args.base} ({subprocess.run(['git', '-C', str(ROOT), 'rev-parse', '--short', args.base], capture_output=True, text=True).stdout.strip()}), "
               f"new: this checkout; {build.threads()} threads, {args.rounds} rounds alternating", flush=True)
         if args.workload:
-            engine(libs, args.workload, args.dtype, args.rounds, Path(tmp))
+            engine(libs, args.workload, args.dtype, args.quantization, args.rounds, Path(tmp))
         elif args.attention:
             attention(libs, args.rounds, args.dtype == "bfloat16", args.cold)
         else:

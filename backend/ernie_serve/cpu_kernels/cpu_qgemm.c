@@ -239,7 +239,7 @@ static void NAME(const qacts *a, int m0, int64_t G, const uint8_t *w, float *til
     const __m512i low4 = _mm512_set1_epi8(15);                                                                   \
     for (int64_t g = 0; g < G; g++, w += 4 * COLS) {                                                            \
         if (pf)                                                                                                  \
-            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + g * pf_step + o, _MM_HINT_T0);               \
+            for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pf + g * pf_step + o, _MM_HINT_T1);               \
         const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 64);                               \
         if (BITS == 8) {                                                                                         \
             CHAINS(MB, LV, v0, v1, 4 * g)                                                                        \
@@ -408,7 +408,10 @@ typedef struct {
 /* The most rows the integer path prefetches a block for. vpdpbusd multiplies 64 code pairs an instruction, so the
  * block stays memory-bound longer than on the widening path (PREFETCH_ROWS): on this AMX Xeon (AVX-512 VNNI),
  * against no prefetch, 16 experts at 1-8 rows 1.08-1.35x (int8) and 0.99-1.54x (int4), a dense layer at 16 rows
- * 1.12x / 1.13x (scripts/bench_kernels_ab.py --bits 8 / --bits 4). */
+ * 1.12x / 1.13x (scripts/bench_kernels_ab.py --bits 8 / --bits 4). The VNNI passes prefetch into L2, not L1: the
+ * next block lies a whole block ahead (32 KB at K 1024), which with the block being read overflowed the 48 KB L1
+ * and evicted lines before their use (SwiGLU experts K 1024 at 1-4 rows 1.14-1.22x into L2, --bits 8 --rounds 41;
+ * the engine, --workload uniform --dtype bfloat16 --quantization wint8, 1.068x). */
 #define INT_PREFETCH_ROWS 16
 
 /* Whether M rows of int8 codes go through a block on AMX: from AMX_INT8_ROWS, where the VNNI blocks' four rows a
