@@ -282,37 +282,67 @@ def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
         np.testing.assert_allclose(fused_e[e, :r], plain_e[e, :r], rtol=2e-6, atol=1e-6)
 
 
-def test_next_task_is_the_next_one_the_same_thread_runs_with_rows():
-    """The GEMMs prefetch the weights of the task their thread runs next: under schedule(static, chunk) the chunks
-    go round robin to the threads, and experts without rows are passed over. Checked against that schedule laid
-    out in Python, on random expert counts, row counts (zeros among them), chunks and thread counts."""
+def _task_runs(lib, rows: np.ndarray, nb: int, threads: int) -> list[tuple[int, int]]:
+    import ctypes
+
+    runs = []
+    for t in range(threads):
+        first, end = ctypes.c_int(), ctypes.c_int()
+        lib.ernie_task_run(ctypes.c_void_p(rows.ctypes.data), len(rows), nb, t, threads, ctypes.byref(first),
+                           ctypes.byref(end))
+        runs.append((first.value, end.value))
+    return runs
+
+
+def test_the_threads_task_runs_tile_the_tasks_in_order_at_equal_cost():
+    """The MoE GEMMs' threads each take one run of (expert, column block) tasks: the runs cover every task once, in
+    task order, and each costs (16 + rows a task with rows, 0 without) the total's share to within one task, on random
+    expert counts, row counts (zeros, one expert holding most, none at all) and thread counts."""
+    from ernie_serve.cpu_kernels import build
+
+    lib, rng = build.library(), np.random.default_rng(0)
+    for case in range(500):
+        threads, e, nb = int(rng.integers(1, 9)), int(rng.integers(1, 20)), int(rng.integers(1, 12))
+        rows = np.where(rng.random(e) < 0.3, 0, rng.integers(1, 12, e)).astype(np.int64)
+        if case % 7 == 0:
+            rows[rng.integers(e)] = 800  # a prefill chunk's expert
+        if case % 11 == 0:
+            rows[:] = 0
+        runs = _task_runs(lib, rows, nb, threads)
+        assert runs[0][0] == 0 and runs[-1][1] == e * nb, (rows, nb, runs)
+        for (_, end), (first, _) in zip(runs, runs[1:]):
+            assert end == first, runs
+        cost = [16 + r if r else 0 for r in rows for _ in range(nb)]
+        total, most = sum(cost), max(cost)
+        for first, end in runs:
+            assert first <= end
+            assert abs(sum(cost[first:end]) - total / threads) <= most, (rows, nb, threads, runs)
+
+
+def test_next_task_is_the_next_one_of_the_run_with_rows():
+    """The GEMMs prefetch the weights of the task their thread runs next: the next task of its run whose expert has
+    rows, or none at the run's end. Checked against the runs laid out in Python."""
     import ctypes
 
     from ernie_serve.cpu_kernels import build
 
-    lib, rng = build.library(), np.random.default_rng(0)
-    try:
-        for _ in range(300):
-            threads, e, nb = int(rng.integers(1, 5)), int(rng.integers(1, 7)), int(rng.integers(1, 6))
-            chunk = int(rng.integers(1, e * nb + 1))
-            rows = np.where(rng.random(e) < 0.4, 0, rng.integers(1, 9, e)).astype(np.int64)
-            build.set_threads(threads)
-            runs = {t: [task for task in range(e * nb) if task // chunk % threads == t and rows[task // nb]]
-                    for t in range(threads)}
-            for run in runs.values():
-                for i, task in enumerate(run):
-                    got = lib.ernie_next_task(task, chunk, e, nb, ctypes.c_void_p(rows.ctypes.data))
-                    assert got == (run[i + 1] if i + 1 < len(run) else -1), (threads, e, nb, chunk, rows, task)
-    finally:
-        build.set_threads(len(os.sched_getaffinity(0)))
+    lib, rng = build.library(), np.random.default_rng(1)
+    for _ in range(300):
+        threads, e, nb = int(rng.integers(1, 5)), int(rng.integers(1, 7)), int(rng.integers(1, 6))
+        rows = np.where(rng.random(e) < 0.4, 0, rng.integers(1, 9, e)).astype(np.int64)
+        for first, end in _task_runs(lib, rows, nb, threads):
+            run = [task for task in range(first, end) if rows[task // nb]]
+            for i, task in enumerate(run):
+                got = lib.ernie_next_task(task, end, nb, ctypes.c_void_p(rows.ctypes.data))
+                assert got == (run[i + 1] if i + 1 < len(run) else -1), (threads, e, nb, rows, task)
 
 
 @pytest.mark.parametrize("bits,k", [(32, 136), (16, 136), (16, 128), (8, 136), (4, 136)])
 @pytest.mark.parametrize("rows", [[4, 0, 4, 4, 0, 4], [1, 0, 0, 30, 2, 0], [0, 7, 5, 0, 0, 9], [20, 3, 0, 17, 0, 1]])
 def test_experts_with_and_without_rows_in_one_call_equal_each_experts_own_product(bits, k, rows):
-    """moe_gemm's threads take (expert, column block) tasks in halves or round robin (ernie_task_chunk) and prefetch
-    the next task's block, skipping experts without rows: every expert's rows equal its own gemm, in both
-    schedules (even rows, one expert holding most), for every weight format; bfloat16 at K 128 too, where the experts
+    """moe_gemm's threads take runs of (expert, column block) tasks (ernie_task_run) and prefetch the next task's
+    block, skipping experts without rows: every expert's rows equal its own gemm, with even rows and with one expert
+    holding most, for every weight format; bfloat16 at K 128 too, where the experts
     of 16 rows or more run on AMX and the others, in the same call, on the widening tiles."""
     rng = np.random.default_rng(bits + sum(rows))
     n, e = 128, len(rows)

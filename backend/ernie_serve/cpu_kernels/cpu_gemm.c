@@ -295,10 +295,11 @@ static void gemm(rows_x x, int M, int K, blocked_w w, int N, float *y) {
     if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
 }
 
-/* The first block the thread running `task` reads next (ernie_next_task), for a prefetch; NULL: none. */
-static const char *next_task_block(int task, int chunk, int E, int nb, const int64_t *rows, const void *const *w,
-                                   int bits, int K) {
-    const int t = ernie_next_task(task, chunk, E, nb, rows);
+/* The first block of the task after `task` in a thread's run ending at `end` (ernie_next_task), for a prefetch;
+ * NULL: none. */
+static const char *next_task_block(int task, int end, int nb, const int64_t *rows, const void *const *w, int bits,
+                                   int K) {
+    const int t = ernie_next_task(task, end, nb, rows);
     return t < 0 ? NULL : (const char *)block_of(weight_of(w[t / nb], bits), K, t % nb).p;
 }
 
@@ -309,14 +310,17 @@ static const char *next_task_block(int task, int chunk, int E, int nb, const int
  * one parallel loop instead of a call per expert. */
 static void moe_gemm(rows_x x, const int64_t *rows, const int64_t *starts, int E, int K,
                      const void *const *w, int bits, int N, float *y) {
-    const int nb = N / COLS, chunk = ernie_task_chunk(rows, E, nb);
-    #pragma omp parallel for THREADS schedule(static, chunk)
-    for (int task = 0; task < E * nb; task++) {
-        const int e = task / nb;
-        if (!rows[e]) continue;  /* nothing to multiply, nor a next task to look up */
-        column_block(expert_rows(x, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
-                     y + starts[e] * N + task % nb * COLS, task % nb,
-                     next_task_block(task, chunk, E, nb, rows, w, bits, K));
+    const int nb = N / COLS;
+    #pragma omp parallel THREADS
+    {
+        int task, end;
+        for (ernie_my_task_run(rows, E, nb, &task, &end); task < end; task++) {
+            const int e = task / nb;
+            if (!rows[e]) continue;  /* nothing to multiply, nor a next task to look up */
+            column_block(expert_rows(x, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
+                         y + starts[e] * N + task % nb * COLS, task % nb,
+                         next_task_block(task, end, nb, rows, w, bits, K));
+        }
     }
     if (N % COLS)
         for (int e = 0; e < E; e++)
@@ -437,13 +441,16 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
     if (!swiglu) {
         moe_gemm(xr, rows, starts, E, K, w, bits, N, y);
     } else {
-        const int nb = N / 2 / COLS, chunk = ernie_task_chunk(rows, E, nb);
-        #pragma omp parallel for THREADS schedule(static, chunk)
-        for (int task = 0; task < E * nb; task++) {
-            const int e = task / nb;
-            if (!rows[e]) continue;
-            swiglu_rows(expert_rows(xr, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
-                        y + starts[e] * N / 2, task % nb, next_task_block(task, chunk, E, nb, rows, w, bits, K));
+        const int nb = N / 2 / COLS;
+        #pragma omp parallel THREADS
+        {
+            int task, end;
+            for (ernie_my_task_run(rows, E, nb, &task, &end); task < end; task++) {
+                const int e = task / nb;
+                if (!rows[e]) continue;
+                swiglu_rows(expert_rows(xr, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
+                            y + starts[e] * N / 2, task % nb, next_task_block(task, end, nb, rows, w, bits, K));
+            }
         }
     }
     free(held);

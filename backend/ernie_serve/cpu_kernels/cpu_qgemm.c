@@ -553,17 +553,20 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     for (int e = 0; e < E; e++) M = starts[e] + rows[e] > M ? starts[e] + rows[e] : M;
     qacts a;
     if (prepare(x, (int)M, K, bits, int_x, &a)) return -1;
-    const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS, chunk = ernie_task_chunk(rows, E, nb);
+    const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
     const int64_t block = groups(K, bits) * 4 * COLS;
-    #pragma omp parallel for THREADS schedule(static, chunk)
-    for (int task = 0; task < E * nb; task++) {
-        const int e = task / nb, b = task % nb;
-        if (!rows[e]) continue;
-        const int t = ernie_next_task(task, chunk, E, nb, rows);
-        const char *next = t < 0 ? NULL : (const char *)(w[t / nb] + t % nb * block);
-        /* rows are addressed from x's first row: y's too, so each expert's output lands at its starts[e] */
-        if (swiglu) qcolumns_swiglu(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits, next);
-        else qcolumns(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits, next);
+    #pragma omp parallel THREADS
+    {
+        int task, end;
+        for (ernie_my_task_run(rows, E, nb, &task, &end); task < end; task++) {
+            const int e = task / nb, b = task % nb;
+            if (!rows[e]) continue;
+            const int t = ernie_next_task(task, end, nb, rows);
+            const char *next = t < 0 ? NULL : (const char *)(w[t / nb] + t % nb * block);
+            /* rows are addressed from x's first row: y's too, so each expert's output lands at its starts[e] */
+            if (swiglu) qcolumns_swiglu(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits, next);
+            else qcolumns(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits, next);
+        }
     }
     release(&a);
     return 0;

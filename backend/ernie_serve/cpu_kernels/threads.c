@@ -39,25 +39,46 @@ int ernie_threads(void) {
 #endif
 }
 
-/* How the threads share E experts x nb column blocks: contiguous halves (each thread streams one run of the
- * weights) when the experts' row counts are even, as at decode; round robin (static chunks of 1) when a few experts
- * hold most rows, as with a prefill chunk in the step, which would otherwise leave a thread idle. */
-int ernie_task_chunk(const int64_t *rows, int E, int nb) {
-    int64_t total = 0, most = 0;
+/* What a task of `rows` rows costs, in rows: its block's bytes weigh as much as TASK_BLOCK_ROWS rows of arithmetic.
+ * At decode a block is memory-bound and rows add little (bfloat16 experts from memory: 1 row 1.0, 4 rows 1.12, 8
+ * rows 1.23, 12 rows ~1.6 of a 1-row block's time, scripts/bench_kernels_ab.py's GB/s); in a prefill chunk the
+ * arithmetic dominates. */
+#define TASK_BLOCK_ROWS 16
+
+static int64_t task_cost(int64_t rows) { return rows ? TASK_BLOCK_ROWS + rows : 0; }
+
+/* The first task whose earlier tasks cost `part` / `parts` of `total` or more (E * nb if none). */
+static int task_at(const int64_t *rows, int E, int nb, int64_t total, int part, int parts) {
+    const int64_t target = total * part; /* compared against cost * parts: integers, no rounding */
+    int64_t before = 0;
     for (int e = 0; e < E; e++) {
-        total += rows[e];
-        most = rows[e] > most ? rows[e] : most;
+        const int64_t c = task_cost(rows[e]);
+        if (c && (before + nb * c) * parts >= target) {
+            const int64_t need = target - before * parts, b = need <= 0 ? 0 : (need + c * parts - 1) / (c * parts);
+            return e * nb + (int)b;
+        }
+        before += nb * c;
     }
-    const int threads = ernie_threads();
-    return most * E <= 2 * total ? (E * nb + threads - 1) / threads : 1;
+    return E * nb;
 }
 
-/* The task the thread running `task` takes next under schedule(static, chunk), which deals the chunks of E * nb
- * tasks round robin; tasks of experts without rows (rows[task / nb] == 0) are passed over. -1: none. The GEMMs
- * prefetch that task's weights while they multiply this one's. */
-int ernie_next_task(int task, int chunk, int E, int nb, const int64_t *rows) {
-    const int later = (ernie_threads() - 1) * chunk;
-    for (int t = task + 1 + ((task + 1) % chunk ? 0 : later); t < E * nb; t += 1 + ((t + 1) % chunk ? 0 : later))
+void ernie_task_run(const int64_t *rows, int E, int nb, int t, int threads, int *first, int *end) {
+    int64_t total = 0;
+    for (int e = 0; e < E; e++) total += nb * task_cost(rows[e]);
+    *first = t == 0 ? 0 : task_at(rows, E, nb, total, t, threads);
+    *end = t + 1 >= threads ? E * nb : task_at(rows, E, nb, total, t + 1, threads);
+}
+
+void ernie_my_task_run(const int64_t *rows, int E, int nb, int *first, int *end) {
+#ifdef _OPENMP
+    ernie_task_run(rows, E, nb, omp_get_thread_num(), omp_get_num_threads(), first, end);
+#else
+    ernie_task_run(rows, E, nb, 0, 1, first, end);
+#endif
+}
+
+int ernie_next_task(int task, int end, int nb, const int64_t *rows) {
+    for (int t = task + 1; t < end; t = (t / nb + 1) * nb) /* an expert without rows: on to the next expert's first */
         if (rows[t / nb]) return t;
     return -1;
 }

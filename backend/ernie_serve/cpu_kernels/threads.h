@@ -14,10 +14,17 @@
 int ernie_threads(void);
 /* Puts the OpenMP workers to sleep at once (threads.c). */
 void ernie_park_threads(void);
-/* The static schedule's chunk for E experts x nb column-block tasks with rows[e] rows each (threads.c). */
-int ernie_task_chunk(const int64_t *rows, int E, int nb);
-/* The next task of the thread running `task` under that schedule, skipping experts without rows; -1: none. */
-int ernie_next_task(int task, int chunk, int E, int nb, const int64_t *rows);
+/* How the threads share E experts x nb column blocks, (expert, block) tasks in that order, the experts having
+ * rows[e] rows: thread t of `threads` takes the run [*first, *end), the runs of equal cost (threads.c's task_cost),
+ * so each thread streams one stretch of the weights (a layer's experts lie one after another) and both finish
+ * together. Contiguous halves of the tasks left a thread waiting at the barrier for as many experts as the halves'
+ * row counts differed by at decode; round robin, for a step whose prefill chunk gave a few experts most rows, broke
+ * the streams. */
+void ernie_task_run(const int64_t *rows, int E, int nb, int t, int threads, int *first, int *end);
+/* The calling thread's run, inside a parallel region. */
+void ernie_my_task_run(const int64_t *rows, int E, int nb, int *first, int *end);
+/* The next task of a run after `task`, skipping experts without rows; -1: none (the GEMMs prefetch its block). */
+int ernie_next_task(int task, int end, int nb, const int64_t *rows);
 /* The most rows a block of `bits`-bit weights is prefetched for (cpu_gemm.c's rows_times_block, cpu_qgemm.c's
  * widening passes; its VNNI passes have INT_PREFETCH_ROWS): up to bits / 2 rows (float32 16, bfloat16 8, int8 4, int4 2) memory bounds the block on this AVX2 box;
  * past that its arithmetic does and the prefetches cost more than they save (scripts/bench_kernels_ab.py: bfloat16
