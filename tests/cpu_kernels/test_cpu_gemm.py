@@ -208,12 +208,12 @@ def test_bfloat16_runs_on_amx_from_16_rows_where_the_cpu_has_it():
     assert not cpu_gemm.bf16_on_amx(15, 64) and not cpu_gemm.bf16_on_amx(16, 72)
 
 
-@pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 300])
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 260, 272, 300])
 def test_every_row_count_on_the_amx_shapes_gives_the_product_of_the_rounded_operands(m):
     """K a multiple of 32 over two of cpu_amx.c's panels (1056 = 1024 + 32) and a narrow last block: below 16 rows the
     widening tiles' product of float32 x; from 16 (on AMX) the float64 product of bfloat16-rounded x, whatever the row
     groups of 16 and a partial one; the SwiGLU fused pass (gate and up blocks sharing each x tile on AMX, 256 rows at a
-    time) matches the plain product either way."""
+    time) matches the plain product either way, its last pass of 4 (260) or 16 rows (272) on the one-group path."""
     from ernie_serve.model.layers import silu_and_mul
 
     rng = np.random.default_rng(m)

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "threads.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -78,10 +79,12 @@ static void configure(void) {
     configured_in = now;
 }
 
-/* Rows [k0, k0 + kp) of the block w ([K, COLS]) as two B tiles' worth of (k, k + 1) pairs: pack[h][p] holds columns
- * 16h .. 16h + 15 of rows k0 + 2p and k0 + 2p + 1, pair by pair. `pf`: bytes to prefetch alongside, 128 a pair,
- * into L2 (into L1, 200 MB of distinct blocks at 16 rows streamed at 0.91-0.96x of that: a one-off C harness). */
-static void interleave(const uint16_t *w, int k0, int kp, uint16_t pack[2][PANEL / 2][32], const char *pf) {
+/* Rows [k0, k0 + kp) of the block w ([K, COLS]) as two B tiles' worth of (k, k + 1) pairs: left[p] holds columns
+ * 0-15 of rows k0 + 2p and k0 + 2p + 1, pair by pair, right[p] columns 16-31. `pf`: bytes to prefetch alongside, 128
+ * a pair, into L2 (into L1, 200 MB of distinct blocks at 16 rows streamed at 0.91-0.96x of that: a one-off C
+ * harness). */
+static void interleave(const uint16_t *w, int k0, int kp, uint16_t (*left)[32], uint16_t (*right)[32],
+                       const char *pf) {
     /* vpunpck*wd pairs the two rows within each 128-bit lane: lo holds columns 0-3, 8-11, 16-19, 24-27, hi 4-7, ...
      * The qword permutes put them back in column order, the first 16 columns in one tile, the last 16 in the other. */
     const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
@@ -94,27 +97,77 @@ static void interleave(const uint16_t *w, int k0, int kp, uint16_t pack[2][PANEL
         }
         const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + COLS);
         const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
-        _mm512_store_si512(pack[0][p], _mm512_permutex2var_epi64(lo, first, hi));
-        _mm512_store_si512(pack[1][p], _mm512_permutex2var_epi64(lo, second, hi));
+        _mm512_store_si512(left[p], _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_store_si512(right[p], _mm512_permutex2var_epi64(lo, second, hi));
     }
 }
 
-/* One k chunk of 32 for 16 rows: A (tile 4) loaded once, times each block's two B tiles into C tiles 2b, 2b + 1. */
-#define CHUNK(NW)                                                                                           \
-    _tile_loadd(4, a + kc, (int64_t)K * 2);                                                                 \
-    _tile_loadd(6, pack[0][0][kc / 2], 64);                                                                 \
+/* One k chunk of 32 for 16 rows: the A tile (tile 4, 16 rows K apart from a) loaded once, times block 0's two B tiles
+ * (L0, R0: its columns 0-15 and 16-31) into C tiles 0, 1 and, with NW 2, block 1's (L1, R1) into 2, 3. */
+#define PRODUCTS(NW, a, L0, R0, L1, R1)                                                                     \
+    _tile_loadd(4, a, (int64_t)K * 2);                                                                      \
+    _tile_loadd(6, L0, 64);                                                                                 \
     _tile_dpbf16ps(0, 4, 6);                                                                                \
-    _tile_loadd(7, pack[0][1][kc / 2], 64);                                                                 \
+    _tile_loadd(7, R0, 64);                                                                                 \
     _tile_dpbf16ps(1, 4, 7);                                                                                \
     if (NW > 1) {                                                                                           \
-        _tile_loadd(6, pack[1][0][kc / 2], 64);                                                             \
+        _tile_loadd(6, L1, 64);                                                                             \
         _tile_dpbf16ps(2, 4, 6);                                                                            \
-        _tile_loadd(7, pack[1][1][kc / 2], 64);                                                             \
+        _tile_loadd(7, R1, 64);                                                                             \
         _tile_dpbf16ps(3, 4, 7);                                                                            \
     }
+#define CHUNK(NW) PRODUCTS(NW, a + kc, pack[0][0][kc / 2], pack[0][1][kc / 2], pack[1][0][kc / 2], pack[1][1][kc / 2])
+
+/* The tile loads are asm without a memory operand (GCC's amxtileintrin.h), so the compiler may move the stores
+ * that made a panel past them, or drop those stores as never read: this barrier keeps them before. */
+#define STORES_BEFORE_TILE_LOADS() __asm__ volatile("" ::: "memory")
+
+/* At most 16 rows (one row group: a decode step's): each 32 k of the blocks is interleaved into an L1 buffer (two in
+ * turn) and multiplied at once, the blocks' rows PREFETCH_AHEAD on prefetched into L1 first, all of a chunk's at
+ * once; the whole-panel path below sent each 64 KB panel through L2 between its interleave and its one read. A
+ * dense 1024 x 1536 layer from memory at 16 rows 1.28-1.30x (1.09x without the prefetch; interleaved into the
+ * interleave's loop, one line a row, 1.03x); the engine, uniform bf16, 1.039x (scripts/bench_kernels_ab.py). */
+static void one_group(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
+                      int64_t ldy, const char *pf) {
+    uint16_t pack[2][2][2][16][32] __attribute__((aligned(64))); /* [buffer][block][tile][pair][column] */
+    float tail[2][16 * COLS] __attribute__((aligned(64)));
+    configure();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kc = 0, i = 0; kc < K; kc += 32, i ^= 1) {
+        for (int b = 0; b < nw; b++)
+            for (int o = 0; o < 32 * COLS * 2; o += 64)
+                _mm_prefetch((const char *)(w[b] + (int64_t)kc * COLS) + PREFETCH_AHEAD + o, _MM_HINT_T0);
+        for (int b = 0; b < nw; b++) /* the next call's block b lies as far from its first as w[b] from w[0] */
+            interleave(w[b], kc, 32, pack[i][b][0], pack[i][b][1],
+                       pf ? pf + (w[b] - w[0]) * 2 + (int64_t)kc * COLS * 2 : NULL);
+        STORES_BEFORE_TILE_LOADS();
+        PRODUCTS(nw, xh + kc, pack[i][0][0], pack[i][0][1], pack[i][1][0], pack[i][1][1])
+    }
+    const int full = M == 16;
+    for (int b = 0; b < nw; b++) {
+        float *c = full ? y[b] : tail[b];
+        const int64_t ldc = (full ? ldy : COLS) * (int64_t)sizeof(float);
+        if (b == 0) {
+            _tile_stored(0, c, ldc);
+            _tile_stored(1, c + 16, ldc);
+        } else {
+            _tile_stored(2, c, ldc);
+            _tile_stored(3, c + 16, ldc);
+        }
+        if (!full)
+            for (int m = 0; m < M; m++) memcpy(y[b] + (int64_t)m * ldy, tail[b] + m * COLS, sizeof(float) * COLS);
+    }
+}
 
 void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
                       int64_t ldy, const char *next) {
+    if (M <= 16) {
+        one_group(xh, M, K, w, nw, y, ldy, next);
+        return;
+    }
     uint16_t pack[2][2][PANEL / 2][32] __attribute__((aligned(64))); /* 128 KB of stack */
     float tail[2][16 * COLS] __attribute__((aligned(64))); /* C of a last group of fewer than 16 rows */
     const int groups = (M + 15) / 16;
@@ -123,7 +176,9 @@ void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w
     for (int k0 = 0; k0 < K; k0 += PANEL) {
         const int kp = K - k0 < PANEL ? K - k0 : PANEL;
         for (int b = 0; b < nw; b++) /* the next call's block b lies as far from its first as w[b] from w[0] */
-            interleave(w[b], k0, kp, pack[b], pf ? pf + (w[b] - w[0]) * 2 + (int64_t)k0 * COLS * 2 : NULL);
+            interleave(w[b], k0, kp, pack[b][0], pack[b][1],
+                       pf ? pf + (w[b] - w[0]) * 2 + (int64_t)k0 * COLS * 2 : NULL);
+        STORES_BEFORE_TILE_LOADS();
         for (int g = 0; g < groups; g++) {
             const int m0 = 16 * g, full = M - m0 >= 16;
             float *c0 = full ? y[0] + m0 * ldy : tail[0], *c1 = nw > 1 ? (full ? y[1] + m0 * ldy : tail[1]) : NULL;

@@ -199,9 +199,6 @@ static blocked_w block_of(blocked_w w, int K, int b) {
 #else
 #define ONE_TILE_PREFETCH 0
 #endif
-/* How far ahead of its own rows a block's one tile prefetches. */
-#define PREFETCH_AHEAD 4096
-
 /* Rows [0, M) of x times one full column block -> y[m * ldy + j], j < COLS: tiles of up to WIDE_ROWS rows over the
  * whole block when M is at most WIDE_UP_TO, else tiles of up to ROWS rows over each half of it. The rows are split
  * evenly (4 as 2 + 2, not 3 + 1): a one-row tile has too few accumulators to hide the FMA latency.
