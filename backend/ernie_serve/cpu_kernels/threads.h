@@ -31,8 +31,8 @@ int ernie_next_task(int task, int end, int nb, const int64_t *rows);
  * at 16 rows 0.84x with them, int4 at 4-8 rows 0.78-0.95x). */
 #define PREFETCH_ROWS(bits) ((bits) / 2)
 
-/* How far ahead of its own reads a memory-bound pass prefetches into L1 (cpu_gemm.c's one-tile blocks, cpu_amx.c's
- * one row group): 4 KB, a whole block ahead overflowed the 48 KB L1 of this AMX Xeon. */
+/* How far ahead of its own reads a memory-bound pass prefetches (cpu_gemm.c's one-tile blocks, into L2; cpu_amx.c's
+ * one row group, into L1): 4 KB; a whole block ahead into L1 overflowed the 48 KB L1 of this AMX Xeon. */
 #define PREFETCH_AHEAD 4096
 
 #define THREADS num_threads(ernie_threads())
