@@ -274,8 +274,7 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
             for (int r = r0; r < rows; r++) {
                 const int nk = seen[r];
                 float *pr = ph + r * bs;
-                float mb = -INFINITY;
-                for (int j = 0; j < nk; j++) mb = pr[j] > mb ? pr[j] : mb;
+                const float mb = row_max(pr, nk);
                 const float m_new = mb > mh[r] ? mb : mh[r];
                 const float alpha = expf(mh[r] - m_new);  /* 0 on the first block (m = -inf) */
                 const float sum = exp_shifted_sum(pr, nk, m_new);
