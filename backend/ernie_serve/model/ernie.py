@@ -109,10 +109,10 @@ class ErnieForCausalLM(nn.Layer):
         """Final-normed hidden states [T, H] of the step's tokens (MTP drafts from these too)."""
         x = self.embed_tokens(input_ids)
         if self.cpu_layers is not None and self.cpu_layers.serves(x, meta, cache):
-            x = self.cpu_layers(x, positions, meta, cache)  # the same layers in one C call (model/cpu_layers.py)
-        else:
-            for layer in self.layers:
-                x = layer(x, positions, self.rope, meta, cache)
+            # the same layers and the final norm in one C call (model/cpu_layers.py)
+            return self.cpu_layers(x, positions, meta, cache, final_norm=self.norm)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, meta, cache)
         return self.norm(x)
 
     def process_weights_after_loading(self, weight_bits: int = 32) -> None:

@@ -77,7 +77,11 @@ class ModelShard:
         hidden = self.model(to_paddle(step.token_ids), to_paddle(step.positions), meta, self.cache)
         if not step.sample_rows.size:
             return hidden, None
-        picked = paddle.index_select(hidden, to_paddle(step.sample_rows))
+        rows = step.sample_rows
+        # every row, in order (a step of plain decodes): no gather, one Paddle op fewer where each costs ~0.3 ms
+        # with the caches cold from the weights' stream
+        every = rows.size == step.num_tokens and bool((rows == np.arange(rows.size)).all())
+        picked = hidden if every else paddle.index_select(hidden, to_paddle(rows))
         if step.argmax_only:
             reduced = self.model.compute_argmax(picked)
             if reduced is not None:
