@@ -122,6 +122,13 @@ static void interleave(const uint16_t *w, int k0, int kp, uint16_t (*left)[32], 
  * that made a panel past them, or drop those stores as never read: this barrier keeps them before. */
 #define STORES_BEFORE_TILE_LOADS() __asm__ volatile("" ::: "memory")
 
+/* The rows of a last group of fewer than 16 (M % 16 of them), stored to `tail` as a tile, to their places in y. */
+static void copy_tail(float tail[2][16 * COLS], int M, int nw, float *const *y, int64_t ldy) {
+    for (int b = 0; b < nw; b++)
+        for (int m = M / 16 * 16; m < M; m++)
+            memcpy(y[b] + (int64_t)m * ldy, tail[b] + (m % 16) * COLS, sizeof(float) * COLS);
+}
+
 /* At most 16 rows (one row group: a decode step's): each 32 k of the blocks is interleaved into an L1 buffer (two in
  * turn) and multiplied at once, the blocks' rows PREFETCH_AHEAD on prefetched into L1 first, all of a chunk's at
  * once; the whole-panel path below sent each 64 KB panel through L2 between its interleave and its one read. A
@@ -157,9 +164,8 @@ static void one_group(const uint16_t *xh, int M, int K, const uint16_t *const *w
             _tile_stored(2, c, ldc);
             _tile_stored(3, c + 16, ldc);
         }
-        if (!full)
-            for (int m = 0; m < M; m++) memcpy(y[b] + (int64_t)m * ldy, tail[b] + m * COLS, sizeof(float) * COLS);
     }
+    copy_tail(tail, M, nw, y, ldy);
 }
 
 void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
@@ -209,9 +215,7 @@ void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w
             }
         }
     }
-    for (int b = 0; b < nw; b++)
-        for (int m = M / 16 * 16; m < M; m++)
-            memcpy(y[b] + (int64_t)m * ldy, tail[b] + (m % 16) * COLS, sizeof(float) * COLS);
+    copy_tail(tail, M, nw, y, ldy);
 }
 
 #ifdef __AMX_INT8__

@@ -295,11 +295,8 @@ static void gemm(rows_x x, int M, int K, blocked_w w, int N, float *y) {
     if (N % COLS) columns_plain(x, M, K, w, N, y + N / COLS * COLS, N / COLS * COLS, N);
 }
 
-/* The first block of the task after `task` in a thread's run ending at `end` (ernie_next_task), for a prefetch;
- * NULL: none. */
-static const char *next_task_block(int task, int end, int nb, const int64_t *rows, const void *const *w, int bits,
-                                   int K) {
-    const int t = ernie_next_task(task, end, nb, rows);
+/* Where task t's block starts (expert t / nb, column block t % nb), for a prefetch; NULL for t < 0 (none). */
+static const char *task_block(int t, int nb, const void *const *w, int bits, int K) {
     return t < 0 ? NULL : (const char *)block_of(weight_of(w[t / nb], bits), K, t % nb).p;
 }
 
@@ -313,13 +310,13 @@ static void moe_gemm(rows_x x, const int64_t *rows, const int64_t *starts, int E
     const int nb = N / COLS;
     #pragma omp parallel THREADS
     {
-        int task, end;
-        for (ernie_my_task_run(rows, E, nb, &task, &end); task < end; task++) {
+        int first, end;
+        ernie_my_task_run(rows, E, nb, &first, &end);
+        for (int task = ernie_first_task(first, end, nb, rows), next; task >= 0; task = next) {
             const int e = task / nb;
-            if (!rows[e]) continue;  /* nothing to multiply, nor a next task to look up */
+            next = ernie_next_task(task, end, nb, rows);
             column_block(expert_rows(x, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
-                         y + starts[e] * N + task % nb * COLS, task % nb,
-                         next_task_block(task, end, nb, rows, w, bits, K));
+                         y + starts[e] * N + task % nb * COLS, task % nb, task_block(next, nb, w, bits, K));
         }
     }
     if (N % COLS)
@@ -444,12 +441,13 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
         const int nb = N / 2 / COLS;
         #pragma omp parallel THREADS
         {
-            int task, end;
-            for (ernie_my_task_run(rows, E, nb, &task, &end); task < end; task++) {
+            int first, end;
+            ernie_my_task_run(rows, E, nb, &first, &end);
+            for (int task = ernie_first_task(first, end, nb, rows), next; task >= 0; task = next) {
                 const int e = task / nb;
-                if (!rows[e]) continue;
+                next = ernie_next_task(task, end, nb, rows);
                 swiglu_rows(expert_rows(xr, starts[e] * K, rows[e]), (int)rows[e], K, weight_of(w[e], bits), N,
-                            y + starts[e] * N / 2, task % nb, next_task_block(task, end, nb, rows, w, bits, K));
+                            y + starts[e] * N / 2, task % nb, task_block(next, nb, w, bits, K));
             }
         }
     }

@@ -557,11 +557,11 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     const int64_t block = groups(K, bits) * 4 * COLS;
     #pragma omp parallel THREADS
     {
-        int task, end;
-        for (ernie_my_task_run(rows, E, nb, &task, &end); task < end; task++) {
+        int first, end;
+        ernie_my_task_run(rows, E, nb, &first, &end);
+        for (int task = ernie_first_task(first, end, nb, rows), t; task >= 0; task = t) {
             const int e = task / nb, b = task % nb;
-            if (!rows[e]) continue;
-            const int t = ernie_next_task(task, end, nb, rows);
+            t = ernie_next_task(task, end, nb, rows);
             const char *next = t < 0 ? NULL : (const char *)(w[t / nb] + t % nb * block);
             /* rows are addressed from x's first row: y's too, so each expert's output lands at its starts[e] */
             if (swiglu) qcolumns_swiglu(&a, (int)starts[e], (int)rows[e], K, w[e], N, s[e], y, b, bits, next);

@@ -25,10 +25,14 @@ void ernie_task_run(const int64_t *rows, int E, int nb, int t, int threads, int 
 void ernie_my_task_run(const int64_t *rows, int E, int nb, int *first, int *end);
 /* The next task of a run after `task`, skipping experts without rows; -1: none (the GEMMs prefetch its block). */
 int ernie_next_task(int task, int end, int nb, const int64_t *rows);
+/* The first task with rows of the run [first, end); -1: none. The loops go first_task, next_task, ... */
+static inline int ernie_first_task(int first, int end, int nb, const int64_t *rows) {
+    return ernie_next_task(first - 1, end, nb, rows);
+}
 /* The most rows a block of `bits`-bit weights is prefetched for (cpu_gemm.c's rows_times_block, cpu_qgemm.c's
  * widening passes; its VNNI passes have INT_PREFETCH_ROWS): up to bits / 2 rows (float32 16, bfloat16 8, int8 4,
- * int4 2) memory bounds the block on this AVX2 box; past that its arithmetic does and the prefetches cost more than they save (scripts/bench_kernels_ab.py: bfloat16
- * at 16 rows 0.84x with them, int4 at 4-8 rows 0.78-0.95x). */
+ * int4 2) memory bounds the block on this AVX2 box; past that its arithmetic does and the prefetches cost more than
+ * they save (scripts/bench_kernels_ab.py: bfloat16 at 16 rows 0.84x with them, int4 at 4-8 rows 0.78-0.95x). */
 #define PREFETCH_ROWS(bits) ((bits) / 2)
 
 /* How far ahead of its own reads a memory-bound pass prefetches (cpu_gemm.c's one-tile blocks, into L2; cpu_amx.c's
