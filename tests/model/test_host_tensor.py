@@ -48,3 +48,23 @@ def test_empty_weight_is_a_tensor_over_its_view_at_every_size():
         assert t.place.is_cpu_place() and list(t.shape) == list(shape) and t.data_ptr() == view.ctypes.data
         np.testing.assert_array_equal(t.numpy(), view)
     assert t.data_ptr() % (2 << 20) == 0
+
+
+def test_mid_sized_weights_share_arena_mappings_without_overlapping():
+    """Weights between 256 KB and 8 MB (the wint8 experts' codes, bfloat16 attention) are carved from shared
+    huge-page mappings: page-aligned, each its own bytes, a new mapping when one fills."""
+    from ernie_serve.host_tensor import empty_weight
+
+    shapes = [(512, 1024), (1000, 700), (3, 5), (1024, 1536), (700, 1024)] * 12  # ~4 MB apiece: several mappings
+    made = []
+    for i, shape in enumerate(shapes):
+        t, view = empty_weight(shape, np.uint8 if i % 2 else np.float32)
+        view[...] = i % 251
+        assert t.data_ptr() == view.ctypes.data and list(t.shape) == list(shape)
+        if view.nbytes >= 256 << 10:
+            assert view.ctypes.data % 4096 == 0
+        made.append((i, t, view))
+    spans = sorted((v.ctypes.data, v.ctypes.data + v.nbytes) for _, _, v in made)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    for i, t, view in made:  # no later weight wrote over an earlier one
+        assert (view == i % 251).all() and int(t.numpy().ravel()[-1]) == i % 251
