@@ -188,11 +188,24 @@ def test_steps_and_models_it_does_not_cover_run_the_python_layers(ckpt, tmp_path
     assert not calls
 
 
-def test_a_step_whose_slots_fall_outside_the_cache_is_refused(ckpt):
+@pytest.mark.parametrize("what, change", [
+    ("a slot one past the last block", lambda s: s.slot_mapping.__setitem__(-1, 4 * BLOCK)),
+    ("a negative slot", lambda s: s.slot_mapping.__setitem__(0, -1)),
+    ("a negative position", lambda s: s.positions.__setitem__(0, -1)),
+    ("a table entry past the cache", lambda s: s.block_tables.__setitem__((0, 0), 4)),
+    ("a sequence longer than its table", lambda s: s.seq_lens.__setitem__(0, BLOCK + 1)),
+    ("fewer visible tokens than new ones", lambda s: s.seq_lens.__setitem__(0, 3)),
+])
+def test_a_step_with_an_index_out_of_range_is_refused_before_anything_is_written(ckpt, what, change):
+    """cpu_layer.c checks every index it reads or writes through (step_in_range) and returns before the first
+    layer: the C stack must never write past the cache because a caller got a block table wrong."""
     name = "dense_gqa4_headdim80"
     llm = _llm(ckpt(name), num_gpu_blocks_override=4, max_model_len=64)
     bad = _step([(0, 5)], SHAPES[name]["vocab_size"])
     bad.block_tables = np.array([[0]], np.int64)
-    bad.slot_mapping = np.array([0, 1, 2, 3, 4 * BLOCK], np.int64)  # one past the last block
-    with pytest.raises(ValueError, match="does not fit"):
+    change(bad)
+    cache = llm.engine.runner.executor.cache
+    before = [a.copy() for a in cache.k + cache.v]
+    with pytest.raises(ValueError, match="outside the model's"):
         llm.engine.runner.executor.execute(bad)
+    assert all(np.array_equal(a, b) for a, b in zip(cache.k + cache.v, before)), what

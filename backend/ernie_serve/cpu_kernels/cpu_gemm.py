@@ -57,9 +57,13 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, dtype=ml_dtypes.bfloat16).view(np.int16)
 
 
-def widen(a: np.ndarray) -> np.ndarray:
-    """A held float weight's values as float32 (bfloat16 bits widened; float32 as it is)."""
-    return a.view(ml_dtypes.bfloat16).astype(np.float32) if a.dtype == np.int16 else a
+def widen(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """A held float weight's values as float32 (bfloat16 bits widened; float32 as it is), or written into `out`."""
+    held = a.view(ml_dtypes.bfloat16) if a.dtype == np.int16 else a
+    if out is not None:
+        out[...] = held
+        return out
+    return held.astype(np.float32) if held is not a else a
 
 
 def blocked_shape(q_shape: tuple[int, int]) -> tuple[int, int, int]:

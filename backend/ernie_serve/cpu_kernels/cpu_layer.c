@@ -54,7 +54,29 @@ typedef struct {
     int32_t num_tokens, num_seqs, block_size, table_stride;
     const int64_t *positions, *slot_mapping, *block_tables, *query_start_loc, *seq_lens;
     const float *cos, *sin;  /* [positions, head_dim] */
+    int64_t num_positions, num_blocks; /* the rows of cos / sin, the blocks of each layer's cache */
 } ernie_step;
+
+/* Whether every index the layers read through is in range: sequences tile the tokens in order, each sees at least its
+ * own new tokens and at most its table's blocks, and the positions, slots and the table entries it reads lie within
+ * cos / sin and the cache. Checked here, not in Python, where each NumPy reduction cost more than this loop does. */
+static int step_in_range(const ernie_step *S) {
+    const int64_t T = S->num_tokens, bs = S->block_size, slots = S->num_blocks * bs;
+    if (T < 0 || S->num_seqs < 0 || bs <= 0 || S->query_start_loc[0] != 0 || S->query_start_loc[S->num_seqs] != T)
+        return 0;
+    for (int64_t t = 0; t < T; t++)
+        if (S->positions[t] < 0 || S->positions[t] >= S->num_positions || S->slot_mapping[t] < 0
+            || S->slot_mapping[t] >= slots)
+            return 0;
+    for (int s = 0; s < S->num_seqs; s++) {
+        const int64_t q_len = S->query_start_loc[s + 1] - S->query_start_loc[s], len = S->seq_lens[s];
+        if (q_len < 0 || len < q_len || len > (int64_t)S->table_stride * bs) return 0;
+        const int64_t *table = S->block_tables + (int64_t)s * S->table_stride;
+        for (int64_t b = 0; b < (len + bs - 1) / bs; b++)
+            if (table[b] < 0 || table[b] >= S->num_blocks) return 0;
+    }
+    return 1;
+}
 
 /* The int8 levels of x [T, K] at a static scale a (quantization/formats.round_half_away, clipped to +-127). */
 static void int8_levels(const float *x, int64_t n, float a, float *q) {
@@ -214,10 +236,11 @@ int64_t ernie_decoder_layers_work(const ernie_dims *d, const ernie_layer *layers
 
 /* Runs num_layers decoder layers over x [T, H] in place, with `work` of ernie_decoder_layers_work(T) floats (the
  * caller keeps it between steps: a fresh prefill-sized buffer would be faulted in page by page every step). Returns
- * 0, or -1 when a kernel ran out of memory (x is then partly computed). The caller checked every shape
- * (model/cpu_layers.py): slots, positions and block tables are in range. */
+ * 0; -2, x untouched, when an index of the step is out of range (step_in_range); -1 when a kernel ran out of memory
+ * (x is then partly computed). The caller checked the arrays' shapes (model/cpu_layers.py). */
 int ernie_decoder_layers(const ernie_dims *d, const ernie_layer *layers, int num_layers, const ernie_step *S,
                          float *x, float *work) {
+    if (!step_in_range(S)) return -2;
     for (int i = 0; i < num_layers; i++)
         if (attention_block(d, &layers[i], S, x, work) || mlp_block(d, &layers[i], S->num_tokens, x, work)) return -1;
     return 0;

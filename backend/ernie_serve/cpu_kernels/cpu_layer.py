@@ -36,7 +36,8 @@ class Dims(ctypes.Structure):
 class Step(ctypes.Structure):
     _fields_ = [("num_tokens", _I32), ("num_seqs", _I32), ("block_size", _I32), ("table_stride", _I32),
                 ("positions", _P), ("slot_mapping", _P), ("block_tables", _P), ("query_start_loc", _P),
-                ("seq_lens", _P), ("cos", _P), ("sin", _P)]
+                ("seq_lens", _P), ("cos", _P), ("sin", _P), ("num_positions", ctypes.c_int64),
+                ("num_blocks", ctypes.c_int64)]
 
 
 def work_floats(dims: Dims, layers: ctypes.Array, num_tokens: int) -> int:
@@ -46,11 +47,18 @@ def work_floats(dims: Dims, layers: ctypes.Array, num_tokens: int) -> int:
 
 def decoder_layers(dims: Dims, layers: ctypes.Array, step: Step, x: np.ndarray, work: np.ndarray) -> np.ndarray:
     """Runs every layer of `layers` over x [num_tokens, hidden] float32 (C-contiguous) in place. `work`: the float32
-    buffer the caller keeps between steps; returned as it is, or a larger one when this step needs more."""
+    buffer the caller keeps between steps; returned as it is, or a larger one when this step needs more. A step whose
+    positions, slots, block tables or sequence bounds are out of range (cpu_layer.c's step_in_range) raises
+    ValueError with x untouched."""
     need = work_floats(dims, layers, step.num_tokens)
     if work.dtype != np.float32 or work.size < need:
         work = np.empty(need, np.float32)
-    if build.library().ernie_decoder_layers(ctypes.byref(dims), layers, len(layers), ctypes.byref(step),
-                                            x.ctypes.data, work.ctypes.data) != 0:
+    rc = build.library().ernie_decoder_layers(ctypes.byref(dims), layers, len(layers), ctypes.byref(step),
+                                              x.ctypes.data, work.ctypes.data)
+    if rc == -2:
+        raise ValueError(f"cpu_layer.c: a step of {step.num_tokens} tokens in {step.num_seqs} sequences has a position, "
+                         f"slot, block table entry or sequence bound outside the model's {step.num_positions} "
+                         f"positions and its cache of {step.num_blocks} blocks of {step.block_size}")
+    if rc != 0:
         raise MemoryError("cpu_layer.c: a kernel could not allocate its work memory")
     return work

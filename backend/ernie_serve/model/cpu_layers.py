@@ -22,11 +22,11 @@ import numpy as np
 import paddle
 
 from ..cpu_kernels import build, cpu_attention, cpu_gemm, cpu_layer
-from ..host_tensor import empty_host
-from .attention import native_seq_count
+from ..host_tensor import empty_host, to_paddle
+from .attention import native_seqs
 from .attention_metadata import AttentionMetadata
 from .kv_cache import PagedKVCache
-from .layers import MLP, BlockedLinear, RMSNorm
+from .layers import MLP, BlockedLinear, RMSNorm, TiedEmbedding
 from .moe import MoE, BlockedExperts
 
 log = logging.getLogger(__name__)
@@ -57,48 +57,63 @@ class CpuDecoderStack:
                 return None
         return cls(dims, (cpu_layer.Layer * len(descs))(*descs), keep, model.rope)
 
-    def serves(self, x: paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache | None) -> bool:
-        """Whether this step's layers can run here (else the Python layers run it)."""
-        return (meta.slot_mapping is not None and meta.block_tables is not None
-                and native_seq_count(x, meta, cache) == len(meta.seq_lens) and len(cache.k) >= len(self._layers))
+    def serves(self, meta: AttentionMetadata, cache: PagedKVCache | None) -> bool:
+        """Whether this step's layers can run here (else the Python layers run it): inference on a float cache whose
+        every sequence cpu_attention.c takes."""
+        return (cache is not None and cache.quant is None and not paddle.is_grad_enabled()
+                and meta.slot_mapping is not None and meta.block_tables is not None
+                and meta.derive("native_seqs", native_seqs) == len(meta.seq_lens) and len(cache.k) >= len(self._layers))
 
-    def __call__(self, x: paddle.Tensor, positions: paddle.Tensor, meta: AttentionMetadata,
-                 cache: PagedKVCache, final_norm: RMSNorm | None = None) -> paddle.Tensor:
-        """The hidden states after every layer, [T, H] (a new tensor; x is not changed), then `final_norm`'s
-        (layers.RMSNorm: the same C kernel its forward calls) applied in place: the norm's own call, a Paddle
-        round trip right after the step's weights have streamed through the caches, cost ~0.8 ms of a ~40 ms
-        decode step."""
+    def __call__(self, embedding: paddle.nn.Layer, input_ids: np.ndarray | paddle.Tensor,
+                 positions: np.ndarray | paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache,
+                 final_norm: RMSNorm | None = None) -> paddle.Tensor:
+        """The hidden states after every layer, [T, H] (a new tensor), of `embedding`'s rows for input_ids, then
+        `final_norm`'s (layers.RMSNorm: the same C kernel its forward calls) applied in place. Ids and positions as
+        the step holds them (NumPy) or as Paddle tensors. Why the embedding and the norm are done here: each Paddle
+        op around the C call (a tensor from the ids, the embedding's output, the norm's call) cost 0.2-0.8 ms of a
+        ~25-40 ms decode step, run right after the step's weights have streamed through the caches."""
         d = self._dims
-        y, out = empty_host(x.shape, np.float32)
-        out[...] = np.from_dlpack(x)
-        pos = np.ascontiguousarray(positions.numpy(), dtype=np.int64)
+        ids = _host_int64(input_ids)
+        pos = _host_int64(positions)
+        t = ids.shape[0]
+        y, out = empty_host((t, d.hidden), np.float32)
+        _embed(embedding, ids, out)
         cos, sin = self._rope.tables(meta.max_position)
         slots = np.ascontiguousarray(meta.slot_mapping, dtype=np.int64)
         tables = np.ascontiguousarray(meta.block_tables, dtype=np.int64)
         qsl = np.ascontiguousarray(meta.query_start_loc, dtype=np.int64)
         lens = np.ascontiguousarray(meta.seq_lens, dtype=np.int64)
-        t, num_blocks = out.shape[0], cache.num_blocks
-        # C indexes with these unchecked: out-of-range values are refused here, not written past the cache
-        if (out.shape[1] != d.hidden or pos.shape != (t,) or slots.shape != (t,) or int(qsl[-1]) != t
-                or cache.block_size != meta.block_size or cache.num_kv_heads != d.num_kv_heads
-                or cache.head_dim != d.head_dim or cache.quant is not None
-                or cache.k[0].dtype not in cpu_attention.FLOAT_CACHES
-                or (t and (pos.min() < 0 or pos.max() >= cos.shape[0] or slots.min() < 0
-                           or slots.max() >= num_blocks * cache.block_size))
-                or tables.min(initial=0) < 0 or tables.max(initial=0) >= num_blocks
-                or tables.shape[1] * cache.block_size < int(lens.max(initial=0))):
+        # the shapes here; every index's range in C (cpu_layer.c's step_in_range), before it reads through one
+        if (ids.shape != (t,) or pos.shape != (t,) or slots.shape != (t,) or qsl.shape != (lens.shape[0] + 1,)
+                or tables.ndim != 2 or tables.shape[0] < lens.shape[0] or cache.block_size != meta.block_size
+                or cache.num_kv_heads != d.num_kv_heads or cache.head_dim != d.head_dim or cache.quant is not None
+                or cache.k[0].dtype not in cpu_attention.FLOAT_CACHES):
             raise ValueError(f"cpu_layers: a step of {t} tokens (positions {pos.shape}, slots {slots.shape}, tables "
-                             f"{list(tables.shape)}) does not fit this model or its cache of {num_blocks} blocks")
+                             f"{list(tables.shape)}, {lens.shape[0]} sequences) does not fit this model or its cache")
         for desc, k, v in zip(self._layers, cache.k, cache.v):
             desc.k_cache, desc.v_cache = k.ctypes.data, v.ctypes.data
         d.kv_bf16 = int(cache.code_dtype.name == "bfloat16")
         step = cpu_layer.Step(t, lens.shape[0], cache.block_size, tables.shape[1], pos.ctypes.data, slots.ctypes.data,
-                              tables.ctypes.data, qsl.ctypes.data, lens.ctypes.data, cos.data_ptr(), sin.data_ptr())
+                              tables.ctypes.data, qsl.ctypes.data, lens.ctypes.data, cos.data_ptr(), sin.data_ptr(),
+                              cos.shape[0], cache.num_blocks)
         self._work = cpu_layer.decoder_layers(d, self._layers, step, out, self._work)
         if final_norm is not None:
             build.library().ernie_rms_norm(out.ctypes.data, final_norm.weight.data_ptr(), t, d.hidden,
                                            final_norm.eps, out.ctypes.data)
         return y
+
+
+def _host_int64(a: np.ndarray | paddle.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(a.numpy() if isinstance(a, paddle.Tensor) else a, dtype=np.int64)
+
+
+def _embed(embedding: paddle.nn.Layer, ids: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = embedding row ids[i]: a tied embedding's rows straight from the head's NumPy view, else (an untied
+    nn.Embedding) through its forward."""
+    if type(embedding) is TiedEmbedding:
+        embedding.lookup(ids, out)
+    else:
+        out[...] = np.from_dlpack(embedding(to_paddle(ids)))
 
 
 class _NotCovered(Exception):

@@ -15,6 +15,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..cpu_kernels import cpu_gemm
+from ..host_tensor import to_paddle
 from .attention import AttentionMetadata, paged_attention
 from .config import ErnieModelConfig
 from .cpu_layers import CpuDecoderStack
@@ -104,13 +105,15 @@ class ErnieForCausalLM(nn.Layer):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.compression_ratio)
         self.cpu_layers: CpuDecoderStack | None = None  # set by process_weights_after_loading where it applies
 
-    def forward(self, input_ids: paddle.Tensor, positions: paddle.Tensor, meta: AttentionMetadata,
-                cache: PagedKVCache | None) -> paddle.Tensor:
-        """Final-normed hidden states [T, H] of the step's tokens (MTP drafts from these too)."""
+    def forward(self, input_ids: paddle.Tensor | np.ndarray, positions: paddle.Tensor | np.ndarray,
+                meta: AttentionMetadata, cache: PagedKVCache | None) -> paddle.Tensor:
+        """Final-normed hidden states [T, H] of the step's tokens (MTP drafts from these too). Ids and positions as
+        Paddle tensors, or as the step's NumPy arrays, turned into tensors only where a Paddle op reads them."""
+        if self.cpu_layers is not None and self.cpu_layers.serves(meta, cache):
+            # the embedding, the same layers and the final norm in one C call (model/cpu_layers.py)
+            return self.cpu_layers(self.embed_tokens, input_ids, positions, meta, cache, final_norm=self.norm)
+        input_ids, positions = (a if isinstance(a, paddle.Tensor) else to_paddle(a) for a in (input_ids, positions))
         x = self.embed_tokens(input_ids)
-        if self.cpu_layers is not None and self.cpu_layers.serves(x, meta, cache):
-            # the same layers and the final norm in one C call (model/cpu_layers.py)
-            return self.cpu_layers(x, positions, meta, cache, final_norm=self.norm)
         for layer in self.layers:
             x = layer(x, positions, self.rope, meta, cache)
         return self.norm(x)

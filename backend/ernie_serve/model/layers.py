@@ -14,7 +14,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..cpu_kernels import cpu_gemm, cpu_ops
-from ..host_tensor import to_paddle
+from ..host_tensor import empty_host, to_paddle
 
 if TYPE_CHECKING:
     from .layer_builder import LayerBuilder
@@ -115,9 +115,15 @@ class TiedEmbedding(nn.Layer):
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
         v = ids.numpy()
+        t, out = empty_host((v.size, self.table.shape[1]), np.float32)
+        self.lookup(v.reshape(-1), out)
+        return t.reshape(list(ids.shape) + [self.table.shape[1]])
+
+    def lookup(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """out [len(ids), hidden] float32 = the rows of ids (model/cpu_layers.py writes them into its own buffer)."""
         if self._view[0] is not self.table:
             self._view = (self.table, np.from_dlpack(self.table))
-        return to_paddle(cpu_gemm.widen(self._view[1][v // cpu_gemm.COLS, :, v % cpu_gemm.COLS]))
+        cpu_gemm.widen(self._view[1][ids // cpu_gemm.COLS, :, ids % cpu_gemm.COLS], out=out)
 
 
 class RotaryEmbedding:

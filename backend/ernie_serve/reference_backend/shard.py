@@ -74,7 +74,7 @@ class ModelShard:
         if not step.num_tokens:
             return None, None
         meta = step.attention_metadata(self.block_size)
-        hidden = self.model(to_paddle(step.token_ids), to_paddle(step.positions), meta, self.cache)
+        hidden = self.model(step.token_ids, step.positions, meta, self.cache)
         if not step.sample_rows.size:
             return hidden, None
         rows = step.sample_rows
