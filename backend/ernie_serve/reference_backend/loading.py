@@ -55,6 +55,6 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, la
 
 def log_weight_memory(model, where: str) -> None:
     mem = weight_memory_report(model)
-    log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, %.1f MiB in fp32; all in fp32 would "
-             "be %.1f MiB)", where, mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
+    log.info("model weights resident%s: %.1f MiB (%.1f MiB in quantized layers, which would be %.1f MiB in fp32; all in "
+             "fp32 would be %.1f MiB)", where, mem["total_bytes"] / 2**20, mem["quantized_bytes"] / 2**20,
              mem["quantized_fp32_bytes"] / 2**20, mem["fp32_model_bytes"] / 2**20)
