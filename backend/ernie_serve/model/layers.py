@@ -117,7 +117,7 @@ class TiedEmbedding(nn.Layer):
         v = ids.numpy()
         t, out = empty_host((v.size, self.table.shape[1]), np.float32)
         self.lookup(v.reshape(-1), out)
-        return t.reshape(list(ids.shape) + [self.table.shape[1]])
+        return t if v.ndim == 1 else t.reshape(list(v.shape) + [self.table.shape[1]])
 
     def lookup(self, ids: np.ndarray, out: np.ndarray) -> None:
         """out [len(ids), hidden] float32 = the rows of ids (model/cpu_layers.py writes them into its own buffer)."""
