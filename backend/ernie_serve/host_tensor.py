@@ -106,3 +106,17 @@ def empty_weight(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tens
     # zero-copy: the tensor holds the array, the array holds the mapping (one-off at load: the constructor
     # leak described above is one list per weight)
     return paddle.utils.dlpack.from_dlpack(view), view
+
+
+def zeros_huge(shape: tuple[int, ...] | list[int], dtype) -> np.ndarray:
+    """Zeros for a large pool a step reads scattered (the paged KV cache), in transparent huge pages: an anonymous
+    mapping reads as zeros and takes memory only where written (2 MB at a time here), as np.zeros does, but np.zeros'
+    pages are 4 KB (NumPy asks for huge pages for np.empty, not for zeros). A wint8-bf16 decode step at 16 running on
+    300-400 tokens ran ~4.5% faster with its cache here (5 of 5 alternating runs, one-off step timer), bfloat16's
+    0-1%; attention reads a cold cache a few KB a sequence at a time, a page walk each 4 KB page."""
+    dtype = np.dtype(dtype)
+    count = math.prod(int(s) for s in shape)
+    if count * dtype.itemsize < _OWN_MAPPING:
+        return np.zeros(shape, dtype)
+    region, offset = _huge_page_mapping(count * dtype.itemsize)
+    return np.frombuffer(region, dtype=dtype, count=count, offset=offset).reshape(shape)

@@ -68,3 +68,16 @@ def test_mid_sized_weights_share_arena_mappings_without_overlapping():
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
     for i, t, view in made:  # no later weight wrote over an earlier one
         assert (view == i % 251).all() and int(t.numpy().ravel()[-1]) == i % 251
+
+
+@pytest.mark.parametrize("shape, dtype", [((4, 8), np.float32), ((2048, 64, 2, 128), np.uint16), ((300, 4096), np.int8)])
+def test_zeros_huge_reads_as_zeros_and_is_writable(shape, dtype):
+    from ernie_serve.host_tensor import zeros_huge
+
+    z = zeros_huge(shape, dtype)
+    assert z.shape == shape and z.dtype == dtype and z.flags.c_contiguous and z.flags.writeable
+    assert not z.any()
+    z[-1, ...] = 7
+    assert int(z[-1].min()) == 7 and not z[:-1].any()
+    if z.nbytes >= 8 << 20:  # its own mapping, the run 2 MB-aligned
+        assert z.ctypes.data % (2 << 20) == 0

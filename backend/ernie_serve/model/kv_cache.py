@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from ..host_tensor import to_paddle
+from ..host_tensor import to_paddle, zeros_huge
 from ..kv_blocks import CODE_DTYPES, KVBlocks
 from ..quantization import formats as fmt
 
@@ -48,9 +48,9 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.quant = quant
         self.code_dtype = CODE_DTYPES["int8" if quant is not None else dtype]
-        # np.zeros maps untouched pages lazily, so a large pool costs memory only as it fills.
-        self.k = [np.zeros(shape, self.code_dtype) for _ in range(num_layers)]
-        self.v = [np.zeros(shape, self.code_dtype) for _ in range(num_layers)]
+        # untouched pages are mapped lazily, so a large pool costs memory only as it fills
+        self.k = [zeros_huge(shape, self.code_dtype) for _ in range(num_layers)]
+        self.v = [zeros_huge(shape, self.code_dtype) for _ in range(num_layers)]
         if quant is not None:
             self._int8 = _Int8Storage(self, quant)
 
