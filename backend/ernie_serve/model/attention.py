@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from ..cpu_kernels import cpu_attention, cpu_ops
+from ..cpu_kernels import build, cpu_attention, cpu_ops
 from ..host_tensor import to_paddle
 from .attention_metadata import AttentionMetadata
 from .kv_cache import PagedKVCache
@@ -84,9 +84,10 @@ def native_seqs(meta: AttentionMetadata) -> int:
     return meta.num_decodes
 
 
-def native_seq_count(x: paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache | None) -> int:
-    """native_seqs where cpu_attention.c can read the cache at all (a float cache, x on the host); else 0."""
-    if cache is None or cache.quant is not None or not cpu_ops.serves(x):
+def native_seq_count(meta: AttentionMetadata, cache: PagedKVCache | None) -> int:
+    """native_seqs where cpu_attention.c can read the cache at all (a float cache, inference, the kernels built); else
+    0. A caller handing it a Paddle tensor also checks that one is host float32 (cpu_ops.serves)."""
+    if cache is None or cache.quant is not None or paddle.is_grad_enabled() or not build.available():
         return 0
     return meta.derive("native_seqs", native_seqs)
 
@@ -125,7 +126,7 @@ def paged_attention(
     """q [T, nh, hd], k/v [T, nkv, hd] for the step's new tokens -> [T, nh*hd]."""
     if cache is not None and meta.slot_mapping is not None:
         cache.write(layer, meta.slot_mapping, k, v)
-    n = native_seq_count(q, meta, cache)
+    n = native_seq_count(meta, cache) if cpu_ops.serves(q) else 0
     plan = meta.derive("reference", lambda m: _plan(m, cache is not None and cache.quant is not None, n))
     nh, hd = q.shape[1], q.shape[2]
     outs = []

@@ -23,7 +23,7 @@ import paddle
 
 from ..cpu_kernels import build, cpu_attention, cpu_gemm, cpu_layer
 from ..host_tensor import empty_host, to_paddle
-from .attention import native_seqs
+from .attention import native_seq_count
 from .attention_metadata import AttentionMetadata
 from .kv_cache import PagedKVCache
 from .layers import MLP, BlockedLinear, RMSNorm, TiedEmbedding
@@ -60,9 +60,9 @@ class CpuDecoderStack:
     def serves(self, meta: AttentionMetadata, cache: PagedKVCache | None) -> bool:
         """Whether this step's layers can run here (else the Python layers run it): inference on a float cache whose
         every sequence cpu_attention.c takes."""
-        return (cache is not None and cache.quant is None and not paddle.is_grad_enabled()
-                and meta.slot_mapping is not None and meta.block_tables is not None
-                and meta.derive("native_seqs", native_seqs) == len(meta.seq_lens) and len(cache.k) >= len(self._layers))
+        n = native_seq_count(meta, cache)
+        return (meta.slot_mapping is not None and meta.block_tables is not None
+                and 0 < n == len(meta.seq_lens) and len(cache.k) >= len(self._layers))
 
     def __call__(self, embedding: paddle.nn.Layer, input_ids: np.ndarray | paddle.Tensor,
                  positions: np.ndarray | paddle.Tensor, meta: AttentionMetadata, cache: PagedKVCache,
