@@ -43,7 +43,8 @@ typedef struct {
     int32_t *sum;         /* [M][levels]: each level's sum of codes, for the weight offset */
     int levels, Kp, bias; /* bias: the weights' offset, 128 (int8) or 8 (int4) */
     const float *x;       /* instead of q: the float rows [M][K] themselves (the widening path below) */
-    int K;
+    const float *src;     /* the rows q is quantized from (quantize_rows) */
+    int K, int_x;
 } qacts;
 
 static int64_t groups(int K, int bits) { return bits == 4 ? (K + 7) / 8 : (K + 3) / 4; }
@@ -64,7 +65,7 @@ static inline int8_t code_of(float x, float s1, float inv1, float inv2, int8_t *
 
 static void quantize_row(const float *x, int K, int Kp, int levels, int int_x, int8_t *q, float *scale,
                          int32_t *sum) {
-    memset(q, 0, (size_t)levels * Kp);
+    for (int l = 0; l < levels; l++) memset(q + (size_t)l * Kp + K, 0, (size_t)(Kp - K)); /* K's padding: zeros */
     if (int_x) {  /* already integer-valued in [-127, 127]: one exact level */
         int32_t s = 0;
         for (int k = 0; k < K; k++) {
@@ -92,6 +93,7 @@ static void quantize_row(const float *x, int K, int Kp, int levels, int int_x, i
     }
     if (nan) amax = NAN;
     if (!(amax > 0.0f) || !isfinite(amax)) {  /* a zero row; a non-finite one gives NaN outputs */
+        memset(q, 0, (size_t)levels * Kp);
         for (int l = 0; l < levels; l++) scale[l] = amax == 0.0f ? 0.0f : NAN, sum[l] = 0;
         return;
     }
@@ -501,8 +503,9 @@ static void qcolumns_swiglu(const qacts *a, int r0, int M, int K, const uint8_t 
     }
 }
 
-/* The activations as the blocks take them: every row quantized once (the tasks below share them), or, with the
- * widening path and float x, the rows as they are. Returns 0, or -1 out of memory. */
+/* The activations as the blocks take them: room for every row quantized once (the tasks below share them), which
+ * quantize_rows fills inside the GEMM's own parallel region, or, with the widening path and float x, the rows as
+ * they are. Returns 0, or -1 out of memory. */
 static int prepare(const float *x, int M, int K, int bits, int int_x, qacts *a) {
     *a = (qacts){0};
 #ifdef HAVE_WIDENING_QBLOCK
@@ -512,21 +515,34 @@ static int prepare(const float *x, int M, int K, int bits, int int_x, qacts *a) 
     }
 #endif
     const int levels = int_x ? 1 : 2, Kp = (int)groups(K, bits) * (bits == 4 ? 8 : 4);
-    const int pad = bits == 8 ? 16 : 0; /* rows past the last: an AMX tile loads 16 (int8 codes only go there) */
-    a->q = malloc((size_t)(M + pad) * levels * Kp + 64);
+    /* rows past the last, zeroed: an AMX tile loads 16 rows from a group's first (int8 codes from AMX_INT8_ROWS) */
+    const int pad = bits == 8 && M >= AMX_INT8_ROWS ? 16 : 0;
+    const size_t codes = (size_t)M * levels * Kp, tail = (size_t)pad * levels * Kp + 64;
+    a->q = aligned_alloc(64, (codes + tail + 63) / 64 * 64); /* 64-aligned: a tile's rows are whole lines */
     a->scale = malloc(sizeof(float) * (size_t)M * levels + 4);
     a->sum = malloc(sizeof(int32_t) * (size_t)M * levels + 4);
     if (!a->q || !a->scale || !a->sum) {
         free(a->q), free(a->scale), free(a->sum);
         return -1;
     }
-    memset(a->q + (size_t)M * levels * Kp, 0, (size_t)pad * levels * Kp + 64);
-    #pragma omp parallel for THREADS schedule(static) if ((int64_t)M * K >= (1 << 18))
-    for (int m = 0; m < M; m++)
-        quantize_row(x + (int64_t)m * K, K, Kp, levels, int_x, a->q + (int64_t)m * levels * Kp, a->scale + m * levels,
-                     a->sum + m * levels);
+    memset(a->q + codes, 0, tail);
+    a->src = x, a->int_x = int_x, a->K = K;
     a->levels = levels, a->Kp = Kp, a->bias = bits == 8 ? 128 : 8;
     return 0;
+}
+
+/* Every row of x into a's codes, the rows shared out among the threads of the parallel region this is called from
+ * (an implicit barrier at the end: every block reads every row). A region of its own before the GEMM's cost a fork,
+ * and below 2^18 elements (every decode step, and prefill chunks up to 255 rows of 1024) it ran on one core while the
+ * other waited: 22 us a MoE layer's 64 rows of 1024, 6 us a dense layer's 16 (a one-off C loop). Against that
+ * (scripts/bench_kernels_ab.py --bits 8, 9 rounds): decode-sized experts 1.00-1.06x, a dense layer at 16 / 32 rows
+ * 1.06x / 1.08x; --prefill --bits 8,4: 32-row dense layers 1.08-1.36x. */
+static void quantize_rows(const qacts *a, int M) {
+    if (!a->q) return; /* the widening path: float rows as they are */
+    #pragma omp for schedule(static)
+    for (int m = 0; m < M; m++)
+        quantize_row(a->src + (int64_t)m * a->K, a->K, a->Kp, a->levels, a->int_x, a->q + (int64_t)m * a->levels * a->Kp,
+                     a->scale + m * a->levels, a->sum + m * a->levels);
 }
 
 static void release(qacts *a) { free(a->q), free(a->scale), free(a->sum); }
@@ -537,11 +553,15 @@ int ernie_qgemm(const float *x, int M, int K, const uint8_t *w, int N, const flo
     if (prepare(x, M, K, bits, int_x, &a)) return -1;
     const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
     const int64_t block = groups(K, bits) * 4 * COLS;
-    #pragma omp parallel for THREADS schedule(static)
-    for (int b = 0; b < nb; b++) {
-        const char *next = b + 1 < nb ? (const char *)(w + (b + 1) * block) : NULL;
-        if (swiglu) qcolumns_swiglu(&a, 0, M, K, w, N, s, y, b, bits, next);
-        else qcolumns(&a, 0, M, K, w, N, s, y, b, bits, next);
+    #pragma omp parallel THREADS
+    {
+        quantize_rows(&a, M);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < nb; b++) {
+            const char *next = b + 1 < nb ? (const char *)(w + (b + 1) * block) : NULL;
+            if (swiglu) qcolumns_swiglu(&a, 0, M, K, w, N, s, y, b, bits, next);
+            else qcolumns(&a, 0, M, K, w, N, s, y, b, bits, next);
+        }
     }
     release(&a);
     return 0;
@@ -557,6 +577,7 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     const int64_t block = groups(K, bits) * 4 * COLS;
     #pragma omp parallel THREADS
     {
+        quantize_rows(&a, (int)M);
         int first, end;
         ernie_my_task_run(rows, E, nb, &first, &end);
         for (int task = ernie_first_task(first, end, nb, rows), t; task >= 0; task = t) {
