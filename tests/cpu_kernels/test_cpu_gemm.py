@@ -456,23 +456,26 @@ def test_gemm_argmax_refuses_what_does_not_fit():
         cpu_gemm.gemm_argmax(np.ones((2, 8), np.float32), blocked, 64, 64)
 
 
-def test_int8_runs_on_amx_from_16_rows_where_the_cpu_has_it():
-    """AMX-INT8 takes int8 codes from 16 rows when K is a multiple of 64 (a tile's 16 groups of 4)."""
+def test_int8_runs_on_amx_from_5_rows_where_the_cpu_has_it():
+    """AMX-INT8 takes int8 codes from 5 rows (amx.h's AMX_INT8_ROWS, where the two-level VNNI passes run out of
+    cycles) when K is a multiple of 64 (a tile's 16 groups of 4)."""
     from ernie_serve.devices import cpu_flags_line
 
     has_amx = {"amx_int8", "amx_tile"} <= set(cpu_flags_line().split()) and os.environ.get("ERNIE_CPU_AMX") != "0"
-    assert cpu_gemm.int8_on_amx(16, 1024) == has_amx and cpu_gemm.int8_on_amx(300, 64) == has_amx
-    assert not cpu_gemm.int8_on_amx(15, 1024) and not cpu_gemm.int8_on_amx(16, 96)
+    assert cpu_gemm.int8_on_amx(5, 1024) == has_amx and cpu_gemm.int8_on_amx(16, 704) == has_amx
+    assert cpu_gemm.int8_on_amx(300, 64) == has_amx
+    assert not cpu_gemm.int8_on_amx(4, 1024) and not cpu_gemm.int8_on_amx(16, 96)
 
 
 @pytest.mark.skipif(not cpu_gemm.int8_on_amx(16, 64), reason="no AMX-INT8 on this CPU (or ERNIE_CPU_AMX=0)")
 @pytest.mark.parametrize("int_x", [False, True])
-@pytest.mark.parametrize("m,k,n", [(16, 64, 32), (17, 128, 40), (37, 1024, 96), (300, 192, 64), (20, 96, 64)])
+@pytest.mark.parametrize("m,k,n", [(16, 64, 32), (17, 128, 40), (37, 1024, 96), (300, 192, 64), (20, 96, 64),
+                                   (5, 704, 64), (7, 64, 40)])
 def test_int8_on_amx_gives_the_vnni_paths_floats_bit_for_bit(m, k, n, int_x):
     """TDPBSUD sums the same integer products vpdpbusd does, and both end in one epilogue: with AMX on and off
-    (ernie_set_amx) a GEMM, its SwiGLU form and experts on both sides of the 16-row rule in one call give the same
-    floats; row groups of 16 and a short last one, a narrow last block, K off the tile's 64 (falls back), one level
-    (integer-valued x) and two."""
+    (ernie_set_amx) a GEMM, its SwiGLU form and experts on both sides of the 5-row rule in one call give the same
+    floats; a group of fewer than 16 rows, row groups of 16 and a short last one, a narrow last block, K off the tile's
+    64 (falls back), one level (integer-valued x) and two."""
     from ernie_serve.cpu_kernels import build
 
     rng = np.random.default_rng(m + k + n)
@@ -482,7 +485,7 @@ def test_int8_on_amx_gives_the_vnni_paths_floats_bit_for_bit(m, k, n, int_x):
     w = rng.standard_normal((k, 2 * n)).astype(np.float32)
     q, s = fmt.quantize_weight_only(w, 8)
     codes, scale = cpu_gemm.packed_codes(q, 8), paddle.to_tensor(s)
-    rows = np.array([3, m, 0, 16, 1])
+    rows = np.array([3, m, 0, 16, 1, 5, 4])  # the last expert's 4 rows: a tile of 16 from the 5-row one reads past
     xs = rng.standard_normal((int(rows.sum()), k)).astype(np.float32)
 
     swiglu = cpu_gemm.swiglu_fits(2 * n)  # 2 * 40 columns: a narrow last block, and no fused SwiGLU
@@ -490,7 +493,7 @@ def test_int8_on_amx_gives_the_vnni_paths_floats_bit_for_bit(m, k, n, int_x):
     def products():
         return (cpu_gemm.gemm(x, codes, 2 * n, scale, 8, int_x=int_x).numpy(),
                 cpu_gemm.gemm(x, codes, 2 * n, scale, 8, swiglu=swiglu, int_x=int_x).numpy(),
-                cpu_gemm.moe_gemm(xs, rows, [codes] * 5, 2 * n, [scale] * 5, 8, swiglu=swiglu).numpy())
+                cpu_gemm.moe_gemm(xs, rows, [codes] * 7, 2 * n, [scale] * 7, 8, swiglu=swiglu).numpy())
 
     on = products()
     lib = build.library()

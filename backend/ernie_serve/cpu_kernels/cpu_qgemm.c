@@ -7,8 +7,9 @@
  * compute-bound at 4+ rows (wint8 decoded little faster than fp32 while reading a quarter of its bytes);
  * vpdpbusd multiplies 64 byte pairs an instruction and needs no widening, so the weights are used as they are
  * stored. AVX2 has no such instruction (its vpmaddubsw needs the codes split into nibbles), so there the widening
- * path below serves float activations (README "bfloat16 on the CPU" has both measured). From 16 rows, on a CPU with
- * AMX-INT8, int8 codes go to the tile unit instead (cpu_amx.c's ernie_amx_int8_rows: the same integer sums).
+ * path below serves float activations (README "bfloat16 on the CPU" has both measured). From AMX_INT8_ROWS rows
+ * (amx.h), on a CPU with AMX-INT8, int8 codes go to the tile unit instead (cpu_amx.c's ernie_amx_int8_rows: the same
+ * integer sums).
  *
  * On the integer paths the activations enter at 16-bit precision: each row is quantized to two int8 levels,
  * x ~ s1 * q1 + s2 * q2 with s1 = max|x| / 127 and s2 = s1 / 254, so |x - (s1 q1 + s2 q2)| <= max|x| / 64516 (per
@@ -416,8 +417,8 @@ typedef struct {
  * the engine, --workload uniform --dtype bfloat16 --quantization wint8, 1.068x). */
 #define INT_PREFETCH_ROWS 16
 
-/* Whether M rows of int8 codes go through a block on AMX: from AMX_INT8_ROWS, where the VNNI blocks' four rows a
- * pass made a 16-row layer compute-bound; K a multiple of 64 (a tile's 16 groups). */
+/* Whether M rows of int8 codes go through a block on AMX: from AMX_INT8_ROWS (amx.h: where the VNNI blocks run out of
+ * cycles before memory runs out of bytes); K a multiple of 64 (a tile's 16 groups). */
 static int int8_on_amx(int M, int64_t G) {
 #ifdef HAVE_VNNI
     return M >= AMX_INT8_ROWS && G % 16 == 0 && ernie_amx_int8_ready();
