@@ -32,10 +32,10 @@ void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w
 #define AMX_INT8_ROWS 5
 /* 1 where AMX-INT8 is built in and ernie_amx_ready. */
 int ernie_amx_int8_ready(void);
-/* acc[l][m][j] = sum over k < 4G of q[l][m * ldq + k] * w[(k / 4 * 32 + j) * 4 + k % 4], m < 16, j < 32, l < levels
- * (1 or 2): 16 rows of int8 activation codes per level (rows readable 16 past the caller's last) times one column
- * block of cpu_qgemm.c's int8 layout (unsigned, offset codes), exact int32 sums; G % 16 == 0; prefetching pf_step
- * bytes from pf (or NULL) every 64 k. */
-void ernie_amx_int8_rows(const int8_t *const *q, int levels, int64_t ldq, int G, const uint8_t *w, int32_t *acc,
-                         const char *pf, int pf_step);
+/* acc[l][m][j] = sum over k < 4G of q[l][m * ldq + k] * w[(k / 4 * 32 + j) * 4 + k % 4], m < rows (8 or 16), j < 32,
+ * l < levels (1 or 2): rows of int8 activation codes per level (readable 16 past the caller's last) times one column
+ * block of cpu_qgemm.c's int8 layout (unsigned, offset codes), exact int32 sums in acc's first rows (of 16 a level);
+ * G % 16 == 0; prefetching pf_step bytes from pf (or NULL) every 64 k. */
+void ernie_amx_int8_rows(const int8_t *const *q, int rows, int levels, int64_t ldq, int G, const uint8_t *w,
+                         int32_t *acc, const char *pf, int pf_step);
 #endif

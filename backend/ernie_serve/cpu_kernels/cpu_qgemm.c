@@ -188,13 +188,14 @@ static inline void finish_row(const qacts *a, int m, const __m512i acc[2][2], fl
 }
 
 /* Rows [m0, m0 + mb), mb <= 16, times the int8 block at w on the tile unit (cpu_amx.c): TDPBSUD sums the same
- * integer products vpdpbusd does, exactly, 16 rows x 64 k an instruction. */
-static void qblock_amx(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, float *tile, const char *pf,
-                       int pf_step) {
+ * integer products vpdpbusd does, exactly, 16 rows x 64 k an instruction. `tile_rows`: the rows its tiles hold, 8
+ * (mb <= 8) or 16, one count for every group of a GEMM (each change reloads the tile configuration). */
+static void qblock_amx(const qacts *a, int m0, int mb, int tile_rows, int64_t G, const uint8_t *w, float *tile,
+                       const char *pf, int pf_step) {
     int32_t acc[MAX_LEVELS][16][COLS] __attribute__((aligned(64)));
     const int64_t row = (int64_t)m0 * a->levels * a->Kp;
     const int8_t *q[MAX_LEVELS] = {a->q + row, a->q + row + (a->levels > 1 ? a->Kp : 0)};
-    ernie_amx_int8_rows(q, a->levels, (int64_t)a->levels * a->Kp, (int)G, w, &acc[0][0][0], pf, pf_step);
+    ernie_amx_int8_rows(q, tile_rows, a->levels, (int64_t)a->levels * a->Kp, (int)G, w, &acc[0][0][0], pf, pf_step);
     for (int m = 0; m < mb; m++) {
         __m512i r[2][2];
         for (int l = 0; l < a->levels; l++) {
@@ -455,8 +456,8 @@ static const char *share_of(const char *next, row_groups r, int i) { return next
 static void group_times_block(const qacts *a, row_groups r, int m0, int mb, int64_t G, const uint8_t *w, int bits,
                               float *tile, const char *pf) {
 #ifdef HAVE_VNNI
-    if (r.amx) {
-        qblock_amx(a, m0, mb, G, w, tile, pf, r.pf_step);
+    if (r.amx) { /* a lone group of at most 8 rows (a MoE step's expert) on tiles of 8: half the activation reads */
+        qblock_amx(a, m0, mb, r.M <= 8 ? 8 : 16, G, w, tile, pf, r.pf_step);
         return;
     }
 #endif
