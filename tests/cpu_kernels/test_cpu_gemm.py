@@ -282,37 +282,46 @@ def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
         np.testing.assert_allclose(fused_e[e, :r], plain_e[e, :r], rtol=2e-6, atol=1e-6)
 
 
-def _task_runs(lib, rows: np.ndarray, nb: int, threads: int) -> list[tuple[int, int]]:
+def _task_runs(lib, rows: np.ndarray, nb: int, threads: int, flat_from: int = 0) -> list[tuple[int, int]]:
     import ctypes
 
     runs = []
     for t in range(threads):
         first, end = ctypes.c_int(), ctypes.c_int()
-        lib.ernie_task_run(ctypes.c_void_p(rows.ctypes.data), len(rows), nb, t, threads, ctypes.byref(first),
-                           ctypes.byref(end))
+        lib.ernie_task_run(ctypes.c_void_p(rows.ctypes.data), len(rows), nb, flat_from, t, threads,
+                           ctypes.byref(first), ctypes.byref(end))
         runs.append((first.value, end.value))
     return runs
 
 
+def _task_cost(rows: int, flat_from: int) -> float:
+    """threads.c's task_cost in rows: 16 + rows, the rows past flat_from (when set) a quarter each; 0 without rows."""
+    if not rows:
+        return 0
+    return 16 + (rows if not flat_from or rows <= flat_from else flat_from + (rows - flat_from) / 4)
+
+
 def test_the_threads_task_runs_tile_the_tasks_in_order_at_equal_cost():
     """The MoE GEMMs' threads each take one run of (expert, column block) tasks: the runs cover every task once, in
-    task order, and each costs (16 + rows a task with rows, 0 without) the total's share to within one task, on random
-    expert counts, row counts (zeros, one expert holding most, none at all) and thread counts."""
+    task order, and each costs (16 + rows a task with rows, those past flat_from a quarter each, 0 without) the
+    total's share to within one task, on random expert counts, row counts (zeros, one expert holding most, none at
+    all), thread counts and flat_from (0, or AMX-INT8's 5)."""
     from ernie_serve.cpu_kernels import build
 
     lib, rng = build.library(), np.random.default_rng(0)
     for case in range(500):
         threads, e, nb = int(rng.integers(1, 9)), int(rng.integers(1, 20)), int(rng.integers(1, 12))
+        flat_from = 5 if case % 2 else 0
         rows = np.where(rng.random(e) < 0.3, 0, rng.integers(1, 12, e)).astype(np.int64)
         if case % 7 == 0:
             rows[rng.integers(e)] = 800  # a prefill chunk's expert
         if case % 11 == 0:
             rows[:] = 0
-        runs = _task_runs(lib, rows, nb, threads)
+        runs = _task_runs(lib, rows, nb, threads, flat_from)
         assert runs[0][0] == 0 and runs[-1][1] == e * nb, (rows, nb, runs)
         for (_, end), (first, _) in zip(runs, runs[1:]):
             assert end == first, runs
-        cost = [16 + r if r else 0 for r in rows for _ in range(nb)]
+        cost = [_task_cost(int(r), flat_from) for r in rows for _ in range(nb)]
         total, most = sum(cost), max(cost)
         for first, end in runs:
             assert first <= end

@@ -45,7 +45,7 @@ _SIGNATURES = {
     "ernie_set_num_threads": ([_I], None),
     "ernie_threads": ([], _I),
     "ernie_park_threads": ([], None),
-    "ernie_task_run": ([_P, _I, _I, _I, _I, _P, _P], None),
+    "ernie_task_run": ([_P, _I, _I, _I, _I, _I, _P, _P], None),
     "ernie_next_task": ([_I, _I, _I, _P], _I),
     "ernie_decoder_layers": ([_P, _P, _I, _P, _P, _P], _I),
     "ernie_decoder_layers_work": ([_P, _P, _I, _I], ctypes.c_int64),

@@ -311,7 +311,7 @@ static void moe_gemm(rows_x x, const int64_t *rows, const int64_t *starts, int E
     #pragma omp parallel THREADS
     {
         int first, end;
-        ernie_my_task_run(rows, E, nb, &first, &end);
+        ernie_my_task_run(rows, E, nb, 0, &first, &end);
         for (int task = ernie_first_task(first, end, nb, rows), next; task >= 0; task = next) {
             const int e = task / nb;
             next = ernie_next_task(task, end, nb, rows);
@@ -442,7 +442,7 @@ int ernie_moe_gemm(const float *x, const int64_t *rows, const int64_t *starts, i
         #pragma omp parallel THREADS
         {
             int first, end;
-            ernie_my_task_run(rows, E, nb, &first, &end);
+            ernie_my_task_run(rows, E, nb, 0, &first, &end);
             for (int task = ernie_first_task(first, end, nb, rows), next; task >= 0; task = next) {
                 const int e = task / nb;
                 next = ernie_next_task(task, end, nb, rows);

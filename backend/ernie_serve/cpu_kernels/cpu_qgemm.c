@@ -577,11 +577,12 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     if (prepare(x, (int)M, K, bits, int_x, &a)) return -1;
     const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
     const int64_t block = groups(K, bits) * 4 * COLS;
+    const int flat_from = bits == 8 && a.q && int8_on_amx(AMX_INT8_ROWS, groups(K, bits)) ? AMX_INT8_ROWS : 0;
     #pragma omp parallel THREADS
     {
         quantize_rows(&a, (int)M);
         int first, end;
-        ernie_my_task_run(rows, E, nb, &first, &end);
+        ernie_my_task_run(rows, E, nb, flat_from, &first, &end);
         for (int task = ernie_first_task(first, end, nb, rows), t; task >= 0; task = t) {
             const int e = task / nb, b = task % nb;
             t = ernie_next_task(task, end, nb, rows);

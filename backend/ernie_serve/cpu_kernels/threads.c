@@ -39,20 +39,27 @@ int ernie_threads(void) {
 #endif
 }
 
-/* What a task of `rows` rows costs, in rows: its block's bytes weigh as much as TASK_BLOCK_ROWS rows of arithmetic.
- * At decode a block is memory-bound and rows add little (bfloat16 experts from memory: 1 row 1.0, 4 rows 1.12, 8
- * rows 1.23, 12 rows ~1.6 of a 1-row block's time, scripts/bench_kernels_ab.py's GB/s); in a prefill chunk the
- * arithmetic dominates. */
+/* What a task of `rows` rows costs, in quarter rows: its block's bytes weigh as much as TASK_BLOCK_ROWS rows of
+ * arithmetic. At decode a block is memory-bound and rows add little (bfloat16 experts from memory: 1 row 1.0, 4 rows
+ * 1.12, 8 rows 1.23, 12 rows ~1.6 of a 1-row block's time, scripts/bench_kernels_ab.py's GB/s); in a prefill chunk the
+ * arithmetic dominates. From `flat_from` rows (0: never) a row costs a quarter: int8 codes go to AMX there
+ * (amx.h's AMX_INT8_ROWS), whose extra rows cost little until far past a decode's (per-rows timing of a wint8-bf16
+ * step's MoE tasks, one-off: 1-4 rows 13.8-12.4 GB/s a thread on VNNI, 5-8 ~11.6 and 9-12 ~10.5 on AMX); costed at
+ * a row each they left one thread waiting ~8% of the MoE GEMMs' time at the barrier. */
 #define TASK_BLOCK_ROWS 16
 
-static int64_t task_cost(int64_t rows) { return rows ? TASK_BLOCK_ROWS + rows : 0; }
+static int64_t task_cost(int64_t rows, int flat_from) {
+    if (!rows) return 0;
+    if (flat_from <= 0 || rows <= flat_from) return 4 * (TASK_BLOCK_ROWS + rows);
+    return 4 * (TASK_BLOCK_ROWS + flat_from) + (rows - flat_from);
+}
 
 /* The first task whose earlier tasks cost `part` / `parts` of `total` or more (E * nb if none). */
-static int task_at(const int64_t *rows, int E, int nb, int64_t total, int part, int parts) {
+static int task_at(const int64_t *rows, int E, int nb, int flat_from, int64_t total, int part, int parts) {
     const int64_t target = total * part; /* compared against cost * parts: integers, no rounding */
     int64_t before = 0;
     for (int e = 0; e < E; e++) {
-        const int64_t c = task_cost(rows[e]);
+        const int64_t c = task_cost(rows[e], flat_from);
         if (c && (before + nb * c) * parts >= target) {
             const int64_t need = target - before * parts, b = need <= 0 ? 0 : (need + c * parts - 1) / (c * parts);
             return e * nb + (int)b;
@@ -62,18 +69,18 @@ static int task_at(const int64_t *rows, int E, int nb, int64_t total, int part, 
     return E * nb;
 }
 
-void ernie_task_run(const int64_t *rows, int E, int nb, int t, int threads, int *first, int *end) {
+void ernie_task_run(const int64_t *rows, int E, int nb, int flat_from, int t, int threads, int *first, int *end) {
     int64_t total = 0;
-    for (int e = 0; e < E; e++) total += nb * task_cost(rows[e]);
-    *first = t == 0 ? 0 : task_at(rows, E, nb, total, t, threads);
-    *end = t + 1 >= threads ? E * nb : task_at(rows, E, nb, total, t + 1, threads);
+    for (int e = 0; e < E; e++) total += nb * task_cost(rows[e], flat_from);
+    *first = t == 0 ? 0 : task_at(rows, E, nb, flat_from, total, t, threads);
+    *end = t + 1 >= threads ? E * nb : task_at(rows, E, nb, flat_from, total, t + 1, threads);
 }
 
-void ernie_my_task_run(const int64_t *rows, int E, int nb, int *first, int *end) {
+void ernie_my_task_run(const int64_t *rows, int E, int nb, int flat_from, int *first, int *end) {
 #ifdef _OPENMP
-    ernie_task_run(rows, E, nb, omp_get_thread_num(), omp_get_num_threads(), first, end);
+    ernie_task_run(rows, E, nb, flat_from, omp_get_thread_num(), omp_get_num_threads(), first, end);
 #else
-    ernie_task_run(rows, E, nb, 0, 1, first, end);
+    ernie_task_run(rows, E, nb, flat_from, 0, 1, first, end);
 #endif
 }
 

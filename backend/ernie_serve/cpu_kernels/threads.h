@@ -20,9 +20,10 @@ void ernie_park_threads(void);
  * together. Contiguous halves of the tasks left a thread waiting at the barrier for as many experts as the halves'
  * row counts differed by at decode; round robin, for a step whose prefill chunk gave a few experts most rows, broke
  * the streams. */
-void ernie_task_run(const int64_t *rows, int E, int nb, int t, int threads, int *first, int *end);
-/* The calling thread's run, inside a parallel region. */
-void ernie_my_task_run(const int64_t *rows, int E, int nb, int *first, int *end);
+void ernie_task_run(const int64_t *rows, int E, int nb, int flat_from, int t, int threads, int *first, int *end);
+/* The calling thread's run, inside a parallel region. flat_from: from how many rows an extra row costs a quarter
+ * (int8 codes on AMX; 0: every row a row). */
+void ernie_my_task_run(const int64_t *rows, int E, int nb, int flat_from, int *first, int *end);
 /* The next task of a run after `task`, skipping experts without rows; -1: none (the GEMMs prefetch its block). */
 int ernie_next_task(int task, int end, int nb, const int64_t *rows);
 /* The first task with rows of the run [first, end); -1: none. The loops go first_task, next_task, ... */
