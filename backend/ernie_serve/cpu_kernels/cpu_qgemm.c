@@ -39,12 +39,11 @@
 #define MAX_LEVELS 2
 
 typedef struct {
-    int8_t *q;            /* [M][levels][Kp] */
+    int8_t *q;            /* [M][levels][Kp]; NULL: the widening path below takes x as it is */
     float *scale;         /* [M][levels] */
     int32_t *sum;         /* [M][levels]: each level's sum of codes, for the weight offset */
     int levels, Kp, bias; /* bias: the weights' offset, 128 (int8) or 8 (int4) */
-    const float *x;       /* instead of q: the float rows [M][K] themselves (the widening path below) */
-    const float *src;     /* the rows q is quantized from (quantize_rows) */
+    const float *x;       /* the float rows [M][K]: quantize_rows' source, or the widening path's operand */
     int K, int_x;
 } qacts;
 
@@ -383,7 +382,7 @@ static const qfblock_fn qf4[QROWS + 1] = {0, qf4_1, qf4_2, qf4_3, qf4_4};
 static void qblock(const qacts *a, int m0, int mb, int64_t G, const uint8_t *w, int bits, float *tile, const char *pf,
                    int pf_step) {
 #ifdef HAVE_WIDENING_QBLOCK
-    if (a->x) {
+    if (!a->q) {
         (bits == 8 ? qf8 : qf4)[mb](a->x + (int64_t)m0 * a->K, a->K, G, w, tile, pf, pf_step);
         return;
     }
@@ -431,11 +430,14 @@ static int int8_on_amx(int M, int64_t G) {
 
 int ernie_int8_on_amx(int rows, int K) { return int8_on_amx(rows, groups(K, 8)); }
 
+/* Whether M rows of these activations go to AMX-INT8: int8 codes on the integer path (a->q) and int8_on_amx. */
+static int codes_on_amx(const qacts *a, int M, int64_t G, int bits) { return bits == 8 && a->q && int8_on_amx(M, G); }
+
 static row_groups row_groups_of(const qacts *a, int M, int64_t G, int bits) {
-    const int amx = bits == 8 && a->q && int8_on_amx(M, G), per = amx ? 16 : QROWS; /* a->q: the integer path */
+    const int amx = codes_on_amx(a, M, G, bits), per = amx ? 16 : QROWS;
     row_groups r = {(M + per - 1) / per, 0, amx, M, 0};
-    const int halves = a->x ? 2 : 1; /* the widening path reads a block in two halves a group, the integer one whole */
-    const int most = a->x ? PREFETCH_ROWS(bits) : INT_PREFETCH_ROWS;
+    const int halves = a->q ? 1 : 2; /* the widening path reads a block in two halves a group, the integer one whole */
+    const int most = a->q ? INT_PREFETCH_ROWS : PREFETCH_ROWS(bits);
     if (M > most) return r; /* compute-bound: no prefetch (share 0, so share_of gives NULL) */
     const int passes = r.groups > 0 ? halves * r.groups : 1;
     const int64_t pass = (G * 4 * COLS + passes - 1) / passes, steps = amx ? G / 16 : G; /* AMX: a step is 16 groups */
@@ -528,7 +530,7 @@ static int prepare(const float *x, int M, int K, int bits, int int_x, qacts *a) 
         return -1;
     }
     memset(a->q + codes, 0, tail);
-    a->src = x, a->int_x = int_x, a->K = K;
+    a->x = x, a->int_x = int_x, a->K = K;
     a->levels = levels, a->Kp = Kp, a->bias = bits == 8 ? 128 : 8;
     return 0;
 }
@@ -543,7 +545,7 @@ static void quantize_rows(const qacts *a, int M) {
     if (!a->q) return; /* the widening path: float rows as they are */
     #pragma omp for schedule(static)
     for (int m = 0; m < M; m++)
-        quantize_row(a->src + (int64_t)m * a->K, a->K, a->Kp, a->levels, a->int_x, a->q + (int64_t)m * a->levels * a->Kp,
+        quantize_row(a->x + (int64_t)m * a->K, a->K, a->Kp, a->levels, a->int_x, a->q + (int64_t)m * a->levels * a->Kp,
                      a->scale + m * a->levels, a->sum + m * a->levels);
 }
 
@@ -577,7 +579,7 @@ int ernie_moe_qgemm(const float *x, const int64_t *rows, const int64_t *starts, 
     if (prepare(x, (int)M, K, bits, int_x, &a)) return -1;
     const int nb = swiglu ? N / 2 / COLS : (N + COLS - 1) / COLS;
     const int64_t block = groups(K, bits) * 4 * COLS;
-    const int flat_from = bits == 8 && a.q && int8_on_amx(AMX_INT8_ROWS, groups(K, bits)) ? AMX_INT8_ROWS : 0;
+    const int flat_from = codes_on_amx(&a, AMX_INT8_ROWS, groups(K, bits), bits) ? AMX_INT8_ROWS : 0;
     #pragma omp parallel THREADS
     {
         quantize_rows(&a, (int)M);
