@@ -28,12 +28,19 @@ class LoadedExecutor:
 
 def resolve_backend(config: EngineConfig) -> str:
     """The execution backend the config's names: "auto" is the kernels backend where a GPU is visible, else the
-    reference backend. Decided here, when an engine is built, not when a config is made."""
+    reference backend. Decided here, when an engine is built, not when a config is made. "auto" refuses (ValueError)
+    a machine that shows NVIDIA GPUs its tensor framework cannot use (a CPU build of Paddle, torch without CUDA)
+    instead of serving on the CPU without a word; "reference" runs on the CPU whatever the machine has."""
     if config.execution_backend != "auto":
         return config.execution_backend
-    from ..devices import gpu_visible
+    from ..devices import gpu_visible, unusable_gpu_reason
 
-    return "kernels" if gpu_visible() else "reference"
+    if gpu_visible():
+        return "kernels"
+    reason = unusable_gpu_reason()
+    if reason:
+        raise ValueError(reason)
+    return "reference"
 
 
 def check_supported(config: EngineConfig) -> None:
