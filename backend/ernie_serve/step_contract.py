@@ -195,6 +195,11 @@ class LogitEdits:
         logits[self.rows, self.tokens] = np.where(self.masked, -np.inf, v)
 
 
+# rows of logits a logprob reduction takes at once, on the host or a device: bounds its [rows, vocab] temporaries
+# (log-softmax, ranks, top-k) for a long prompt's logits
+LOGPROB_ROWS_AT_ONCE = 256
+
+
 @dataclass
 class TopLogprobs:
     """The logprob figures of the rows that asked for them, from the raw (unpenalized) log-softmax; small enough to

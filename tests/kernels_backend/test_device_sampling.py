@@ -292,3 +292,66 @@ def test_prompt_rows_are_split_off_and_reduced_on_the_device_as_on_the_host(fram
         top = set(np.argsort(-row)[:k].tolist())
         assert set(h) == top | {int(t)}
     assert _Copies.copies == 0
+
+
+class _RowLimitedOps:
+    """TensorOps that fail when an op returns more than `limit` rows of vocabulary-wide values: a reduction that
+    is not chunked would hold [rows, vocab] temporaries for a whole prompt at once."""
+
+    def __init__(self, ops, vocab: int, limit: int):
+        self._ops, self._vocab, self._limit = ops, vocab, limit
+
+    def __getattr__(self, name):
+        attr = getattr(self._ops, name)
+        if not callable(attr):
+            return attr
+
+        def checked(*args, **kwargs):
+            out = attr(*args, **kwargs)
+            for t in out if isinstance(out, tuple) else (out,):
+                shape = tuple(getattr(t, "shape", ()))
+                assert not (len(shape) == 2 and shape[1] == self._vocab and shape[0] > self._limit), \
+                    f"{name} made a [{shape[0]}, {shape[1]}] tensor; at most {self._limit} rows at once"
+            return out
+
+        return checked
+
+
+def test_long_prompt_logprobs_are_reduced_a_chunk_of_rows_at_a_time(framework, monkeypatch):
+    """Rows past the chunk are reduced in separate chunks (taking the prompt rows is a view, not a copy), and the
+    figures are the host's: tokens, ranks (a tie in the top counts once), logprobs, a masked tail left out."""
+    from ernie_serve import step_contract
+    from ernie_serve.engine.sampler import prompt_logprobs, split_logits
+
+    monkeypatch.setattr(step_contract, "LOGPROB_ROWS_AT_ONCE", 16)
+    rng = np.random.default_rng(11)
+    sampled, prompt, v = 2, 40, 50
+    logits = (rng.standard_normal((sampled + prompt, v)) * 2).astype(np.float32)
+    logits[5, [3, 9]] = 7.0  # a tie at the top, inside the top n
+    logits[20, 30:] = NEG_INF
+    targets = rng.integers(0, v, prompt)
+    counts = [int(c) for c in rng.integers(0, 6, prompt)]
+    counts[5 - sampled] = 3
+    ops = make_tensor_ops(framework)
+    spy = _RowLimitedOps(ops, v, 16)
+    _, dev_prompt = split_logits(KernelLogits(ops.tensor(logits), spy), sampled, prompt)
+    dev = prompt_logprobs(dev_prompt, targets, counts)
+    host = prompt_logprobs(split_logits(logits, sampled, prompt)[1], targets, counts)
+    assert [sorted(d) for d in dev] == [sorted(h) for h in host]
+    for d, h in zip(dev, host):
+        for t in h:
+            assert d[t][1] == h[t][1] and abs(d[t][0] - h[t][0]) < 1e-5
+    assert dev[5 - sampled][3][1] == dev[5 - sampled][9][1] == 1
+
+
+def test_top_logprobs_of_no_top_tokens_sorts_nothing(framework, monkeypatch):
+    """logprobs=0 asks only for the sampled token's figures: no top-k and no sort of the vocabulary."""
+    ops = make_tensor_ops(framework)
+    for name in ("sort_rows_desc", "topk_rows"):
+        monkeypatch.setattr(ops, name, lambda *a, _name=name: pytest.fail(f"{_name} called for n=0"))
+    logits = np.random.default_rng(4).standard_normal((3, 20)).astype(np.float32)
+    got = KernelLogits(ops.tensor(logits), ops).top_logprobs(np.arange(3), np.array([1, 2, 3]), 0)
+    assert got.top_ids.shape == got.top.shape == (3, 0)
+    lp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    np.testing.assert_allclose(got.sampled, lp[[0, 1, 2], [1, 2, 3]], rtol=1e-5, atol=1e-5)
+    assert got.sampled_rank.tolist() == [int((lp[i] > lp[i, i + 1]).sum()) + 1 for i in range(3)]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..sampling_params import GREEDY_EPSILON, SamplingParams
-from ..step_contract import ArgmaxLogits, DeviceLogits, LogitEdits, TopLogprobs
+from ..step_contract import LOGPROB_ROWS_AT_ONCE, ArgmaxLogits, DeviceLogits, LogitEdits, TopLogprobs
 from .guided import GrammarRows, grammar_masks
 
 if TYPE_CHECKING:
@@ -582,8 +582,8 @@ def split_logits(logits: "np.ndarray | paddle.Tensor | DeviceLogits", num_sample
     return (raw[:num_sampled] if num_sampled else None), raw[num_sampled:]
 
 
-# rows of a prompt's logits reduced at once on the host: bounds the log-softmax's temporaries for a long chunk
-PROMPT_ROWS_AT_ONCE = 256
+# rows of a prompt's logits reduced at once on the host (a device chunks its own reduction by the same figure)
+PROMPT_ROWS_AT_ONCE = LOGPROB_ROWS_AT_ONCE
 
 
 def prompt_logprobs(logits: "np.ndarray | paddle.Tensor | DeviceLogits", targets: np.ndarray,

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import step_contract
 from ..step_contract import DeviceLogits, LogitEdits, TopLogprobs
 from .framework import TensorOps
 
@@ -35,6 +36,9 @@ class KernelLogits(DeviceLogits):
         return self.ops.to_host(self.logits)
 
     def take(self, rows: np.ndarray) -> "KernelLogits":
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (np.diff(rows) == 1).all():  # a run (a step's sampled or prompt rows): a view, not a copy
+            return KernelLogits(self.raw[int(rows[0]):int(rows[-1]) + 1], self.ops)  # every op here returns new tensors
         return KernelLogits(self.ops.rows(self.raw, self.ops.tensor(rows)), self.ops)
 
     def edit(self, edits: LogitEdits) -> None:
@@ -56,13 +60,26 @@ class KernelLogits(DeviceLogits):
         self.logits = ops.put_rows(x, index, ops.rows(x, index) + ops.tensor(bias))
 
     def top_logprobs(self, rows: np.ndarray, token_ids: np.ndarray, n: int) -> TopLogprobs:
+        """A few rows at a time (step_contract.LOGPROB_ROWS_AT_ONCE): a long prompt's logprobs would otherwise take
+        several [rows, vocab] float32 and int64 temporaries at once, memory the KV sizing never counted."""
+        rows, token_ids = np.asarray(rows, dtype=np.int64), np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        step = step_contract.LOGPROB_ROWS_AT_ONCE
+        parts = [self._top_logprobs(rows[lo:lo + step], token_ids[lo:lo + step], n)
+                 for lo in range(0, max(len(rows), 1), step)]
+        return TopLogprobs(*(np.concatenate([getattr(p, f) for p in parts])
+                             for f in ("sampled", "sampled_rank", "top_ids", "top")))
+
+    def _top_logprobs(self, rows: np.ndarray, token_ids: np.ndarray, n: int) -> TopLogprobs:
         ops = self.ops
         lp = ops.log_softmax_rows(ops.cast(ops.rows(self.raw, ops.tensor(rows)), "float32"))
         sampled = ops.take_rows(lp, ops.tensor(token_ids.reshape(-1, 1)))
         rank = ops.sum_rows(ops.cast(lp > sampled, "int64")) + 1
-        top, top_ids = ops.sort_rows_desc(lp)
-        return TopLogprobs(self._host(sampled), self._host(rank).astype(np.int64),
-                           ops.to_host(top_ids[:, :n]).astype(np.int64), ops.to_host(top[:, :n]))
+        if n > 0 and len(rows):
+            top, top_ids = (ops.to_host(a) for a in ops.topk_rows(lp, n))
+        else:
+            top, top_ids = np.zeros((len(rows), 0), np.float32), np.zeros((len(rows), 0), np.int64)
+        return TopLogprobs(self._host(sampled), self._host(rank).astype(np.int64), top_ids.astype(np.int64),
+                           top.astype(np.float32))
 
     def argmax(self) -> tuple[np.ndarray, np.ndarray]:
         x = self.ops.cast(self.logits, "float32")

@@ -200,6 +200,12 @@ class TensorOps:
     def nbytes(t: Any) -> int:
         return int(np.prod([int(s) for s in t.shape])) * int(t.element_size())
 
+    # -- top-k (logprobs without a full sort of the vocabulary)
+    def topk_rows(self, t: Any, k: int) -> tuple[Any, Any]:
+        """(the k largest values of each row, largest first, their int64 column indices); k >= 1. Which of equal
+        values is taken is the framework's choice (callers rank ties by value)."""
+        raise NotImplementedError
+
 
 class Graph:
     """A captured CUDA graph: capture(fn) runs fn once under capture, replay() reruns its kernels on
@@ -365,6 +371,10 @@ class TorchOps(TensorOps):
 
     def cuda_graph(self):
         return _TorchGraph(self.torch)
+
+    # -- top-k
+    def topk_rows(self, t, k):
+        return self.torch.topk(t, k, dim=1, largest=True, sorted=True)
 
 
 class _TorchGraph(Graph):
@@ -538,6 +548,10 @@ class PaddleOps(TensorOps):
 
     def cuda_graph(self):
         return _PaddleGraph(self.paddle)
+
+    # -- top-k
+    def topk_rows(self, t, k):
+        return self.paddle.topk(t, k, axis=1, largest=True, sorted=True)
 
 
 class _PaddleGraph(Graph):
