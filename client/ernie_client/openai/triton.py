@@ -335,16 +335,22 @@ async def _close_when_done(call, timeout: float = 10.0) -> None:
     """Read a finished stream to its end (Triton closes it once the request side has ended)."""
     ended = False
     try:
-        async with asyncio.timeout(timeout):
-            while True:
-                await call.__anext__()
-    except StopAsyncIteration:
+        # wait_for, not asyncio.timeout: the package runs on Python 3.10 (the NGC image's), which lacks the latter
+        await asyncio.wait_for(_read_to_end(call), timeout)
         ended = True
     except Exception:  # noqa: BLE001 - a timeout or a broken stream: cancel it after all
         pass
     finally:
         if not ended:
             call.cancel()
+
+
+async def _read_to_end(call) -> None:
+    try:
+        while True:
+            await call.__anext__()
+    except StopAsyncIteration:
+        return
 
 
 def _check_fits(name: str, values: list, dtype) -> None:
