@@ -39,6 +39,10 @@ collectives) or the kernels backend's KernelShard (triton-lang kernels on one GP
 interpreter; kernels_backend/collectives.py over Paddle or torch). The process group is this engine's own
 (process_groups.py: a TCPStore on a free port, gloo on the CPU, NCCL on GPUs), never a framework's global one.
 
+Start-up. Each worker reports "hello", then progress while it loads (load_progress.py's ticks: the checkpoint bytes
+it has read, about once a second), then "ready". The driver fails start-up only when a worker has been silent for the
+start-up timeout, never for taking long: a 300B checkpoint read by eight ranks at once takes as long as the disks do.
+
 Failures. Workers die with the driver (PR_SET_PDEATHSIG). A worker that dies or fails mid-step breaks
 the step's collective on rank 0 (gloo raises at once on a closed connection); the executor then names
 the rank and how it ended (RankFailedError), stops the other workers and refuses further steps: the
@@ -58,13 +62,14 @@ import time
 import traceback
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 from itertools import count
 from pathlib import Path
 
 import numpy as np
 import zmq
 
+from .. import load_progress
 from .._env import setup_model_process
 from ..kv_blocks import KVBlocks
 from ..model.parallel import ParallelLayout
@@ -75,6 +80,7 @@ from ..step_contract import StepExecutor, StepInput
 
 log = logging.getLogger(__name__)
 DEATH_WAIT_SECONDS = 5.0  # after a failed collective: how long to look for the rank that died
+PROGRESS_REPORT_SECONDS = 1.0  # a loading worker tells the driver it is alive at most this often
 _group_ids = count(1)  # process-group ids are keys in a per-process map: never reuse one
 
 
@@ -162,13 +168,16 @@ class TensorParallelExecutor:
     """The driver's view of all ranks: sends each StepInput to the workers as a delta and runs rank 0 itself."""
 
     def __init__(self, spec_fields: dict, startup_timeout: float = STARTUP_TIMEOUT_SECONDS):
-        """`spec_fields`: ShardSpec's fields but the store port and group id, which are chosen here."""
+        """`spec_fields`: ShardSpec's fields but the store port and group id, which are chosen here.
+        `startup_timeout`: how long a worker may go without reporting anything (hello, loading progress, ready)
+        before start-up fails; there is no limit on the whole start-up, which grows with the checkpoint."""
         self.spec = ShardSpec(**spec_fields, store_port=free_port(), group_id=next(_group_ids))
         self.failure: str | None = None
         self._zmq = zmq.Context()
-        self._control = self._zmq.socket(zmq.PULL)  # hello / ready / error messages from the workers
+        self._control = self._zmq.socket(zmq.PULL)  # hello / progress / ready / error reports from the workers
         control_port = self._control.bind_to_random_port("tcp://127.0.0.1")
         self._steps, self._procs = [], []
+        self._reported: dict[str, set[int]] = {}  # start-up report kind -> the workers that sent it
         self._encoder = StepDeltaEncoder(self.spec.block_size)  # every worker is sent the same deltas
         for rank in range(1, self.spec.world_size):
             sock = self._zmq.socket(zmq.PUSH)
@@ -182,14 +191,13 @@ class TensorParallelExecutor:
                  "--control", f"tcp://127.0.0.1:{control_port}", "--driver-pid", str(os.getpid())]))
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._steps + [self._control], self._zmq)
         try:
-            deadline = time.monotonic() + startup_timeout
-            self._await("hello", deadline)  # every worker is up and about to join the group
+            self._await("hello", startup_timeout)  # every worker is up and about to join the group
             rank0 = RankShard(0, self.spec)
             self.group, self._store = rank0.make_group()
-            self.shard = rank0.load(self.group)
+            self.shard = rank0.load(self.group)  # the workers' reports queue meanwhile; _await reads them all first
             self._kv = AllRanksKV(self)
             self.draft_head = None if self.shard.draft_head is None else MirroredDraftHead(self, self.shard.draft_head)
-            self._await("ready", deadline)
+            self._await("ready", startup_timeout)
         except BaseException:
             self.shutdown()
             raise
@@ -249,18 +257,25 @@ class TensorParallelExecutor:
         self._finalizer()
 
     # ------------------------------------------------------------ internals
-    def _await(self, kind: str, deadline: float) -> None:
-        waiting = set(range(1, self.spec.world_size))
-        while waiting:
+    def _await(self, kind: str, idle_timeout: float) -> None:
+        """Wait until every worker reported `kind`. A worker fails start-up only when nothing (hello, progress,
+        ready) came from it for `idle_timeout` seconds of this wait; every queued report is read before any
+        worker is judged silent, so one that got ready while rank 0 was loading counts however long that took."""
+        heard = dict.fromkeys(range(1, self.spec.world_size), time.monotonic())
+        while waiting := set(heard) - self._reported.setdefault(kind, set()):
             self._check_alive()
-            if time.monotonic() > deadline:
-                raise RankFailedError(f"tensor-parallel ranks {sorted(waiting)} did not report {kind!r} in time")
-            if self._control.poll(200):
+            self._control.poll(200)
+            while self._control.poll(0):
                 msg = json.loads(self._control.recv())
                 if msg["kind"] == "error":
                     raise RankFailedError(f"tensor-parallel rank {msg['rank']} failed: {msg['error']}")
-                if msg["kind"] == kind:
-                    waiting.discard(msg["rank"])
+                heard[msg["rank"]] = time.monotonic()
+                self._reported.setdefault(msg["kind"], set()).add(msg["rank"])
+            now = time.monotonic()
+            silent = sorted(r for r in waiting if now - heard[r] > idle_timeout)
+            if silent:
+                raise RankFailedError(f"tensor-parallel ranks {silent} reported no progress for {idle_timeout:g} s "
+                                      f"while the engine waited for {kind!r} (startup_timeout)")
 
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
@@ -392,6 +407,19 @@ def _die_with_parent(driver_pid: int) -> None:
         os._exit(1)
 
 
+class _ProgressReports:
+    """Forwards this worker's start-up ticks to the driver, at most one report every PROGRESS_REPORT_SECONDS."""
+
+    def __init__(self, report: Callable[..., None]):
+        self._report, self._last = report, 0.0
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self._last >= PROGRESS_REPORT_SECONDS or done == total:
+            self._last = now
+            self._report("progress", phase=phase, done=done, total=total)
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one tensor-parallel rank of an ernie_serve engine (started by it)")
     p.add_argument("--rank", type=int, required=True)
@@ -418,7 +446,9 @@ def worker_main(argv: list[str] | None = None) -> int:
         me = RankShard(args.rank, spec)
         report("hello")
         group, _store = me.make_group()
-        shard = me.load(group)
+        report("progress", phase="joined the process group")
+        with load_progress.reporting_to(_ProgressReports(report)):
+            shard = me.load(group)
         batch = PersistentBatch(spec.block_size)
         hidden: dict = {}
         report("ready")
