@@ -10,7 +10,8 @@ from typing import Any
 
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
-EXECUTION_BACKENDS = ("auto", "reference", "kernels")
+EXECUTION_BACKENDS = ("auto", "reference", "kernels", "simulated")
+SIMULATED_FIELDS = ("simulated_gpu", "simulated_model", "simulated_time_scale")
 # --dtype (vLLM's and FastDeploy's flag): the activation / float-weight dtype, with vLLM's aliases
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "half": "float16"}
@@ -68,8 +69,13 @@ class EngineConfig:
     stream_interval: int = 1
     disable_progress_bar: bool = False
     # "reference": the Paddle CPU path (the oracle); "kernels": the triton-lang kernels (kernels_backend/) on a GPU,
-    # or on the CPU under TRITON_INTERPRET=1; "auto": kernels when a GPU is visible, else reference
+    # or on the CPU under TRITON_INTERPRET=1; "auto": kernels when a GPU is visible, else reference;
+    # "simulated": a benchmark instrument, never a model and never auto's pick (simulated_backend/): steps sleep for
+    # the modeled step time of simulated_model on simulated_gpu, x simulated_time_scale, and replay fixed text
     execution_backend: str = "auto"
+    simulated_gpu: str | None = None  # h200, h100, h800, a800 (simulated_backend/targets.py)
+    simulated_model: str | None = None  # ernie-4.5-21b-a3b, ernie-4.5-300b-a47b
+    simulated_time_scale: float = 1.0  # > 1 slows the simulated GPU down (a small host can then keep pace)
     use_cudagraph: bool = False  # decode steps replayed from CUDA graphs (kernels backend on a GPU)
     # vLLM's --async-scheduling: step n+1 is scheduled and started before step n's outputs are made, so output
     # processing overlaps the forward (same tokens; a request that stops on a string computes one token more)
@@ -106,6 +112,7 @@ class EngineConfig:
         self.dtype = DTYPES[self.dtype]
         need(self.execution_backend in EXECUTION_BACKENDS, "execution_backend",
              f"must be one of {', '.join(EXECUTION_BACKENDS)}")
+        self._check_simulated()
         need(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
              f"must be one of {', '.join(QUANTIZATIONS)}")
         need(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", f"must be one of {', '.join(SPLITWISE_ROLES)}")
@@ -127,6 +134,26 @@ class EngineConfig:
              "must be an integer >= 1 (tokens a streamed response carries at least)")
         self._check_speculative()
         self._refuse_unbuilt()
+
+    def _check_simulated(self) -> None:
+        """The simulated_* fields belong to execution_backend='simulated', which needs a GPU and a model named (their
+        names are checked by simulated_backend/support.py, with the engine's other start-up checks)."""
+        if self.execution_backend != "simulated":
+            given = [f"{name}={getattr(self, name)!r}" for name in SIMULATED_FIELDS
+                     if getattr(self, name) != EngineConfig.__dataclass_fields__[name].default]
+            if given:
+                raise ValueError(f"{', '.join(given)} is not supported with execution_backend="
+                                 f"{self.execution_backend!r}: the simulated_* fields configure "
+                                 "execution_backend='simulated' (--execution-backend simulated)")
+            return
+        for name in ("simulated_gpu", "simulated_model"):
+            if not getattr(self, name):
+                raise ValueError(f"execution_backend='simulated' needs {name} (--{name.replace('_', '-')}): the "
+                                 "target GPU and model shape whose step time it models")
+        if not (isinstance(self.simulated_time_scale, (int, float)) and self.simulated_time_scale > 0):
+            raise ValueError(f"simulated_time_scale must be > 0 (1: the modeled GPU's pace; S > 1: S times slower), "
+                             f"got {self.simulated_time_scale!r}")
+        self.simulated_time_scale = float(self.simulated_time_scale)
 
     def _check_swap_space_fits(self) -> None:
         """The CPU tier is allocated whole at start-up: one larger than the host's memory can only fail there, as a

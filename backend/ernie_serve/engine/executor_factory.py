@@ -64,7 +64,9 @@ def load_executor(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelCo
         config = replace(config, dtype=resolve_auto_dtype(model_cfg.checkpoint_dtype))
         log.info("dtype auto: %s (the checkpoint declares %s)", config.dtype, model_cfg.checkpoint_dtype)
     check_supported(config)
-    if config.tensor_parallel_size > 1:
+    if backend == "simulated":  # its tensor_parallel_size is the target's GPU count: no worker ranks
+        loaded = _simulated(config, model_dir, model_cfg, num_output_ids)
+    elif config.tensor_parallel_size > 1:
         loaded = _tensor_parallel(config, model_dir, model_cfg, num_output_ids)
     elif backend == "kernels":
         loaded = _kernels(config, model_dir, model_cfg, num_output_ids)
@@ -86,6 +88,16 @@ def _kernels(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
 
         threads = setup_model_process()
     return LoadedExecutor(shard, _host_blocks(shard.host_cache), threads)
+
+
+def _simulated(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,
+               num_output_ids: int | None) -> LoadedExecutor:
+    """The simulated device (simulated_backend/): a benchmark instrument that sleeps for a target GPU's modeled step
+    time and replays fixed text; it runs no model and holds no KV bytes."""
+    from ..simulated_backend.loading import load_simulated
+
+    executor, num_host_blocks = load_simulated(config, model_dir, model_cfg, num_output_ids)
+    return LoadedExecutor(executor, num_host_blocks, 0)
 
 
 def _single_rank(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelConfig,

@@ -233,7 +233,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- introspection
     def stats(self) -> dict:
         s = self.kv.stats
-        return {
+        # an executor's figures about its device, where it has some (the simulated backend's modeled step time)
+        device = getattr(self.runner.executor, "device_stats", None)
+        return ({} if device is None else device()) | {
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions, "num_free_blocks": self.kv.num_free_blocks,
             "num_total_blocks": self.kv.pool.num_blocks, "kv_cache_usage": self.kv.usage,

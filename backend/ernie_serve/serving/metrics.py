@@ -44,6 +44,21 @@ HISTOGRAMS = [
     ("ernie:e2e_request_latency_seconds", "Time from arrival to the final token", E2E_BUCKETS),
 ]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# A simulated device (execution_backend='simulated') says so: ernie:simulated_device{target=...} 1, and its step
+# figures (engine stats 'simulated_*'), so no scrape mistakes its throughput for a model's.
+SIMULATION_METRICS = [
+    ("ernie:simulated_steps_total", "COUNTER", "Steps the simulated device ran", "simulated_steps"),
+    ("ernie:simulated_modeled_seconds_total", "COUNTER", "Modeled step time of the simulated target, before the "
+     "time scale", "simulated_modeled_seconds"),
+    ("ernie:simulated_busy_gap_seconds_total", "COUNTER", "Host time from a step's end to the next step's start "
+     "while requests kept running: simulated device idle time", "simulated_busy_gap_seconds"),
+    ("ernie:simulated_busy_modeled_seconds_total", "COUNTER", "Scaled modeled time of the steps before those gaps",
+     "simulated_busy_modeled_seconds"),
+    ("ernie:simulated_step_stretch", "GAUGE", "Busy gap time over modeled step time since start: the device idle "
+     "time the host causes", "simulated_step_stretch"),
+    ("ernie:simulated_time_scale", "GAUGE", "The simulated device runs this many times slower than the modeled "
+     "target", "simulated_time_scale"),
+]
 
 
 class EngineMetrics:
@@ -76,6 +91,8 @@ class EngineMetrics:
         self._families.append(fam)
         self._healthy = fam.Metric(labels=self.labels)
         self._healthy.set(1)
+        self._pb, self._kinds = pb, kinds
+        self._simulated: dict | None = None  # the simulation's metrics, made at the first simulated stats
         self._last_totals: dict[str, float] = {}
         self._last_update = 0.0
         self._was_idle = True
@@ -92,7 +109,9 @@ class EngineMetrics:
                 return
             self._last_update = now
             self._was_idle = idle
-            for key, (kind, metric) in self._stat.items():
+            if self._simulated is None and "simulated_target" in stats:
+                self._simulated = self._simulation_metrics(str(stats["simulated_target"]))
+            for key, (kind, metric) in (self._stat | (self._simulated or {})).items():
                 value = float(stats.get(key) or 0)
                 if kind == "GAUGE":
                     metric.set(value)
@@ -101,6 +120,21 @@ class EngineMetrics:
                     if delta > 0:
                         metric.increment(delta)
                     self._last_totals[key] = value
+
+    def _simulation_metrics(self, target: str) -> dict:
+        """ernie:simulated_device{target} = 1 and SIMULATION_METRICS, as stats key -> (kind, metric)."""
+        fam = self._pb.MetricFamily(name="ernie:simulated_device", description="1: the engine runs on a SIMULATED "
+                                    "device (a benchmark instrument; outputs are replayed text)",
+                                    kind=self._kinds["GAUGE"])
+        self._families.append(fam)
+        self._simulated_device = fam.Metric(labels={**self.labels, "target": target})
+        self._simulated_device.set(1)
+        out = {}
+        for name, kind, desc, key in SIMULATION_METRICS:
+            fam = self._pb.MetricFamily(name=name, description=desc, kind=self._kinds[kind])
+            self._families.append(fam)
+            out[key] = (kind, fam.Metric(labels=self.labels))
+        return out
 
     def request_finished(self, finish_reason: str | None, num_output_tokens: int, metrics: Any) -> None:
         """Latency histograms and the finish counter for one finished request (RequestMetrics)."""
