@@ -39,7 +39,9 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, ls_ptr, cs_ptr, zp_pt
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     slots = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     m_mask = slots < num_slots
-    rows = slots // a_row_div
+    # row offsets in int64: slots x hidden reaches 2^31 at 32768 tokens x top-8 x 8192 (300B), where int32 wraps
+    slot_rows = slots.to(tl.int64)
+    rows = slot_rows // a_row_div
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     b_base = b_ptr + expert * stride_be
@@ -98,21 +100,22 @@ def _fused_moe_kernel(a_ptr, b_ptr, c_ptr, bs_ptr, as_ptr, ls_ptr, cs_ptr, zp_pt
         out = out / (1.0 + tl.exp(-out)) * out_up
     if MUL_ROUTED:
         out = out * tl.load(topk_w_ptr + slots, mask=m_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(c_ptr + slots[:, None] * stride_cm + offs_n[None, :] * stride_cn, out.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + slot_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, out.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _sum_slots_kernel(c_ptr, ids_ptr, out_ptr, H, num_experts, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
+def _sum_slots_kernel(c_ptr, ids_ptr, out_ptr, H, num_experts, stride_c, stride_out, TOPK: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # (t * TOPK + j) * stride_c passes 2^31 as the GEMMs' rows do
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(TOPK):
         eid = tl.load(ids_ptr + t * TOPK + j)
         here = (eid >= 0) & (eid < num_experts)  # a slot routed to another rank's expert was never computed
-        acc += tl.load(c_ptr + (t * TOPK + j) * H + offs, mask=mask & here, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(c_ptr + (t * TOPK + j) * stride_c + offs, mask=mask & here, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 WINT2_KEYS = ("weight_scale", "super_scales", "code_scale", "code_zp")
@@ -208,5 +211,6 @@ def fused_moe(x: Any, up_gate: Any, down: Any, topk_ids: Any, topk_weights: Any,
           h, inter, num_slots, 1, method, False, act, block_m)
     out = new_tensor(x, [t, h], act)
     bh = min(1024, next_pow2(h))
-    _sum_slots_kernel[(t, triton.cdiv(h, bh))](slot_out, local_ids, out, h, e, TOPK=topk, BLOCK_H=bh)
+    _sum_slots_kernel[(t, triton.cdiv(h, bh))](slot_out, local_ids, out, h, e, slot_out.stride(0), out.stride(0),
+                                              TOPK=topk, BLOCK_H=bh)
     return out

@@ -28,11 +28,14 @@ def _wo_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    # row offsets in int64: a 300B dense up_gate output is tokens x 57344, past 2^31 from 37450 tokens
+    rows = offs_m.to(tl.int64)
+    a_rows = a_ptr + rows[:, None] * stride_am
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+        a = tl.load(a_rows + offs_k[None, :] * stride_ak,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         w = load_weight_tile(b_ptr, offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_bk, stride_bn, s_ptr,
                              s_ptr, QUANT)
@@ -46,7 +49,7 @@ def _wo_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, M, N, K, stride_am, stride_ak, s
     if A_QUANT == 0:
         scale = tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
         acc = acc * scale[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
