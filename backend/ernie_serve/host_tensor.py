@@ -6,6 +6,10 @@ With paddle 3.3.1 every eager tensor built from host data (`paddle.to_tensor`, `
 so a server's resident memory grew steadily. Tensors that ops create (`paddle.empty`) do not leak, so host data is
 copied into one of those, through a writable NumPy view of its memory; producers that make a fresh array anyway
 (gathers, unpacking) write straight into that view and pay no extra copy. Every hot-path NumPy -> Paddle conversion goes through here.
+
+Every tensor here is placed on the CPU explicitly: after `paddle.set_device("gpu:N")` (the kernels backend on a GPU)
+Paddle's default place is the GPU, and writing host data through a device address faults
+(tests/kernels_backend/test_paddle_gpu_place.py runs these under a Paddle whose default place refuses host writes).
 """
 from __future__ import annotations
 
@@ -20,13 +24,14 @@ import paddle
 _DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(np.int32): "int32",
            np.dtype(np.int16): "int16", np.dtype(np.int8): "int8", np.dtype(np.uint8): "uint8",
            np.dtype(np.bool_): "bool", np.dtype(np.float64): "float64"}
+_CPU = paddle.CPUPlace()  # a Place object, not "cpu": Paddle parses a device string on every call
 
 
 def empty_host(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tensor, np.ndarray]:
     """A new CPU tensor and a writable NumPy view of its memory (valid while the tensor lives)."""
     dtype = np.dtype(dtype)
     shape = [int(s) for s in shape]
-    t = paddle.empty(shape, dtype=_DTYPES[dtype])
+    t = paddle.empty(shape, dtype=_DTYPES[dtype], device=_CPU)
     n = math.prod(shape) * dtype.itemsize  # not np.prod: its overhead was a large share of this hot function
     if n == 0:
         return t, np.empty(shape, dtype)

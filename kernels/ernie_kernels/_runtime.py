@@ -1,11 +1,14 @@
 """Import triton once, the right way for the tensors we will hand it, plus framework-neutral helpers.
 
-Launchers take torch or Paddle tensors and allocate outputs in the caller's framework. With real torch
-installed, triton 3.2 (GPU or TRITON_INTERPRET=1) accepts Paddle tensors as they are (data_ptr, cpu,
-copy_ are enough; measured). Without torch (a Paddle-only GPU box) triton itself needs a `torch`, and
-paddle.enable_compat(scope={"triton"}) gives it Paddle's torch proxy. Enabling compat when real torch
-is also used breaks torch tensors in the interpreter (measured: ModuleNotFoundError paddle._subclasses),
-so it is only done when torch is absent.
+Launchers take torch or Paddle tensors and allocate outputs in the caller's framework. triton's GPU driver takes the
+device and the stream of every launch from `torch` (`torch.cuda.current_device`, `_cuda_getCurrentRawStream`), bound
+when the driver is first made. So in a process whose tensors are Paddle's (ERNIE_TENSOR_FRAMEWORK, by default Paddle
+when installed) on a GPU, triton must see Paddle's torch proxy, paddle.enable_compat(scope={"triton"}), even where
+real torch is installed too: else Paddle's kernels run on Paddle's stream and ours on torch's (a race, and nothing of
+ours inside a Paddle CUDA graph capture), on whatever device torch thinks is current. enable_compat makes Paddle
+`torch` for the whole process, so a torch process never enables it; and in triton's CPU interpreter (tests, which run
+both frameworks in one process) no driver exists, so there compat is only enabled when no real torch is there to
+give triton its `torch` (tests/kernels/test_runtime_framework.py). enable_compat is public from Paddle 3.3.
 """
 
 from __future__ import annotations
@@ -16,18 +19,45 @@ import sys
 from typing import Any, Sequence
 
 
-def _torch_installed() -> bool:
+FRAMEWORK_ENV = "ERNIE_TENSOR_FRAMEWORK"  # the same switch as ernie_serve.devices' (this package imports none of it)
+PADDLE_COMPAT_MIN = (3, 3)
+
+
+def _installed(module: str) -> bool:
     try:
-        return importlib.util.find_spec("torch") is not None
+        return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
 
 
+def process_framework() -> str:
+    """The framework this process hands the kernels: ERNIE_TENSOR_FRAMEWORK, else Paddle when installed, else torch."""
+    return os.environ.get(FRAMEWORK_ENV) or ("paddle" if _installed("paddle") else "torch")
+
+
+def needs_paddle_compat(framework: str, interpret: bool, torch_installed: bool) -> bool:
+    """Whether triton must see Paddle's torch proxy (see the module doc)."""
+    if framework != "paddle":
+        return False
+    return not interpret or not torch_installed
+
+
+def enable_paddle_compat(paddle) -> None:
+    """paddle.enable_compat(scope={"triton"}), or an error naming the Paddle this needs."""
+    if not hasattr(paddle, "enable_compat"):
+        raise ImportError(f"ernie_kernels needs PaddlePaddle >= {'.'.join(map(str, PADDLE_COMPAT_MIN))} "
+                          f"(paddle.enable_compat, which hands triton Paddle's device and stream); found "
+                          f"{getattr(paddle, '__version__', 'unknown')}: pip install 'paddlepaddle-gpu>=3.3' from "
+                          "Paddle's CUDA index (or set ERNIE_TENSOR_FRAMEWORK=torch to run the kernels on torch)")
+    paddle.enable_compat(scope={"triton"}, silent=True)
+
+
 def _load_triton():
-    if "triton" not in sys.modules and not _torch_installed():
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if "triton" not in sys.modules and needs_paddle_compat(process_framework(), interpret, _installed("torch")):
         import paddle
 
-        paddle.enable_compat(scope={"triton"}, silent=True)
+        enable_paddle_compat(paddle)
     import triton
     import triton.language as tl
 
@@ -97,8 +127,9 @@ def new_tensor(like: Any, shape: Sequence[int], dtype: str, fill: float | None =
     if is_paddle(like):
         import paddle
 
-        t = paddle.empty(shape, dtype=dtype) if fill is None else paddle.full(shape, fill, dtype=dtype)
-        return t if str(t.place) == str(like.place) else t.to(like.place)
+        if fill is None:
+            return paddle.empty(shape, dtype=dtype, device=like.place)
+        return paddle.full(shape, fill, dtype=dtype, device=like.place)
     import torch
 
     dt = getattr(torch, dtype)

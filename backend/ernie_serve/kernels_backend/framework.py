@@ -407,7 +407,7 @@ class PaddleOps(TensorOps):
         self.on_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
         self.place = paddle.CUDAPlace(device_index) if self.on_gpu else paddle.CPUPlace()
         if self.on_gpu:
-            paddle.set_device(f"gpu:{device_index}")  # new tensors and triton's launches land on this rank's GPU
+            paddle.set_device(f"gpu:{device_index}")  # triton's launches (through Paddle's compat driver) go here
 
     def _from_host(self, a):
         if self.on_gpu:
@@ -420,12 +420,10 @@ class PaddleOps(TensorOps):
         return t.view(getattr(self.paddle, dtype))
 
     def empty(self, shape, dtype):
-        t = self.paddle.empty([int(s) for s in shape], dtype=dtype)
-        return t.to(self.place) if self.on_gpu and not t.place.is_gpu_place() else t
+        return self.paddle.empty([int(s) for s in shape], dtype=dtype, device=self.place)
 
     def zeros(self, shape, dtype):
-        t = self.paddle.zeros([int(s) for s in shape], dtype=dtype)
-        return t.to(self.place) if self.on_gpu and not t.place.is_gpu_place() else t
+        return self.paddle.zeros([int(s) for s in shape], dtype=dtype, device=self.place)
 
     def to_host(self, t, keep_dtype=False):
         name = dtype_name(t)
@@ -465,7 +463,7 @@ class PaddleOps(TensorOps):
         return self.paddle.argmax(t, axis=1, keepdim=True)
 
     def arange(self, n):
-        return self.paddle.arange(n, dtype="int64").reshape([1, n]).to(self.place)
+        return self.paddle.arange(n, dtype="int64", device=self.place).reshape([1, n])
 
     def concat_rows(self, ts):
         return self.paddle.concat(list(ts), axis=0)
@@ -483,10 +481,10 @@ class PaddleOps(TensorOps):
         return out * inside.unsqueeze(1).astype(out.dtype)
 
     def _write_rows(self, dst, view, a):
-        if self.on_gpu:
+        if self.on_gpu:  # staged in a CPU tensor (host_tensor places it there explicitly), then copied up
             from ..host_tensor import to_paddle
 
-            view.copy_(to_paddle(a), True)
+            view.copy_(to_paddle(a), blocking=True)
         else:  # straight into the CPU buffer's memory: no Paddle constructor on the step path
             _numpy_view(dst)[: a.shape[0]] = a
 
@@ -512,7 +510,7 @@ class PaddleOps(TensorOps):
         return dst.add_(src)
 
     def copy_(self, dst, src):
-        dst.copy_(src, True)
+        dst.copy_(src, blocking=True)
 
     def synchronize(self):
         if self.on_gpu:
