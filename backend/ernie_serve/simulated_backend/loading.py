@@ -36,7 +36,9 @@ def load_simulated(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelC
     vocab = num_output_ids or model_cfg.vocab_size
     memo = target.constants.replay_memo_entries
     if config.skip_tokenizer_init:
-        replay = Replay.fixed_pattern(vocab, _eos(None, model_cfg), memo)
+        eos = model_cfg.eos_token_id
+        replay = Replay.fixed_pattern(vocab, list(eos) if isinstance(eos, (list, tuple)) else [_eos(None, model_cfg)],
+                                      memo)
     else:
         from ..tokenizer import ErnieTokenizer
 

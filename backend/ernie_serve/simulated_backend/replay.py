@@ -3,8 +3,9 @@
 pieces spell), tokenized once with the served tokenizer, so the detokenizer and the parsers do their real work.
 
 A request's output replays one document from its first token to the EOS that ends it (then, under ignore_eos, the
-next document). Which document, and where its output starts, is fixed the first time the request samples (from the
-ids of that chunk and its position) and remembered by the request's row key: a row's id then depends on its request
+next document). Which document, and where its output starts, is fixed the first time the request samples (from its
+last prompt ids and their position, whatever the prefill's chunking or prefix-cache hits) and remembered by the
+request's row key: a row's id then depends on its request
 and position only, so a preempted request recomputed later, or a step replayed, gives the same stream. The memory is
 bounded (SimulationConstants.replay_memo_entries, oldest first out); a request outliving that many newer ones
 restarts its replay at its next sample, which only changes the text it gets.
@@ -60,6 +61,7 @@ DOCUMENTS = (
     "55. For very large n, the fast-doubling method (F(2k) = F(k)(2F(k+1) - F(k)), F(2k+1) = F(k)^2 + F(k+1)^2) "
     "takes O(log n) steps.\n</response>",
 )
+HASHED_IDS = 8  # a request's last prompt ids that choose its document (the last chunk holds them but for tiny chunks)
 FIXED_PATTERN_LENGTH = 255  # ids a fixed-pattern document has before its EOS (skip_tokenizer_init)
 
 
@@ -79,12 +81,12 @@ class Replay:
         return cls._concatenated(docs, memo_entries)
 
     @classmethod
-    def fixed_pattern(cls, vocab_size: int, eos_token_id: int, memo_entries: int) -> "Replay":
-        """Without a tokenizer (skip_tokenizer_init): one document of ids walking the vocabulary, then EOS."""
-        first = min(3, vocab_size - 1)
-        span = max(1, min(vocab_size, 1000) - first)
+    def fixed_pattern(cls, vocab_size: int, eos_token_ids: list[int], memo_entries: int) -> "Replay":
+        """Without a tokenizer (skip_tokenizer_init): one document of ids walking the upper half of the vocabulary
+        (special tokens sit low in ERNIE's vocabularies), none of them an EOS, then the first EOS."""
+        first, span = vocab_size // 2, max(1, min(vocab_size // 2, 1000))
         ids = [first + (7 * j) % span for j in range(FIXED_PATTERN_LENGTH)]
-        return cls._concatenated([[i if i != eos_token_id else first for i in ids] + [eos_token_id]], memo_entries)
+        return cls._concatenated([[i for i in ids if i not in eos_token_ids] + [eos_token_ids[0]]], memo_entries)
 
     @classmethod
     def _concatenated(cls, docs: list[list[int]], memo_entries: int) -> "Replay":
@@ -102,15 +104,16 @@ class Replay:
         for i, key in enumerate(step.row_keys[seqs].tolist()):
             b = memo.get(key)
             if b is None:
-                b = memo[key] = self._start(step, int(seqs[i])) - int(nexts[i])
+                b = memo[key] = self._start(step, int(seqs[i]), int(rows[i])) - int(nexts[i])
                 if len(memo) > self.memo_entries:
                     del memo[next(iter(memo))]
             base[i] = b
         return self.stream[(base + nexts) % self.stream.size]
 
-    def _start(self, step: StepInput, seq: int) -> int:
-        """The stream index a request's first output token reads: a document's first id, chosen by the ids of the
-        chunk it first samples in (so different prompts read different documents)."""
-        lo, hi = step.query_start_loc[seq], step.query_start_loc[seq + 1]
-        chunk = np.ascontiguousarray(step.token_ids[lo:hi], dtype=np.int64)
-        return int(self.doc_starts[zlib.crc32(chunk.tobytes()) % self.doc_starts.size])
+    def _start(self, step: StepInput, seq: int, row: int) -> int:
+        """The stream index a request's first output token reads: a document's first id, chosen by the last
+        HASHED_IDS ids up to its sampled row and that row's position (so different prompts read different
+        documents)."""
+        lo = max(int(step.query_start_loc[seq]), row + 1 - HASHED_IDS)
+        key = np.append(step.token_ids[lo:row + 1], step.positions[row]).astype(np.int64)
+        return int(self.doc_starts[zlib.crc32(key.tobytes()) % self.doc_starts.size])
