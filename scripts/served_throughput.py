@@ -61,7 +61,7 @@ class Run:
         return self.tokens / self.seconds
 
 
-async def _grpc(url: str, streams: int, max_tokens: int) -> int:
+async def _grpc(url: str, streams: int, max_tokens: int, mark=None) -> int:
     from ernie_client.triton_client import build_inputs, parse_result
     from tritonclient.grpc.aio import InferenceServerClient
 
@@ -77,7 +77,10 @@ async def _grpc(url: str, streams: int, max_tokens: int) -> int:
             if error is not None:
                 raise RuntimeError(f"gRPC stream: {error}")
             if result.get_response().outputs:
-                tokens += len(parse_result(result).output_ids)
+                n = len(parse_result(result).output_ids)
+                tokens += n
+                if mark is not None and n:
+                    mark(int(result.get_response().id[1:]))
             if result.get_response().parameters["triton_final_response"].bool_param:
                 done += 1
                 if done == streams:
@@ -85,9 +88,9 @@ async def _grpc(url: str, streams: int, max_tokens: int) -> int:
     return tokens
 
 
-async def _sse(session, url: str, body: dict, count) -> int:
+async def _sse(session, url: str, body: dict, count, mark=None) -> int:
     """POST body, read the SSE stream to its end; count(event) gives the tokens generated as of an event (0 if
-    it does not say), the stream's count is the largest."""
+    it does not say), the stream's count is the largest. mark(event): called as each event arrives."""
     tokens = 0
     async with session.post(url, json=body) as r:
         if r.status != 200:
@@ -95,22 +98,26 @@ async def _sse(session, url: str, body: dict, count) -> int:
         async for line in r.content:
             line = line.strip()
             if line.startswith(b"data:") and line != b"data: [DONE]":
-                tokens = max(tokens, count(json.loads(line[5:])))
+                event = json.loads(line[5:])
+                tokens = max(tokens, count(event))
+                if mark is not None:
+                    mark(event)
     return tokens
 
 
-async def _http(base: str, streams: int, max_tokens: int) -> int:
+async def _http(base: str, streams: int, max_tokens: int, mark=None) -> int:
     import aiohttp
 
     body = lambda i: {"text_input": PROMPT.format(i=i), "max_tokens": max_tokens, "temperature": 0,  # noqa: E731
                       "stream": True, "sampling_parameters": json.dumps({"ignore_eos": True})}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
         counts = await asyncio.gather(*[_sse(s, f"http://{base}/v2/models/ernie/generate_stream", body(i),
-                                             lambda e: int(e.get("num_output_tokens") or 0)) for i in range(streams)])
+                                             _http_tokens, _http_marker(mark, i))
+                                        for i in range(streams)])
     return sum(counts)
 
 
-async def _shim(base: str, streams: int, max_tokens: int) -> int:
+async def _shim(base: str, streams: int, max_tokens: int, mark=None) -> int:
     import aiohttp
 
     body = lambda i: {"model": "ernie", "prompt": PROMPT.format(i=i), "max_tokens": max_tokens,  # noqa: E731
@@ -118,8 +125,27 @@ async def _shim(base: str, streams: int, max_tokens: int) -> int:
                       "stream_options": {"include_usage": True}}
     usage = lambda e: (e.get("usage") or {}).get("completion_tokens", 0)  # noqa: E731  (the last chunk's)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
-        counts = await asyncio.gather(*[_sse(s, f"{base}/v1/completions", body(i), usage) for i in range(streams)])
+        counts = await asyncio.gather(*[_sse(s, f"{base}/v1/completions", body(i), usage,
+                                             None if mark is None else lambda e, i=i: e.get("choices") and mark(i))
+                                        for i in range(streams)])
     return sum(counts)
+
+
+def _http_tokens(event: dict) -> int:
+    return int(event.get("num_output_tokens") or 0)
+
+
+def _http_marker(mark, i: int):
+    """For stream i's _sse: mark(i) at each generate_stream event that brought tokens (None: no marks)."""
+    if mark is None:
+        return None
+    seen = [0]
+
+    def on_event(event: dict) -> None:
+        if _http_tokens(event) > seen[0]:
+            seen[0] = _http_tokens(event)
+            mark(i)
+    return on_event
 
 
 def wait_for_shim(server, timeout: float = 60.0) -> None:
@@ -150,12 +176,13 @@ def make_server(settings: dict, repository=None):
                         grpc_port=free_port(), metrics_port=free_port(), openai_port=free_port())
 
 
-def served(server, path: str, streams: int, max_tokens: int) -> Run:
+def served(server, path: str, streams: int, max_tokens: int, mark=None) -> Run:
     """One run of `streams` requests through `path` ("grpc", "http" or "shim") of a started server (its shim up:
-    wait_for_shim, or its start-up would count as CPU of the first run)."""
-    client = {"grpc": lambda: _grpc(server.grpc_url, streams, max_tokens),
-              "http": lambda: _http(server.http_url, streams, max_tokens),
-              "shim": lambda: _shim(f"http://127.0.0.1:{server.openai_port}", streams, max_tokens)}[path]
+    wait_for_shim, or its start-up would count as CPU of the first run). mark(i): called as each response of
+    stream i that brought tokens arrives (the shim's: each chunk with a choice), e.g. to time inter-token gaps."""
+    client = {"grpc": lambda: _grpc(server.grpc_url, streams, max_tokens, mark),
+              "http": lambda: _http(server.http_url, streams, max_tokens, mark),
+              "shim": lambda: _shim(f"http://127.0.0.1:{server.openai_port}", streams, max_tokens, mark)}[path]
     procs = serving_processes(server)
     before = {name: cpu_seconds(pid) for name, pid in procs.items()}
     own = time.process_time()

@@ -54,6 +54,8 @@ SIMULATION_METRICS = [
      "while requests kept running: simulated device idle time", "simulated_busy_gap_seconds"),
     ("ernie:simulated_busy_modeled_seconds_total", "COUNTER", "Scaled modeled time of the steps before those gaps",
      "simulated_busy_modeled_seconds"),
+    ("ernie:simulated_overshoot_seconds_total", "COUNTER", "Step wall time beyond the scaled modeled time (sleeps "
+     "waking late): left out of the stretch", "simulated_overshoot_seconds"),
     ("ernie:simulated_step_stretch", "GAUGE", "Busy gap time over modeled step time since start: the device idle "
      "time the host causes", "simulated_step_stretch"),
     ("ernie:simulated_time_scale", "GAUGE", "The simulated device runs this many times slower than the modeled "
