@@ -44,6 +44,9 @@ def test_only_plain_decode_steps_replay():
 class RerunGraph(Graph):
     """CPU stand-in for a CUDA graph: capture runs fn once and keeps it; replay reruns it on the buffers."""
 
+    def __init__(self, pool=None):
+        self.pool = pool
+
     def capture(self, fn):
         self.fn = fn
         self.out = fn()
@@ -55,13 +58,27 @@ class RerunGraph(Graph):
                 kept[...] = new
 
 
+def test_every_graph_captures_into_one_shared_pool_largest_first():
+    pools, order = [], []
+
+    class PoolGraph(RerunGraph):
+        def capture(self, fn):
+            pools.append(self.pool)
+            return super().capture(fn)
+
+    runner = CudaGraphRunner(graph_batch_sizes(20), PoolGraph, object)
+    runner.capture_all(lambda size: (order.append(size), size)[1], lambda size: [np.zeros(size)])
+    assert order == [20, 16, 8, 4, 2, 1]
+    assert len(pools) == 6 and pools[0] is not None and all(p is pools[0] for p in pools)
+
+
 def test_padded_decode_replays_give_the_eager_tokens(tiny_model_dir):
     ids = prompts(4096, (5, 23, 40))
     kw = dict(max_num_seqs=3)
     eager = greedy(engine(tiny_model_dir, "kernels", **kw), ids)
     llm = engine(tiny_model_dir, "kernels", **kw)
     shard = llm.engine.runner.executor
-    shard.graphs = CudaGraphRunner(graph_batch_sizes(3), RerunGraph)
+    shard.graphs = CudaGraphRunner(graph_batch_sizes(3), RerunGraph, object)
     shard.graphs.capture_all(shard._fill_padding, shard._graph_forward)
     assert sorted(shard.graphs.graphs) == [1, 2, 3]
     assert greedy(llm, ids) == eager
@@ -110,7 +127,7 @@ def test_split_kv_decodes_eager_and_replayed_give_the_reference_tokens(tiny_mode
         shard = llm.engine.runner.executor
         shard.buffers.split_kv_target = 64  # about what 32 SMs ask for
         if graphs:
-            shard.graphs = CudaGraphRunner(graph_batch_sizes(2), RerunGraph)
+            shard.graphs = CudaGraphRunner(graph_batch_sizes(2), RerunGraph, object)
             shard.graphs.capture_all(shard._fill_padding, shard._graph_forward)
         splits.clear()
         assert greedy(llm, ids) == want

@@ -113,7 +113,7 @@ def test_decode_graph_replays_hand_the_drafter_their_hidden_states(tiny_model_di
     eager = greedy(engine(tiny_model_dir, "kernels", max_num_seqs=2, **_mtp(1)), ids, params)
     llm = engine(tiny_model_dir, "kernels", max_num_seqs=2, **_mtp(1))
     shard = llm.engine.runner.executor
-    shard.graphs = CudaGraphRunner(graph_batch_sizes(2), RerunGraph)
+    shard.graphs = CudaGraphRunner(graph_batch_sizes(2), RerunGraph, object)
     shard.graphs.capture_all(shard._fill_padding, shard._graph_forward)
     assert greedy(llm, ids, params) == eager
     assert shard.graphs.replays > 0

@@ -44,11 +44,17 @@ def is_decode_only(step: StepInput) -> bool:
 
 
 class CudaGraphRunner:
-    """Captured decode graphs by batch size; `run` replays the step's bucket or says it cannot."""
+    """Captured decode graphs by batch size; `run` replays the step's bucket or says it cannot.
 
-    def __init__(self, sizes: list[int], new_graph: Callable[[], Graph]):
+    Every graph captures into one memory pool (new_pool's), largest first: a replay runs one graph at a time, so the
+    smaller graphs reuse the largest one's activation memory, and the pool costs about one decode forward at
+    max_num_seqs, which kernels_backend/loading.py reserves before it sizes the KV pool."""
+
+    def __init__(self, sizes: list[int], new_graph: Callable[[Any], Graph], new_pool: Callable[[], Any]):
         self.sizes = sizes
         self.new_graph = new_graph
+        self.new_pool = new_pool
+        self.pool: Any = None
         self.graphs: dict[int, tuple[Graph, Any]] = {}
         self.replays = 0
 
@@ -57,12 +63,14 @@ class CudaGraphRunner:
         StepTensors; forward(step) runs the model over them and returns the tensors the graph keeps writing
         (the hidden states and the logits). The graph is bound to that step's buffer views: a replay reads whatever they hold then."""
         step = fill(size)
-        graph = self.new_graph()
+        if self.pool is None:
+            self.pool = self.new_pool()
+        graph = self.new_graph(self.pool)
         out = graph.capture(lambda: forward(step))
         self.graphs[size] = (graph, out)
 
     def capture_all(self, fill: Callable[[int], Any], forward: Callable[[Any], Any]) -> None:
-        for size in sorted(self.sizes, reverse=True):  # largest first: smaller graphs reuse its memory pool
+        for size in sorted(self.sizes, reverse=True):  # largest first: the smaller graphs fit in what it took
             self.capture(size, fill, forward)
         log.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs), self.sizes)
 

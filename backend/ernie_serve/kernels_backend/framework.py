@@ -193,7 +193,17 @@ class TensorOps:
         """The most bytes allocated at once on the device since reset_peak."""
         raise NotImplementedError
 
-    def cuda_graph(self) -> "Graph":
+    def release_cached(self) -> None:
+        """Hand the allocator's cached, unused blocks back to the driver, so that free memory reads true (before the
+        KV pool is sized) and a graph pool can take what a profile run left cached."""
+
+    def graph_pool(self) -> Any:
+        """A new memory pool handle for CUDA graphs to share: captured largest first, each later graph reuses the
+        pool's memory instead of holding a private pool of its own."""
+        raise NotImplementedError
+
+    def cuda_graph(self, pool: Any = None) -> "Graph":
+        """A graph that captures into `pool` (graph_pool's), or a private pool when None."""
         raise NotImplementedError
 
     @staticmethod
@@ -344,7 +354,7 @@ class TorchOps(TensorOps):
     def memory_info(self):
         if not self.on_gpu:
             raise RuntimeError("device memory figures need a GPU")
-        free, total = self.torch.cuda.mem_get_info()
+        free, total = self.torch.cuda.mem_get_info(self.device)
         return int(free), int(total)
 
     def multiprocessor_count(self):
@@ -360,17 +370,24 @@ class TorchOps(TensorOps):
         return self.torch.cuda.get_device_name(self.device) if self.on_gpu else "CPU"
 
     def allocated(self):
-        return int(self.torch.cuda.memory_allocated()) if self.on_gpu else 0
+        return int(self.torch.cuda.memory_allocated(self.device)) if self.on_gpu else 0
 
     def reset_peak(self):
         if self.on_gpu:
-            self.torch.cuda.reset_peak_memory_stats()
+            self.torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_allocated(self):
-        return int(self.torch.cuda.max_memory_allocated()) if self.on_gpu else 0
+        return int(self.torch.cuda.max_memory_allocated(self.device)) if self.on_gpu else 0
 
-    def cuda_graph(self):
-        return _TorchGraph(self.torch)
+    def release_cached(self):
+        if self.on_gpu:
+            self.torch.cuda.empty_cache()
+
+    def graph_pool(self):
+        return self.torch.cuda.graph_pool_handle()
+
+    def cuda_graph(self, pool=None):
+        return _TorchGraph(self.torch, pool)
 
     # -- top-k
     def topk_rows(self, t, k):
@@ -378,9 +395,10 @@ class TorchOps(TensorOps):
 
 
 class _TorchGraph(Graph):
-    def __init__(self, torch):
+    def __init__(self, torch, pool):
         self.torch = torch
         self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
 
     def capture(self, fn):
         torch = self.torch
@@ -389,7 +407,7 @@ class _TorchGraph(Graph):
         with torch.cuda.stream(stream):  # warm up off the default stream: triton compiles, allocators settle
             fn()
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=self.pool):
             out = fn()
         return out
 
@@ -519,33 +537,43 @@ class PaddleOps(TensorOps):
     def memory_info(self):
         if not self.on_gpu:
             raise RuntimeError("device memory figures need a GPU")
-        free, total = self.paddle.cuda.mem_get_info()
+        free, total = self.paddle.cuda.mem_get_info(self.place)
         return int(free), int(total)
 
+    def release_cached(self):
+        if self.on_gpu:
+            self.paddle.device.cuda.empty_cache()
+
     def multiprocessor_count(self):
-        return int(self.paddle.device.cuda.get_device_properties().multi_processor_count) if self.on_gpu else 0
+        cuda = self.paddle.device.cuda
+        return int(cuda.get_device_properties(self.place).multi_processor_count) if self.on_gpu else 0
 
     def device_count(self):
         return int(self.paddle.device.cuda.device_count()) if self.on_gpu else 0
 
     def device_capability(self):
-        return tuple(self.paddle.device.cuda.get_device_capability()) if self.on_gpu else None
+        return tuple(self.paddle.device.cuda.get_device_capability(self.place)) if self.on_gpu else None
 
     def device_name(self):
-        return self.paddle.device.cuda.get_device_name() if self.on_gpu else "CPU"
+        return self.paddle.device.cuda.get_device_name(self.place) if self.on_gpu else "CPU"
 
     def allocated(self):
-        return int(self.paddle.device.cuda.memory_allocated(0)) if self.on_gpu else 0
+        return int(self.paddle.device.cuda.memory_allocated(self.place)) if self.on_gpu else 0
 
     def reset_peak(self):
         if self.on_gpu:
-            self.paddle.device.cuda.reset_max_memory_allocated(0)
+            self.paddle.device.cuda.reset_max_memory_allocated(self.place)
 
     def peak_allocated(self):
-        return int(self.paddle.device.cuda.max_memory_allocated(0)) if self.on_gpu else 0
+        return int(self.paddle.device.cuda.max_memory_allocated(self.place)) if self.on_gpu else 0
 
-    def cuda_graph(self):
-        return _PaddleGraph(self.paddle)
+    def graph_pool(self):
+        from paddle.base.core import CUDAGraph
+
+        return CUDAGraph.gen_new_memory_pool_id()
+
+    def cuda_graph(self, pool=None):
+        return _PaddleGraph(self.place, pool)
 
     # -- top-k
     def topk_rows(self, t, k):
@@ -553,10 +581,10 @@ class PaddleOps(TensorOps):
 
 
 class _PaddleGraph(Graph):
-    def __init__(self, paddle):
+    def __init__(self, place, pool):
         from paddle.device.cuda.graphs import CUDAGraph
 
-        self.graph = CUDAGraph()
+        self.graph = CUDAGraph(place=place, pool_id=pool)  # without a place: FLAGS_selected_gpus, i.e. GPU 0
 
     def capture(self, fn):
         fn()  # warm-up: triton compiles outside the capture

@@ -132,43 +132,73 @@ def _num_blocks(config: EngineConfig, ops: TensorOps, model: KernelModel, per_bl
 
 
 def gpu_kv_blocks(config: EngineConfig, ops: TensorOps, model: KernelModel, per_block: int) -> int:
-    """FastDeploy's / vLLM's sizing: run one forward at max_num_batched_tokens to measure the activation
-    peak, then give gpu_memory_utilization * total - (in use + that peak) to KV blocks."""
-    free, total = ops.memory_info()
+    """FastDeploy's / vLLM's sizing: gpu_memory_utilization * total, less what is in use, less the peaks that come
+    back every step, goes to KV blocks.
+
+    The profile runs first, so that memory allocated outside the framework's allocator on first use (NCCL's
+    buffers at the first all-reduce, cuBLAS workspaces, triton's compiled kernels) is already in use when free memory
+    is read; the allocator's cache is handed back before the read, so that what it merely holds counts as free. The
+    peaks are a forward over max_num_batched_tokens with its logits and a sampling pass over them (the device
+    sampler's sort and float64 temporaries are [rows, vocab] each), and, with CUDA graphs, a decode forward at
+    max_num_seqs: the graphs' shared pool (cuda_graphs.py), which the eager steps' allocator cannot reuse."""
     peak = profile_forward_peak(config, ops, model)
+    graphs = profile_decode_peak(config, ops, model) if config.use_cudagraph else 0
+    ops.release_cached()
+    free, total = ops.memory_info()
     in_use = total - free
-    budget = int(total * config.gpu_memory_utilization) - in_use - peak
+    budget = int(total * config.gpu_memory_utilization) - in_use - peak - graphs
     num = max(budget, 0) // per_block
     log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading (weights %.2f GiB), forward peak %.2f GiB at "
-             "%d tokens, gpu_memory_utilization %.2f -> %.2f GiB for %d KV blocks", total / 2**30, in_use / 2**30,
-             model.weights.nbytes / 2**30, peak / 2**30, config.max_num_batched_tokens, config.gpu_memory_utilization,
-             max(budget, 0) / 2**30, num)
+             "%d tokens%s, gpu_memory_utilization %.2f -> %.2f GiB for %d KV blocks", total / 2**30, in_use / 2**30,
+             model.weights.nbytes / 2**30, peak / 2**30, config.max_num_batched_tokens,
+             f", CUDA graph pool {graphs / 2**30:.2f} GiB" if config.use_cudagraph else "",
+             config.gpu_memory_utilization, max(budget, 0) / 2**30, num)
     if num < 1:
         raise ValueError(f"the model does not fit: {total * config.gpu_memory_utilization / 2**30:.1f} GiB "
                          f"(gpu_memory_utilization {config.gpu_memory_utilization}) leaves nothing for the KV cache after "
-                         f"{in_use / 2**30:.1f} GiB in use and a {peak / 2**30:.1f} GiB forward peak; quantize "
+                         f"{in_use / 2**30:.1f} GiB in use, a {peak / 2**30:.1f} GiB forward peak"
+                         f"{f' and a {graphs / 2**30:.1f} GiB CUDA graph pool' if graphs else ''}; quantize "
                          f"(--quantization wint8 / wint4), lower max_num_batched_tokens, or raise gpu_memory_utilization")
     return int(num)
 
 
 def profile_forward_peak(config: EngineConfig, ops: TensorOps, model: KernelModel) -> int:
-    """Peak extra device memory of one forward + logits over max_num_batched_tokens tokens (sequences of at most
-    max_model_len), against a one-block cache that nothing writes to (every slot is -1)."""
+    """Peak extra device memory of one forward + logits + a sampling pass over max_num_batched_tokens tokens
+    (sequences of at most max_model_len), against a one-block cache that nothing writes to (every slot is -1)."""
+    t, per_seq = config.max_num_batched_tokens, config.max_model_len
+    return _profile_peak(config, ops, model, [min(per_seq, t - s) for s in range(0, t, per_seq)], per_seq)
+
+
+def profile_decode_peak(config: EngineConfig, ops: TensorOps, model: KernelModel) -> int:
+    """Peak extra device memory of the largest captured decode step: max_num_seqs sequences of one new token each,
+    at max_model_len context (the split-KV attention's partial results grow with it)."""
+    return _profile_peak(config, ops, model, [1] * config.max_num_seqs, config.max_model_len)
+
+
+def _profile_peak(config: EngineConfig, ops: TensorOps, model: KernelModel, q_lens: list[int], context: int) -> int:
+    from .device_sampling import KernelLogits
+
     cfg = model.config
     cache = DeviceKVCache(ops, cfg.num_hidden_layers, 1, config.block_size, model.num_kv_heads, cfg.head_dim)
-    t, per_seq = config.max_num_batched_tokens, config.max_model_len
-    lens = [min(per_seq, t - s) for s in range(0, t, per_seq)]
+    t, b = sum(q_lens), len(q_lens)
+    decode = max(q_lens) == 1
+    seq_lens = np.full(b, context, np.int64) if decode else np.asarray(q_lens, np.int64)
+    positions = seq_lens - 1 if decode else np.concatenate([np.arange(n) for n in q_lens])
+    rows = min(t, config.max_num_seqs)
     step = StepInput(
-        token_ids=np.zeros(t, np.int64), positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int64),
-        query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), seq_lens=np.asarray(lens, np.int64),
-        block_tables=np.zeros((len(lens), 1), np.int64), slot_mapping=np.full(t, -1, np.int64),
-        sample_rows=np.arange(min(t, config.max_num_seqs), dtype=np.int64))
-    buffers = StepBuffers(ops, t, len(lens), -(-per_seq // config.block_size),
-                          model.num_heads // model.num_kv_heads, False)
+        token_ids=np.zeros(t, np.int64), positions=positions.astype(np.int64),
+        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64), seq_lens=seq_lens,
+        block_tables=np.zeros((b, 1), np.int64), slot_mapping=np.full(t, -1, np.int64),
+        sample_rows=np.arange(rows, dtype=np.int64))
+    buffers = StepBuffers(ops, t, b, -(-context // config.block_size), model.num_heads // model.num_kv_heads, False,
+                          model.num_kv_heads, split_kv_target=2 * ops.multiprocessor_count())
     ops.synchronize()
     ops.reset_peak()
     before = ops.allocated()
     st = buffers.fill(step, config.block_size)
-    model.compute_logits(ops.rows(model.forward(st, cache), st.logit_rows))
+    logits = KernelLogits(model.compute_logits(ops.rows(model.forward(st, cache), st.logit_rows)), ops)
+    # the sampler's costliest path: every row drawn under top-p, through the descending sort of its probabilities
+    ones, zeros = np.ones(rows, np.float32), np.zeros(rows, np.float32)
+    logits.sample(np.zeros(rows, bool), ones, np.zeros(rows, np.int64), ones * 0.9, zeros, np.full(rows, 0.5))
     ops.synchronize()
     return max(ops.peak_allocated() - before, 0)

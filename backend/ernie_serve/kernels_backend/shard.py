@@ -34,7 +34,7 @@ class KernelShard:
         self.draft_head = None if model.weights.mtp is None else KernelDraftHead(self)
         self.graphs = None
         if use_cudagraph:
-            self.graphs = CudaGraphRunner(graph_batch_sizes(max_seqs), ops.cuda_graph)
+            self.graphs = CudaGraphRunner(graph_batch_sizes(max_seqs), ops.cuda_graph, ops.graph_pool)
             self.graphs.capture_all(self._fill_padding, self._graph_forward)
 
     def apply_kv_ops(self, kv_ops: list[KVOp]) -> None:
