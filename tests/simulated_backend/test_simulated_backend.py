@@ -266,3 +266,17 @@ class _FakePb:
                 return m
 
         self.MetricFamily = MetricFamily
+
+
+def test_the_model_figures_for_a_gpu_check_come_out_as_json(capsys):
+    import json
+
+    from ernie_serve.simulated_backend.__main__ import main
+
+    main(["--gpu", "h200", "--quantization", "wint8", "--batch", "64,256", "--context", "2048"])
+    out = json.loads(capsys.readouterr().out)
+    step = StepModel(h200_21b("wint8")).cost(256, 256, np.full(256, 2048))
+    assert out["decode_steps"]["256"]["seconds"] == pytest.approx(step.seconds)
+    assert out["decode_steps"]["64"]["tok_per_s"] == pytest.approx(64 / StepModel(h200_21b("wint8")).cost(
+        64, 64, np.full(64, 2048)).seconds)
+    assert out["gpu"]["hbm_bandwidth"] == 4.8e12 and out["constants"]["memory_efficiency"] == 0.70
