@@ -10,12 +10,14 @@ the compiled GPU code, whose integer types triton derives by the same rules.
 """
 
 import mmap
+import sys
 
 import numpy as np
 import pytest
 
 from ernie_kernels import reference as ref
 
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 STRIDE = 1 << 30  # elements between rows: row 2 starts 2^31 elements in
 BELOW = 2 * STRIDE  # room below the views for a row offset that wrapped to -2^31
 
@@ -27,7 +29,7 @@ class SparseFloats:
         torch = pytest.importorskip("torch")
         self.width = width
         self.numel = BELOW + rows * STRIDE + views * width
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE
         try:
             self.map = mmap.mmap(-1, self.numel * 4, flags=flags)
         except OSError as e:  # a strict overcommit policy refuses the address space
@@ -102,3 +104,55 @@ def test_weight_only_gemm_rows_past_2_31_elements_land_on_their_rows(monkeypatch
     assert y.stride(0) == 1 << 30
     np.testing.assert_allclose(y.numpy(), ref.weight_only_linear(x, q, s, "wint8"), rtol=1e-4, atol=1e-4)
     assert (sparse.wrapped(y, 2).numpy() == 0).all()
+
+
+def _sparse_pool(blocks: int, block_size: int, kv_heads: int, head_dim: int):
+    """A contiguous float32 KV pool [blocks, block_size, kv_heads, head_dim] on a sparse anonymous mapping, with
+    2^31 elements of room below it for an int32 offset that wrapped (read as zeros instead of a crash)."""
+    torch = pytest.importorskip("torch")
+    numel = blocks * block_size * kv_heads * head_dim
+    below = 1 << 31
+    try:
+        buf = mmap.mmap(-1, (below + numel) * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+    except OSError as e:
+        pytest.skip(f"no sparse mapping of {(below + numel) * 4 >> 30} GiB: {e}")
+    flat = torch.frombuffer(buf, dtype=torch.float32, count=below + numel)
+    return flat[below:].view(blocks, block_size, kv_heads, head_dim), buf
+
+
+def test_kv_pool_blocks_past_2_31_elements_are_written_and_read_in_place():
+    """An 80 GB pool holds blocks whose first element is past 2^31: kv_write and unified attention address them
+    in int64 (block id x block stride), so the last block of a 2^31 + 4-block-element pool is written in place
+    and attention over it equals attention over the same values in a one-block pool."""
+    torch = pytest.importorskip("torch")
+    from ernie_kernels.kv_write import kv_write
+    from ernie_kernels.unified_attention import attention_programs, queries_per_program, unified_attention
+
+    bs, kvh, d, hq = 16, 1, 16, 2
+    blocks = (1 << 31) // (bs * kvh * d) + 4
+    last = blocks - 1
+    (kc, kbuf), (vc, vbuf) = _sparse_pool(blocks, bs, kvh, d), _sparse_pool(blocks, bs, kvh, d)
+    assert last * bs * kvh * d >= 1 << 31
+    rng = np.random.default_rng(3)
+    n = 5
+    k, v = (rng.standard_normal((n, kvh, d)).astype(np.float32) for _ in range(2))
+    slots = torch.from_numpy(last * bs + np.arange(n, dtype=np.int64))
+    kv_write(torch.from_numpy(k), torch.from_numpy(v), kc, vc, slots)
+    np.testing.assert_array_equal(kc[last, :n].numpy(), k)
+    np.testing.assert_array_equal(vc[last, :n].numpy(), v)
+
+    q = rng.standard_normal((n, hq, d)).astype(np.float32)
+    qsl = np.array([0, n], np.int32)
+    block_q = queries_per_program(hq // kvh, n)
+    seq, q0 = attention_programs(qsl, block_q)
+
+    def attend(k_cache, v_cache, table):
+        out = torch.full((n, hq, d), float("nan"))
+        unified_attention(torch.from_numpy(q), k_cache, v_cache, out, torch.tensor([[table]], dtype=torch.int32),
+                          torch.tensor([n], dtype=torch.int32), torch.from_numpy(qsl), torch.from_numpy(seq),
+                          torch.from_numpy(q0), block_q, d ** -0.5)
+        return out.numpy()
+
+    small_k, small_v = (torch.zeros(1, bs, kvh, d) for _ in range(2))
+    small_k[0, :n], small_v[0, :n] = torch.from_numpy(k), torch.from_numpy(v)
+    np.testing.assert_allclose(attend(kc, vc, last), attend(small_k, small_v, 0), rtol=1e-6, atol=1e-6)
