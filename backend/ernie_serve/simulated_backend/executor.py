@@ -68,7 +68,7 @@ class SimulatedExecutor:
         self.counters = StepCounters()
         self._last_end: float | None = None
         self._last_scaled = 0.0
-        self._last_keys: set[int] = set()
+        self._last_keys = np.zeros(0, dtype=np.int64)
 
     def execute(self, step: StepInput) -> tuple[Any, Any]:
         start = time.perf_counter()
@@ -105,12 +105,12 @@ class SimulatedExecutor:
     def _count_gap(self, step: StepInput, start: float) -> None:
         """The gap since the last step's end, if this step continues one of its requests (a decode row)."""
         keys = step.row_keys
-        if self._last_end is not None and step.num_decodes and int(keys[0]) in self._last_keys:
+        if self._last_end is not None and step.num_decodes and (self._last_keys == keys[0]).any():
             c = self.counters
             c.busy_gaps += 1
             c.busy_gap_seconds += start - self._last_end
             c.busy_modeled_seconds += self._last_scaled
-        self._last_keys = set(keys.tolist())
+        self._last_keys = keys
 
     def device_stats(self) -> dict[str, float | str]:
         """The counters as engine stats keys, and the stretch so far (host gaps over the modeled time before them)."""

@@ -100,15 +100,16 @@ class Replay:
             return np.zeros(0, dtype=np.int64)
         seqs = np.searchsorted(step.query_start_loc, rows, side="right") - 1
         nexts = step.positions[rows] + 1
-        base, memo = np.empty(rows.size, dtype=np.int64), self._base
-        for i, key in enumerate(step.row_keys[seqs].tolist()):
-            b = memo.get(key)
-            if b is None:
-                b = memo[key] = self._start(step, int(seqs[i]), int(rows[i])) - int(nexts[i])
-                if len(memo) > self.memo_entries:
-                    del memo[next(iter(memo))]
-            base[i] = b
-        return self.stream[(base + nexts) % self.stream.size]
+        keys = step.row_keys[seqs].tolist()
+        memo = self._base
+        bases = list(map(memo.get, keys))  # one pass in C: this runs on the engine's thread every step
+        if None in bases:
+            for i, key in enumerate(keys):
+                if bases[i] is None:
+                    bases[i] = memo[key] = self._start(step, int(seqs[i]), int(rows[i])) - int(nexts[i])
+                    if len(memo) > self.memo_entries:
+                        del memo[next(iter(memo))]
+        return self.stream[(np.array(bases, dtype=np.int64) + nexts) % self.stream.size]
 
     def _start(self, step: StepInput, seq: int, row: int) -> int:
         """The stream index a request's first output token reads: a document's first id, chosen by the last
