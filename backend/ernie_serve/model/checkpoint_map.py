@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from .. import load_progress
 from ..quantization.formats import (QUANT_TENSOR_SUFFIXES, REQUIRED_TENSORS, normalize_quantized, quantized_shape,
                                      shard_quantized)
 from .config import ErnieModelConfig
 from .parallel import SINGLE_RANK, ParallelLayout
-from .safetensors_io import iter_tensors, read_header
+from .safetensors_io import SafetensorsReader, iter_tensors, read_header
 
 log = logging.getLogger(__name__)
 
@@ -194,20 +195,28 @@ class Target:
         return sink if hasattr(sink, "load_quantized") else None
 
     def commit(self, expert: int | None, value: np.ndarray) -> None:
+        """Hand a whole (expert of a) parameter to its sink. `value` is in the checkpoint's dtype (bf16 stays bf16):
+        a sink that says `takes_stored_dtype` gets it so, a quantized layer gets a float32 copy to quantize (one
+        matrix at a time), any other sink (a Paddle parameter) float32."""
         layer = self.layer(expert)
         if layer is not None:
-            layer.load_float(value)  # quantized now; the caller drops value
-        else:
-            self.sink.set_value(np.ascontiguousarray(value, dtype=np.float32))
+            layer.load_float(np.asarray(value, np.float32))  # quantized now; the caller drops value
+            return
+        sink = self.sink[expert] if self.per_expert else self.sink
+        if not getattr(sink, "takes_stored_dtype", False):
+            value = np.ascontiguousarray(value, dtype=np.float32)
+        sink.set_value(value)
 
 
-def localize(piece: Piece, value: np.ndarray, layout: ParallelLayout,
-             cfg: ErnieModelConfig) -> tuple[Piece, np.ndarray] | None:
-    """This rank's part of a checkpoint piece (`value` already in the parameter's layout), indexed into
-    the rank's shard of the parameter; None when none of it belongs to this rank."""
+def local_part(piece: Piece, value_shape: tuple[int, ...], layout: ParallelLayout,
+               cfg: ErnieModelConfig) -> tuple[Piece, int | None, np.ndarray | None] | None:
+    """This rank's part of a checkpoint piece whose value (in the parameter's layout) has `value_shape`: the piece
+    indexed into the rank's shard of the parameter, and the value's axis and the indices along it the rank keeps
+    (None, None: all of it); None when none of it belongs to this rank. Computed from shapes alone, so a reader
+    can read just that part."""
     shard = layout.shard_of(piece.param, cfg)
     if shard is None:
-        return piece, value
+        return piece, None, None
     axis, keep = shard
     index = list(piece.index) + [slice(None)] * (axis + 1 - len(piece.index))
     entry = index[axis]
@@ -216,21 +225,31 @@ def localize(piece: Piece, value: np.ndarray, layout: ParallelLayout,
         if not hit.size:
             return None
         index[axis] = int(hit[0])
-        return Piece(piece.param, tuple(index)), value
+        return Piece(piece.param, tuple(index)), None, None
     value_axis = axis - sum(isinstance(i, int) for i in index[:axis])  # integer entries drop their axis
     start = entry.start or 0
-    stop = entry.stop if entry.stop is not None else start + value.shape[value_axis]
+    stop = entry.stop if entry.stop is not None else start + value_shape[value_axis]
     pos = np.flatnonzero((keep >= start) & (keep < stop))
     if not pos.size:
         return None
     if pos[-1] - pos[0] + 1 != pos.size:
         raise AssertionError(f"shard of {piece.param} is not contiguous for {entry}")
-    value = np.take(value, keep[pos] - start, axis=value_axis)
     whole = pos.size == keep.size and all(i == slice(None) for j, i in enumerate(index) if j != axis)
     index[axis] = slice(None) if whole else slice(int(pos[0]), int(pos[-1]) + 1)
     while index and index[-1] == slice(None):
         index.pop()
-    return Piece(piece.param, tuple(index)), value
+    return Piece(piece.param, tuple(index)), value_axis, keep[pos] - start
+
+
+def localize(piece: Piece, value: np.ndarray, layout: ParallelLayout,
+             cfg: ErnieModelConfig) -> tuple[Piece, np.ndarray] | None:
+    """This rank's part of a checkpoint piece (`value` already in the parameter's layout), indexed into
+    the rank's shard of the parameter; None when none of it belongs to this rank."""
+    part = local_part(piece, value.shape, layout, cfg)
+    if part is None:
+        return None
+    local, axis, keep = part
+    return local, (value if axis is None else np.take(value, keep, axis=axis))
 
 
 class Assembler:
@@ -284,6 +303,7 @@ class Assembler:
         return Piece(piece.param, (expert,))
 
     def put(self, tensor_name: str, piece: Piece, arr: np.ndarray) -> None:
+        """A checkpoint tensor held whole in memory (the MTP head's, tests')."""
         target = self._target(tensor_name, piece.param)
         value = arr.T if piece.transpose else arr
         if self.presharded:
@@ -293,12 +313,36 @@ class Assembler:
             if local is None:
                 return
             piece, value = local
+        self._fill(tensor_name, arr.shape, target, piece, value)
+
+    def put_from(self, reader: SafetensorsReader, tensor_name: str, piece: Piece) -> int:
+        """Read only this rank's part of a checkpoint tensor, in its stored dtype, and put it; returns the bytes read
+        (0 when none of it is this rank's)."""
+        target = self._target(tensor_name, piece.param)
+        shape, transpose = reader.tensors[tensor_name].shape, piece.transpose
+        axis = keep = None
+        if self.presharded:
+            piece = self._presharded_piece(tensor_name, piece)
+        elif self.layout is not None and self.layout.is_parallel:
+            part = local_part(piece, shape[::-1] if transpose else shape, self.layout, self.cfg)
+            if part is None:
+                return 0
+            piece, axis, keep = part
+        if axis is not None and transpose:
+            axis = len(shape) - 1 - axis  # the value's axis in the tensor as stored (transposed pieces are 2-D)
+        arr = reader.read(tensor_name, axis, keep)
+        self._fill(tensor_name, shape, target, piece, arr.T if transpose else arr)
+        return arr.nbytes
+
+    def _fill(self, tensor_name: str, arr_shape: tuple, target: Target, piece: Piece, value: np.ndarray) -> None:
+        """Put this rank's `value` (in the parameter's layout) where `piece` says: the whole target, or a piece of
+        it that waits in a buffer (in the checkpoint's dtype) until all its pieces arrived."""
         shape, index, expert = target.shape, piece.index, None
         if target.per_expert:
             expert, index, shape = index[0], index[1:], shape[1:]
         if not index:
             if tuple(value.shape) != shape:
-                raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr.shape)}, expected "
+                raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr_shape)}, expected "
                                  f"{list(shape[::-1]) if piece.transpose else list(shape)} for {piece.param}")
             target.commit(expert, value)
             self.filled[piece.param] = self.filled.get(piece.param, 0) + value.size
@@ -306,9 +350,9 @@ class Assembler:
         key = (piece.param, expert)
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = np.zeros(shape, np.float32)
+            buf = self.buffers[key] = np.zeros(shape, value.dtype)
         if buf[index].shape != value.shape:
-            raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr.shape)}, which does not fit "
+            raise ValueError(f"checkpoint tensor {tensor_name!r} has shape {list(arr_shape)}, which does not fit "
                              f"{piece.param}{list(buf[index].shape)} (check head_dim / intermediate sizes)")
         buf[index] = value
         self.filled[piece.param] = self.filled.get(piece.param, 0) + value.size
@@ -363,32 +407,43 @@ def fill_from_checkpoint(model_dir: Path, cfg: ErnieModelConfig, asm: Assembler,
     scales by (layer, "k" | "v") as the checkpoint holds them (full, or this rank's under pre-sharding)."""
     tensors_dir, asm.presharded = tensor_directory(model_dir, asm.layout)
     shards = checkpoint_shards(tensors_dir)
-    total = sum(len(read_header(s)[0]) for s in shards)
+    total = sum(info["data_offsets"][1] - info["data_offsets"][0] for s in shards for info in read_header(s)[0].values())
     mtp: dict[str, np.ndarray] = {}
     kv_scales: dict[tuple[int, str], np.ndarray] = {}
-    with tqdm(total=total, desc=f"Loading {tensors_dir.name}", unit="tensor", disable=not show_progress) as bar:
+    done = 0
+    with tqdm(total=total, desc=f"Loading {tensors_dir.name}", unit="B", unit_scale=True, unit_divisor=1024,
+              disable=not show_progress) as bar:
         for shard in shards:
-            for name, arr, _code in iter_tensors(shard):
-                target = map_tensor_name(name, cfg)
-                if target is None:
-                    raise ValueError(f"unexpected tensor {name!r} in {shard.name}: not part of "
-                                     f"{cfg.architecture} with this config.json")
-                if target == "mtp":
-                    mtp[name] = np.array(arr, dtype=np.float32)
-                elif target == "ignore":
-                    log.info("ignoring %s (tie_word_embeddings is true)", name)
-                elif isinstance(target, KVScale):
-                    kv_scales[(target.layer, target.which)] = np.array(arr, dtype=np.float32).reshape(-1)
-                elif isinstance(target, QuantPiece):
-                    asm.put_quantized(name, target, arr)
-                else:
-                    asm.put(name, target, arr)
-                bar.update(1)
+            with SafetensorsReader(shard) as reader:
+                for name, info in reader.tensors.items():
+                    _fill_one(reader, name, map_tensor_name(name, cfg), asm, cfg, mtp, kv_scales)
+                    done += info.nbytes  # of the checkpoint gone through (a rank reads its part of it)
+                    bar.update(info.nbytes)
+                    load_progress.tick("weights", done, total)
     missing = asm.missing()
     if missing:
         raise ValueError(f"checkpoint {model_dir} is missing tensors for: {', '.join(missing[:8])}"
                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     return mtp, kv_scales
+
+
+def _fill_one(reader: SafetensorsReader, name: str, target, asm: Assembler, cfg: ErnieModelConfig,
+              mtp: dict[str, np.ndarray], kv_scales: dict[tuple[int, str], np.ndarray]) -> None:
+    """One checkpoint tensor to where map_tensor_name says. Model weights are read in part (this rank's) and in
+    their stored dtype; the rest (MTP head, C8 KV scales, pre-quantized tensors) whole, floats widened to fp32."""
+    if target is None:
+        raise ValueError(f"unexpected tensor {name!r} in {reader.path.name}: not part of "
+                         f"{cfg.architecture} with this config.json")
+    if target == "mtp":
+        mtp[name] = reader.read(name, widen=True)
+    elif target == "ignore":
+        log.info("ignoring %s (tie_word_embeddings is true)", name)
+    elif isinstance(target, KVScale):
+        kv_scales[(target.layer, target.which)] = reader.read(name, widen=True).astype(np.float32).reshape(-1)
+    elif isinstance(target, QuantPiece):
+        asm.put_quantized(name, target, reader.read(name, widen=True))
+    else:
+        asm.put_from(reader, name, target)
 
 
 def static_kv_scales(scales: dict[tuple[int, str], np.ndarray],

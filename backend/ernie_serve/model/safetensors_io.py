@@ -1,13 +1,17 @@
-"""Minimal safetensors reader/writer on numpy memory maps.
+"""Minimal safetensors reader/writer.
 
-numpy has no bfloat16, and ERNIE checkpoints are bf16 on disk; reading the format directly lets us
-widen bf16 to fp32 one tensor at a time straight from the mapped file, so loading streams shard
-by shard without ever holding a second copy of a shard.
+Loading reads with SafetensorsReader: plain positioned reads (no memory map, so what a rank holds is only what it
+asked for), of a whole tensor or of the rows / columns one axis keeps (a tensor-parallel rank's slice), in the
+stored dtype (bf16 as ml_dtypes.bfloat16). A slice along the first axis reads only its bytes; along a later axis
+whole rows pass through a bounded scratch buffer (SCRATCH_BYTES) and only the kept columns stay.
+iter_tensors (NumPy memory maps, bf16 widened to fp32) serves the callers that want every tensor whole.
 """
 from __future__ import annotations
 
 import json
+import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -74,3 +78,100 @@ def save_file(tensors: dict[str, np.ndarray], path: Path, bf16: set[str] | froze
         f.write(head)
         for b in blobs:
             f.write(b)
+
+
+_STORED = {**_DTYPES, "BF16": ml_dtypes.bfloat16}  # fp8 stays its uint8 bytes, as iter_tensors gives it
+SCRATCH_BYTES = 32 << 20  # whole rows read at once for a slice along a later axis
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lies in its file and what it holds."""
+
+    code: str  # the safetensors dtype ("BF16", "F32", ...)
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+    nbytes: int
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(_STORED[self.code])
+
+
+class SafetensorsReader:
+    """One safetensors file, read a tensor (or a slice of one) at a time into fresh arrays of its stored dtype."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        header, start = read_header(self.path)
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, info in header.items():
+            if info["dtype"] not in _STORED:
+                raise ValueError(f"{self.path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            a, b = info["data_offsets"]
+            self.tensors[name] = TensorInfo(info["dtype"], tuple(info["shape"]), start + a, b - a)
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def read(self, name: str, axis: int | None = None, keep: np.ndarray | None = None,
+             widen: bool = False) -> np.ndarray:
+        """Tensor `name`, or only indices `keep` (in that order) along `axis`, in its stored dtype; with widen,
+        bf16 / f16 / f64 as float32 (as iter_tensors gives them)."""
+        info = self.tensors[name]
+        if axis is None:
+            out = np.empty(info.shape, info.dtype)
+            self._pread(out, info.offset)
+        else:
+            out = self._read_along(info, axis, np.asarray(keep, np.int64))
+        if widen and info.code in ("BF16", "F16", "F64"):
+            out = out.astype(np.float32)
+        return out
+
+    def _read_along(self, info: TensorInfo, axis: int, keep: np.ndarray) -> np.ndarray:
+        shape = info.shape
+        outer, length, inner = int(np.prod(shape[:axis])), shape[axis], int(np.prod(shape[axis + 1:]))
+        if keep.size and (keep.min() < 0 or keep.max() >= length):
+            raise IndexError(f"{self.path.name}: indices {keep.min()}..{keep.max()} outside axis {axis} of {shape}")
+        out = np.empty((outer, keep.size, inner), info.dtype)
+        row_bytes = length * inner * info.dtype.itemsize  # one step of the outer axes
+        runs = _runs(keep)
+        if outer == 1:  # the first axis (or only size-1 axes before it): each run is one contiguous read
+            for pos, (a, b) in runs:
+                self._pread(out[0, pos:pos + b - a], info.offset + a * inner * info.dtype.itemsize)
+        else:
+            chunk = max(1, SCRATCH_BYTES // row_bytes)
+            scratch = np.empty((min(chunk, outer), length, inner), info.dtype)
+            for first in range(0, outer, chunk):
+                rows = scratch[:min(chunk, outer - first)]
+                self._pread(rows, info.offset + first * row_bytes)
+                for pos, (a, b) in runs:
+                    out[first:first + len(rows), pos:pos + b - a] = rows[:, a:b]
+        return out.reshape(shape[:axis] + (keep.size,) + shape[axis + 1:])
+
+    def _pread(self, out: np.ndarray, offset: int) -> None:
+        """Fill the contiguous array `out` with the file's bytes from `offset`."""
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"{self.path.name}: file ends at byte {offset + done}; the header says more data")
+            done += n
+
+
+def _runs(keep: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
+    """keep as runs of consecutive indices: (position in keep, (first index, last index + 1))."""
+    breaks = np.flatnonzero(np.diff(keep) != 1) + 1
+    starts = np.concatenate([[0], breaks]).astype(int)
+    ends = np.concatenate([breaks, [keep.size]]).astype(int)
+    return [(int(s), (int(keep[s]), int(keep[e - 1]) + 1)) for s, e in zip(starts, ends) if e > s]
