@@ -16,7 +16,7 @@ Per run: tok/s and its ratio to offline; tokens per response (the client's count
 inter-response gaps per stream, p50 / p99 (ITL: one token a response unless a stream coalesces); step stretch and
 the sleeps' overshoot from the simulated device's counters (Triton's metrics port, or the offline engine's stats);
 per process, from /proc (utime + stime): CPU ms a token and a response, its busiest thread's share of a core, and
-the cores it needs at the modeled token rate (CPU s a token x tokens / modeled seconds). The client (this process)
+the cores it needs at the modeled token rate (CPU s a token x the offline run's tokens over its modeled seconds). The client (this process)
 is reported apart, never inside "serving". Offline is one process: engine and caller together.
 
 Writes benchmarks/results/serving_path-<time>.json (commit, CPU, command, load average, the simulation's constants,
@@ -135,19 +135,23 @@ class PathResult:
     tok_per_s: float = 0.0
     vs_offline: float | None = None
     step_stretch: float = 0.0
-    modeled_tok_per_s: float = 0.0  # what the target would deliver: tokens / modeled (unscaled) seconds
+    modeled_tok_per_s: float = 0.0  # this run's tokens / its modeled (unscaled) seconds
+    # the rate the cores are figured at: the offline run's modeled rate at this stream count (full batches, what
+    # the target delivers), else this run's own
+    target_tok_per_s: float = 0.0
     serving_cores_at_modeled_rate: float = 0.0
     load_average: list[float] = field(default_factory=lambda: list(os.getloadavg()))
 
-    def finish(self) -> "PathResult":
+    def finish(self, target_tok_per_s: float | None = None) -> "PathResult":
         d = self.device
         self.tok_per_s = self.tokens / self.seconds
         self.step_stretch = d["simulated_busy_gap_seconds"] / d["simulated_busy_modeled_seconds"] \
             if d["simulated_busy_modeled_seconds"] else 0.0
         self.modeled_tok_per_s = self.tokens / d["simulated_modeled_seconds"] if d["simulated_modeled_seconds"] else 0.0
+        rate = self.target_tok_per_s = target_tok_per_s or self.modeled_tok_per_s
         for p in self.processes.values():
-            p["cores_at_modeled_rate"] = p["cpu_ms_per_token"] * 1e-3 * self.modeled_tok_per_s
-            p["busiest_thread_cores_at_modeled_rate"] = p["busiest_thread_ms_per_token"] * 1e-3 * self.modeled_tok_per_s
+            p["cores_at_modeled_rate"] = p["cpu_ms_per_token"] * 1e-3 * rate
+            p["busiest_thread_cores_at_modeled_rate"] = p["busiest_thread_ms_per_token"] * 1e-3 * rate
         self.serving_cores_at_modeled_rate = sum(p["cores_at_modeled_rate"] for p in self.processes.values())
         return self
 
@@ -231,10 +235,11 @@ def measure_scale(args: argparse.Namespace, q: str, scale: float) -> list[PathRe
             for n in args.streams:
                 for path in served_paths:
                     results.append(report(run_served(server, path, q, n, scale, args.max_tokens)))
-    offline_rate = {r.streams: r.tok_per_s for r in results if r.path == "offline"}
+    offline = {r.streams: r for r in results if r.path == "offline"}
     for r in results:
-        if r.streams in offline_rate:
-            r.vs_offline = r.tok_per_s / offline_rate[r.streams]
+        if r.streams in offline:
+            r.vs_offline = r.tok_per_s / offline[r.streams].tok_per_s
+            r.finish(offline[r.streams].modeled_tok_per_s)
     return results
 
 

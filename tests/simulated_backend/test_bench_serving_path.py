@@ -31,6 +31,8 @@ def test_stretch_rate_and_cores_come_from_the_device_counters():
     assert r.processes["ernie_moe"]["busiest_thread_cores_at_modeled_rate"] == pytest.approx(0.3)
     assert r.serving_cores_at_modeled_rate == pytest.approx(0.7)
     assert r.tok_per_s == pytest.approx(2000.0)
+    r.finish(target_tok_per_s=20000.0)  # the offline run's modeled rate: full batches
+    assert r.modeled_tok_per_s == pytest.approx(10000.0) and r.serving_cores_at_modeled_rate == pytest.approx(1.4)
 
 
 def test_a_scale_is_carried_only_when_every_path_keeps_the_stretch_within_the_limit():
