@@ -16,8 +16,9 @@ Per run: tok/s and its ratio to offline; tokens per response (the client's count
 inter-response gaps per stream, p50 / p99 (ITL: one token a response unless a stream coalesces); step stretch and
 the sleeps' overshoot from the simulated device's counters (Triton's metrics port, or the offline engine's stats);
 per process, from /proc (utime + stime): CPU ms a token and a response, its busiest thread's share of a core, and
-the cores it needs at the modeled token rate (CPU s a token x the offline run's tokens over its modeled seconds). The client (this process)
-is reported apart, never inside "serving". Offline is one process: engine and caller together.
+the cores it needs at the modeled token rate (CPU s a token x the offline run's tokens over its modeled
+seconds). The client (this process) is reported apart, never inside "serving". Offline is one process: engine and
+caller together.
 
 Writes benchmarks/results/serving_path-<time>.json (commit, CPU, command, load average, the simulation's constants,
 every figure) and prints one table.
@@ -258,25 +259,27 @@ def report(r: PathResult) -> PathResult:
 
 def table(results: list[PathResult], scales: dict[str, float | None]) -> str:
     head = (f"{'quant':6} {'strm':>4} {'s':>3} {'path':7} {'tok/s':>7} {'x off':>6} {'tok/resp':>8} {'ITL p50':>8} "
-            f"{'p99':>7} {'stretch':>8} {'busiest proc ms/tok':>26} {'serving ms/tok':>14} {'busiest thread':>24} "
-            f"{'cores@H200':>10} {'client ms/tok':>13}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        procs = r.processes
-        name, top = max(procs.items(), key=lambda kv: kv[1]["cpu_ms_per_token"])
-        thread_proc, thread = max(procs.items(), key=lambda kv: kv[1]["busiest_thread_utilisation"])
-        lines.append(
-            f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {r.tok_per_s:>7.0f} "
-            f"{_num(r.vs_offline, '.2f'):>6} {_num(r.tokens / r.responses if r.responses else None, '.2f'):>8} "
-            f"{_num(r.itl_ms and r.itl_ms['p50'], '.1f'):>8} {_num(r.itl_ms and r.itl_ms['p99'], '.1f'):>7} "
-            f"{100 * r.step_stretch:>7.1f}% {name[:17] + ' ' + format(top['cpu_ms_per_token'], '.3f'):>26} "
-            f"{sum(p['cpu_ms_per_token'] for p in procs.values()):>14.3f} "
-            f"{(thread_proc[:10] + '/' + thread['busiest_thread'][:8])[:17] + format(thread['busiest_thread_utilisation'], ' .0%'):>24} "
-            f"{r.serving_cores_at_modeled_rate:>10.2f} {_num(r.client and r.client['cpu_ms_per_token'], '.3f'):>13}")
+            f"{'p99':>7} {'stretch':>8} {'busiest process ms/tok':>26} {'serving ms/tok':>14} "
+            f"{'busiest thread':>24} {'cores@rate':>10} {'client ms/tok':>13}")
+    lines = [head, "-" * len(head)] + [_row(r) for r in results]
     tried = max(r.time_scale for r in results) if results else 1
     lines.append("smallest time scale carried (every path's stretch within the limit): " + ", ".join(
         f"{k}: {f'none up to {tried:g}' if v is None else format(v, 'g')}" for k, v in scales.items()))
     return "\n".join(lines)
+
+
+def _row(r: PathResult) -> str:
+    procs = r.processes
+    name, top = max(procs.items(), key=lambda kv: kv[1]["cpu_ms_per_token"])
+    owner, busy = max(procs.items(), key=lambda kv: kv[1]["busiest_thread_utilisation"])
+    thread = f"{(owner[:10] + '/' + busy['busiest_thread'][:8])[:17]} {busy['busiest_thread_utilisation']:.0%}"
+    itl = r.itl_ms or {}
+    return (f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {r.tok_per_s:>7.0f} "
+            f"{_num(r.vs_offline, '.2f'):>6} {_num(r.tokens / r.responses if r.responses else None, '.2f'):>8} "
+            f"{_num(itl.get('p50'), '.1f'):>8} {_num(itl.get('p99'), '.1f'):>7} {100 * r.step_stretch:>7.1f}% "
+            f"{name[:17] + ' ' + format(top['cpu_ms_per_token'], '.3f'):>26} "
+            f"{sum(p['cpu_ms_per_token'] for p in procs.values()):>14.3f} {thread:>24} "
+            f"{r.serving_cores_at_modeled_rate:>10.2f} {_num(r.client and r.client['cpu_ms_per_token'], '.3f'):>13}")
 
 
 def _num(v, fmt: str) -> str:

@@ -31,7 +31,8 @@ def load_simulated(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelC
         target, config.gpu_memory_utilization, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
     config.check_kv_pool(num_blocks, "raise gpu_memory_utilization or tensor_parallel_size, or quantize the weights "
                                      "(--quantization),")
-    block_bytes = config.block_size * m.kv_bytes_per_token(target.constants.kv_dtype_bytes) / target.tensor_parallel_size
+    block_bytes = (config.block_size * m.kv_bytes_per_token(target.constants.kv_dtype_bytes)
+                   / target.tensor_parallel_size)
     num_host_blocks = int((config.swap_space or 0) * 2**30 // block_bytes)
     vocab = num_output_ids or model_cfg.vocab_size
     memo = target.constants.replay_memo_entries

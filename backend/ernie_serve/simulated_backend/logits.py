@@ -67,7 +67,8 @@ class ReplayLogits(DeviceLogits):
         return self.argmax()
 
     def sample_rejection(self, greedy: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-                         min_p: np.ndarray, uniforms: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+                         min_p: np.ndarray,
+                         uniforms: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         live = np.flatnonzero(~greedy)
         if live.size:
             uniforms(live)  # one round, as a device's first draw takes from each sampling row's generator

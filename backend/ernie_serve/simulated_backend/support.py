@@ -15,7 +15,8 @@ def unsupported(config: EngineConfig) -> list[str]:
     reasons = unknown_target(config.simulated_gpu, config.simulated_model)
     if config.dtype not in FLOAT_DTYPES:
         reasons.append(f"dtype={config.dtype!r} is not supported: the simulated target holds its float weights in 2 "
-                       f"bytes ({', '.join(map(repr, FLOAT_DTYPES))}); --quantization sets the quantized weights' bytes")
+                       f"bytes ({', '.join(map(repr, FLOAT_DTYPES))}); --quantization sets the quantized weights' "
+                       "bytes")
     if config.speculative_config:
         reasons.append(f"speculative_config={config.speculative_config!r} is not supported: the simulated backend "
                        "models one token a step per running request and drafts nothing")
