@@ -164,7 +164,7 @@ def _tensor_parallel(config: EngineConfig, model_dir: Path, model_cfg: ErnieMode
 
 def _host_blocks(host_cache) -> int:
     """The CPU tier's size in blocks, from the executor's host array (None: no tier)."""
-    return 0 if host_cache is None else host_cache.shape[0]
+    return 0 if host_cache is None else len(host_cache)
 
 
 def _checked_layout(config: EngineConfig, model_cfg: ErnieModelConfig):

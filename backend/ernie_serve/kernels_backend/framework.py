@@ -145,6 +145,11 @@ class TensorOps:
         penalties and masks on flat logits, grammar masks on whole rows)."""
         raise NotImplementedError
 
+    def put_rows_(self, t: Any, index: Any, values: Any) -> None:
+        """t[index] = values along the first dimension, in place (distinct int64 indices): KV blocks, whose tensors
+        CUDA graphs and the kernels hold by address."""
+        raise NotImplementedError
+
     def heads(self, fused: Any, col: int, num_heads: int, head_dim: int) -> Any:
         """Columns [col, col + num_heads * head_dim) of fused [T, W] as [T, num_heads, head_dim] (a view where
         the framework allows; the kernels take any token and head strides)."""
@@ -335,6 +340,9 @@ class TorchOps(TensorOps):
     def put_rows(self, t, index, values):
         return t.index_copy(0, index, values)
 
+    def put_rows_(self, t, index, values):
+        t.index_copy_(0, index, values)
+
     def heads(self, fused, col, num_heads, head_dim):
         return fused[:, col:col + num_heads * head_dim].view(fused.shape[0], num_heads, head_dim)
 
@@ -513,10 +521,13 @@ class PaddleOps(TensorOps):
         return self.paddle.matmul(x, w, transpose_y=True)
 
     def rows(self, t, index):
-        return self.paddle.index_select(t, index)
+        return self.paddle.gather(t, index)  # index_select has no CPU int8 kernel (C8 KV blocks)
 
     def put_rows(self, t, index, values):
         return self.paddle.scatter(t, index, values, overwrite=True)
+
+    def put_rows_(self, t, index, values):
+        t.index_put_((index,), values)  # scatter_ has no CPU int8 / bfloat16 kernel
 
     def heads(self, fused, col, num_heads, head_dim):
         return fused[:, col:col + num_heads * head_dim].reshape([fused.shape[0], num_heads, head_dim])

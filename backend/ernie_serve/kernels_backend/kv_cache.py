@@ -2,7 +2,9 @@
 the activation dtype, or int8 for the C8 cache with static channel-wise scales [kv_heads * head_dim] (from
 the checkpoint) or dynamic per-(block, kv head) scales [num_blocks, kv_heads] that the KV-write kernel
 keeps up to date. The interface is model/kv_cache.PagedKVCache's where the engine uses it: whole-block
-reads and writes in float32 on the host, for the CPU swap tier and prefill/decode KV transfer.
+reads and writes in float32 on the host, and whole blocks as stored (export / import: prefill/decode KV transfer and
+the CPU tier, host_tier.py). Every block move is one gather or one in-place scatter a layer for all its blocks, and
+a device-to-device copy never leaves the device.
 """
 from __future__ import annotations
 
@@ -45,9 +47,19 @@ class DeviceKVCache:
         return None, None
 
     def _rows(self, t: Any, ids: list[int], keep_dtype: bool = False) -> np.ndarray:
-        """Host copy of t[ids], block by block (Paddle's CPU gather has no int8 kernel; this path is the rare
-        swap or transfer, not the step)."""
-        return np.stack([self.ops.to_host(t[int(i)], keep_dtype) for i in ids])
+        """Host copy of t[ids], all blocks in one gather."""
+        return self.ops.to_host(self.ops.rows(t, self.ops.tensor(np.asarray(ids, np.int64))), keep_dtype)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Blocks dst[i] = src[i] on the device, codes and dynamic scales as stored (dst distinct, and no dst among
+        the src: the caller splits chains)."""
+        if not src:
+            return
+        ops = self.ops
+        s, d = ops.tensor(np.asarray(src, np.int64)), ops.tensor(np.asarray(dst, np.int64))
+        stores = [*self.k, *self.v, *(scale for pair in (self.dynamic or []) for scale in pair)]
+        for store in stores:
+            ops.put_rows_(store, d, ops.rows(store, s))
 
     # ---- whole blocks as stored (prefill/decode transfer): codes in the cache's dtype, C8 scales with them
     @property
@@ -117,5 +129,5 @@ class DeviceKVCache:
                 self._put_rows(store, ids, codes)
 
     def _put_rows(self, t: Any, ids: np.ndarray, rows: np.ndarray) -> None:
-        for n, i in enumerate(ids.tolist()):
-            self.ops.copy_(t[i], self.ops.tensor(rows[n], dtype_name(t)))
+        """t[ids] = rows in place, all blocks in one scatter."""
+        self.ops.put_rows_(t, self.ops.tensor(ids), self.ops.tensor(rows, dtype_name(t)))

@@ -15,6 +15,7 @@ from ..model.parallel import SINGLE_RANK, ParallelLayout
 from ..quantization.plan import QuantPlan
 from .collectives import Collectives, make_collectives
 from .framework import TensorOps, make_tensor_ops
+from .host_tier import HostKVTier
 from .kv_cache import DeviceKVCache
 from .model import KernelModel
 from .shard import KernelShard
@@ -103,7 +104,7 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
                                      "or kv_cache_memory)")
     cache = DeviceKVCache(ops, num_layers, num_blocks, config.block_size,
                           model.num_kv_heads, model_cfg.head_dim, int8, weights.kv_scales)
-    host_blocks = int((config.swap_space or 0) * (1 << 30) // DeviceKVCache.bytes_per_block(*shape, 4))
+    host_blocks = int((config.swap_space or 0) * (1 << 30) // HostKVTier.bytes_per_block(cache))
     where = f", tensor-parallel rank {layout.rank} of {layout.world_size}" if layout.is_parallel else ""
     log.info("kernels backend (%s on %s%s): weights %.1f MiB%s, KV pool %d blocks of %d tokens (%s, %.1f MiB)%s",
              ops.name, "GPU" if ops.on_gpu else "CPU, triton interpreter", where, weights.nbytes / 2**20,

@@ -13,9 +13,10 @@ import numpy as np
 
 from .device_sampling import KernelLogits
 from ..kv_blocks import KVBlocks
-from ..step_contract import KVOp, StepInput, apply_kv_ops
+from ..step_contract import KVOp, StepInput
 from .cuda_graphs import CudaGraphRunner, graph_batch_sizes
 from .framework import TensorOps
+from .host_tier import HostKVTier
 from .kv_cache import DeviceKVCache
 from .model import KernelModel, StepTensors
 from .step_buffers import StepBuffers
@@ -29,8 +30,7 @@ class KernelShard:
         self.buffers = StepBuffers(ops, max(max_tokens, max_seqs), max_seqs, -(-max_model_len // cache.block_size),
                                    model.num_heads // model.num_kv_heads, cache.dynamic is not None,
                                    model.num_kv_heads, split_kv_target=2 * ops.multiprocessor_count())
-        shape = (num_host_blocks, cache.num_layers, 2, cache.block_size, cache.num_kv_heads, cache.head_dim)
-        self.host_cache = np.zeros(shape, np.float32) if num_host_blocks else None
+        self.host_cache = HostKVTier(cache, num_host_blocks)  # the CPU tier, in the cache's own format
         self.draft_head = None if model.weights.mtp is None else KernelDraftHead(self)
         self.graphs = None
         if use_cudagraph:
@@ -39,7 +39,8 @@ class KernelShard:
 
     def apply_kv_ops(self, kv_ops: list[KVOp]) -> None:
         """Swaps to / from the CPU tier and block copies, in the order the block pool recorded them."""
-        apply_kv_ops(kv_ops, self.cache, self.host_cache)
+        if kv_ops:
+            self.host_cache.apply(kv_ops)
 
     def export_kv(self, block_ids: list[int]) -> KVBlocks:
         """Whole blocks with every KV head, in the cache's format; under tensor parallelism a collective every rank
