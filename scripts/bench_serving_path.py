@@ -295,7 +295,7 @@ def environment(args: argparse.Namespace) -> dict:
                             text=True).stdout.strip()
     return {"commit": commit, "cpu_model": cpu, "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
             "command": " ".join([Path(sys.executable).name, *sys.argv]), "label": args.label,
-            "gpu": asdict(GPUS[args.gpu]), "model": asdict(MODELS[args.model]),
+            "gpu": asdict(GPUS[args.gpu]), "model": MODELS[args.model].describe(),
             "constants": asdict(SimulationConstants()), "max_tokens": args.max_tokens,
             "carry_stretch": args.carry_stretch}
 

@@ -23,7 +23,7 @@ def modeled_decode(target: Target, batches: list[int], context: int) -> dict:
     for b in batches:
         cost = model.cost(b, b, np.full(b, context))
         steps[str(b)] = {**asdict(cost), "tok_per_s": b / cost.seconds}
-    return {"gpu": asdict(target.gpu), "model": target.model.name, "quantization": target.quantization or "bfloat16",
+    return {"gpu": asdict(target.gpu), "model": target.model.describe(), "quantization": target.quantization or "bfloat16",
             "tensor_parallel_size": target.tensor_parallel_size, "context": context,
             "weight_bytes_per_gpu": total_weight_bytes(target),
             "kv_pool_blocks_64": kv_pool_blocks(target, 0.9, 64, max(batches), 8192),

@@ -45,7 +45,8 @@ def load_simulated(config: EngineConfig, model_dir: Path, model_cfg: ErnieModelC
 
         tokenizer = ErnieTokenizer.from_pretrained(config.tokenizer or model_dir)
         replay = Replay.from_tokenizer(tokenizer, _eos(tokenizer, model_cfg), memo)
-    cache = SimulatedKVPool(num_blocks, m.num_layers, config.block_size, m.num_kv_heads, m.head_dim)
+    cache = SimulatedKVPool(num_blocks, m.num_layers, config.block_size, m.config.num_key_value_heads,
+                            m.config.head_dim)
     log.warning("SIMULATED execution backend: no model runs. Steps sleep for the modeled time of %s (%.1f GB of "
                 "weights a GPU, %d KV blocks); outputs are replayed text, never an answer to a prompt. A benchmark "
                 "instrument for the host path only.", target.describe(), total_weight_bytes(target) / 1e9, num_blocks)

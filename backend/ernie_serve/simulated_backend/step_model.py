@@ -54,7 +54,7 @@ class StepModel:
         """A step computing num_tokens tokens of sequences with these context lengths (this step's tokens
         included), num_logit_rows of them through the lm_head."""
         m = self.target.model
-        hit = experts_hit(m.num_experts, m.top_k, num_tokens) if num_tokens else 0.0
+        hit = experts_hit(m.config.moe_num_experts, m.config.moe_k, num_tokens) if num_tokens else 0.0
         weights = (self.always_bytes + m.num_moe_layers * hit * self.expert_bytes) / self.tp
         kv = (int(seq_lens.sum()) + num_tokens) * self.kv_token_bytes / self.tp
         memory = (weights + kv) / self.bandwidth
@@ -72,8 +72,8 @@ def total_weight_bytes(target: Target) -> float:
     """Every weight held per GPU: the quantized linears, routers, embedding and (untied) lm_head."""
     m, c, wb = target.model, target.constants, target.weight_bytes
     linear = (m.num_layers * m.attention_params + m.num_dense_layers * m.dense_ffn_params
-              + m.num_moe_layers * (m.num_experts * m.expert_params + m.shared_expert_params))
-    floats = m.embedding_params * (1 if m.tie_word_embeddings else 2)
+              + m.num_moe_layers * (m.config.moe_num_experts * m.expert_params + m.shared_expert_params))
+    floats = m.embedding_params * (1 if m.config.tie_word_embeddings else 2)
     total = linear * wb + m.num_moe_layers * m.gate_params * c.router_bytes + floats * c.float_weight_bytes
     return total / target.tensor_parallel_size
 
@@ -82,8 +82,8 @@ def activation_bytes(target: Target, max_num_seqs: int, max_num_batched_tokens: 
     """What a GPU keeps out of its KV pool beside the weights: a fixed reserve, a step's [tokens, hidden] buffers
     and its fp32 logits."""
     m, c = target.model, target.constants
-    return (c.activation_reserve_bytes + max_num_batched_tokens * m.hidden_size * 2 * c.activation_copies
-            + max_num_seqs * m.vocab_size * 4)
+    return (c.activation_reserve_bytes + max_num_batched_tokens * m.config.hidden_size * 2 * c.activation_copies
+            + max_num_seqs * m.config.vocab_size * 4)
 
 
 def kv_pool_blocks(target: Target, gpu_memory_utilization: float, block_size: int, max_num_seqs: int,

@@ -1,9 +1,11 @@
-"""What the simulated backend can stand in for: GPUs (vendor datasheet figures), ERNIE-4.5 shapes (the real configs,
-/work/shared/reference/ernie45-model.md) and the constants of the step model. Plain data, importing nothing of the
-package, so the config check and the benchmark read it without loading an engine."""
+"""What the simulated backend can stand in for: GPUs (vendor datasheet figures), ERNIE-4.5 shapes (the published
+configs, read by the engine's own ErnieModelConfig) and the constants of the step model. Plain data: the start-up
+check and the benchmark read it without loading an engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..model.config import ErnieModelConfig
 
 
 @dataclass(frozen=True)
@@ -30,26 +32,18 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
 
 @dataclass(frozen=True)
 class ModelShape:
-    """An ERNIE-4.5 MoE shape, field for field from its config.json (MoE layers: start..end, interval 1)."""
+    """An ERNIE-4.5 MoE shape (its config.json, read as the engine reads a checkpoint's) and the parameter counts
+    the step model needs from it."""
     name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dense_intermediate: int  # the dense FFN of the layers before moe_layer_start
-    moe_intermediate: int
-    num_experts: int
-    top_k: int
-    num_shared_experts: int
-    moe_layer_start: int
-    moe_layer_end: int
-    vocab_size: int
-    tie_word_embeddings: bool
+    config: ErnieModelConfig
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.moe_layer_start <= i <= self.moe_layer_end for i in range(self.num_layers))
+        return sum(self.config.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def num_dense_layers(self) -> int:
@@ -58,46 +52,60 @@ class ModelShape:
     @property
     def attention_params(self) -> int:
         """q, k, v and o of one layer."""
-        h, d = self.hidden_size, self.head_dim
-        return 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
+        c = self.config
+        return 2 * c.hidden_size * (c.q_size + c.kv_size)
 
     @property
     def dense_ffn_params(self) -> int:
-        return 3 * self.hidden_size * self.dense_intermediate
+        return 3 * self.config.hidden_size * self.config.intermediate_size
 
     @property
     def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.moe_intermediate
+        return 3 * self.config.hidden_size * self.config.moe_intermediate_size
 
     @property
     def shared_expert_params(self) -> int:
-        """All shared experts of one layer (one FFN of num_shared_experts x moe_intermediate)."""
-        return self.num_shared_experts * self.expert_params
+        """All shared experts of one layer (one FFN of moe_num_shared_experts x moe_intermediate_size)."""
+        return self.config.moe_num_shared_experts * self.expert_params
 
     @property
     def gate_params(self) -> int:
-        return self.hidden_size * self.num_experts
+        return self.config.hidden_size * self.config.moe_num_experts
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return self.config.vocab_size * self.config.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one context token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return 2 * self.num_layers * self.config.kv_size * dtype_bytes
 
     @property
     def active_params(self) -> int:
-        """Parameters one token's forward multiplies by (its top_k experts, the lm_head; not the embedding gather)."""
+        """Parameters one token's forward multiplies by (its moe_k experts, the lm_head; not the embedding gather)."""
         return (self.num_layers * self.attention_params + self.num_dense_layers * self.dense_ffn_params
-                + self.num_moe_layers * (self.top_k * self.expert_params + self.shared_expert_params
+                + self.num_moe_layers * (self.config.moe_k * self.expert_params + self.shared_expert_params
                                          + self.gate_params) + self.embedding_params)
+
+    def describe(self) -> dict:
+        """The name and the config.json fields, for a benchmark's JSON."""
+        return {"name": self.name, **self.config.raw}
+
+
+def _shape(name: str, **fields) -> ModelShape:
+    return ModelShape(name, ErnieModelConfig.from_dict({"architectures": ["Ernie4_5_MoeForCausalLM"], **fields}))
 
 
 # The published configs of ERNIE-4.5-21B-A3B (and -Thinking, the same shape) and ERNIE-4.5-300B-A47B.
 MODELS: dict[str, ModelShape] = {m.name: m for m in (
-    ModelShape("ernie-4.5-21b-a3b", 2560, 28, 20, 4, 128, 12288, 1536, 64, 6, 2, 1, 27, 103424, True),
-    ModelShape("ernie-4.5-300b-a47b", 8192, 54, 64, 8, 128, 28672, 3584, 64, 8, 0, 3, 53, 103424, False),
+    _shape("ernie-4.5-21b-a3b", hidden_size=2560, num_hidden_layers=28, num_attention_heads=20,
+           num_key_value_heads=4, head_dim=128, intermediate_size=12288, moe_intermediate_size=1536,
+           moe_num_experts=64, moe_k=6, moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=27,
+           moe_layer_interval=1, vocab_size=103424, tie_word_embeddings=True),
+    _shape("ernie-4.5-300b-a47b", hidden_size=8192, num_hidden_layers=54, num_attention_heads=64,
+           num_key_value_heads=8, head_dim=128, intermediate_size=28672, moe_intermediate_size=3584,
+           moe_num_experts=64, moe_k=8, moe_num_shared_experts=0, moe_layer_start_index=3, moe_layer_end_index=53,
+           moe_layer_interval=1, vocab_size=103424, tie_word_embeddings=False),
 )}
 
 # --quantization -> bytes a quantized weight (FastDeploy's weight-only formats; per-channel scales left out: under
