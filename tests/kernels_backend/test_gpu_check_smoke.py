@@ -1,5 +1,6 @@
-"""scripts/gpu_check.sh in CPU smoke mode: the kernel checks and the engine end to end (LLM with the kernels
-backend, torch tensors, triton interpreter) against HF transformers' fp32 model, JSON written."""
+"""scripts/gpu_check.sh in CPU smoke mode: the production path's check (Paddle tensors into the kernels, against the
+reference backend), the kernel checks and the engine end to end (LLM with the kernels backend, torch tensors, triton
+interpreter) against HF transformers' fp32 model, JSON written."""
 import json
 import os
 import subprocess
@@ -21,3 +22,6 @@ def test_gpu_check_runs_in_cpu_smoke_mode(tmp_path):
     assert wint8["forced"]["max_abs_err_rel"] < 0.1 and wint8["weight_bytes"] < fp32["weight_bytes"]
     assert [d["batch"] for d in fp32["decode"]] == [1, 2] and all(d["tok_s"] > 0 for d in fp32["decode"])
     assert fp32["sampled_decode"]["sampled"] and fp32["sampled_decode"]["tok_s"] > 0
+    paddle_check = json.loads((tmp_path / "gpu_paddle_check.json").read_text())
+    assert not paddle_check["errors"] and paddle_check["forced"]["top1_agreement"] == 1.0
+    assert paddle_check["forced"]["max_abs_err_rel"] < 1e-4 and [d["batch"] for d in paddle_check["decode"]] == [1, 2]
