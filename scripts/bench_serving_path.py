@@ -43,6 +43,7 @@ from served_throughput import (  # noqa: E402
     _TICK, Run, cpu_seconds, make_server, offline, served, served_settings, serving_processes, wait_for_shim)
 
 PATHS = ("offline", "grpc", "http", "shim")
+THREADS_LISTED = 8  # a process's busiest threads the JSON lists
 STRETCH_KEYS = ("simulated_modeled_seconds", "simulated_busy_gap_seconds", "simulated_busy_modeled_seconds",
                 "simulated_overshoot_seconds", "simulated_steps")
 # the engine's stats key -> its counter on Triton's metrics port (serving/metrics.py SIMULATION_METRICS)
@@ -82,11 +83,15 @@ class ThreadWindow:
     def __exit__(self, *exc) -> None:
         self.after = {name: thread_cpu(pid) for name, pid in self.pids.items()}
 
+    def spent(self, name: str) -> list[tuple[str, int, float]]:
+        """A process's threads over the window: (name, tid, CPU seconds), busiest first."""
+        return sorted(((thread, tid, cpu - self.before[name].get(tid, (thread, 0.0))[1])
+                       for tid, (thread, cpu) in self.after[name].items()), key=lambda t: -t[2])
+
     def busiest(self, name: str) -> tuple[str, float]:
         """A process's busiest thread over the window: (its name, CPU seconds)."""
-        spent = [(thread, cpu - self.before[name].get(tid, (thread, 0.0))[1])
-                 for tid, (thread, cpu) in self.after[name].items()]
-        return max(spent, key=lambda t: t[1], default=("-", 0.0))
+        thread, _, cpu = next(iter(self.spent(name)), ("-", 0, 0.0))
+        return thread, cpu
 
 
 class Arrivals:
@@ -160,10 +165,12 @@ class PathResult:
 def process_figures(window: ThreadWindow, name: str, cpu_s: float, tokens: int, responses: int | None,
                     seconds: float) -> dict:
     thread, thread_s = window.busiest(name)
+    # the busiest threads by name/tid (a Python stub's threads all carry the interpreter's name)
+    threads = {f"{t}/{tid}": 1e3 * cpu / tokens for t, tid, cpu in window.spent(name)[:THREADS_LISTED] if cpu > 0}
     return {"cpu_ms_per_token": 1e3 * cpu_s / tokens,
             "cpu_ms_per_response": 1e3 * cpu_s / responses if responses else None,
             "busiest_thread": thread, "busiest_thread_utilisation": thread_s / seconds,
-            "busiest_thread_ms_per_token": 1e3 * thread_s / tokens}
+            "busiest_thread_ms_per_token": 1e3 * thread_s / tokens, "threads_ms_per_token": threads}
 
 
 def itl_figures(arrivals: Arrivals) -> dict[str, float]:
@@ -236,11 +243,11 @@ def measure_scale(args: argparse.Namespace, q: str, scale: float) -> list[PathRe
             for n in args.streams:
                 for path in served_paths:
                     results.append(report(run_served(server, path, q, n, scale, args.max_tokens)))
-    offline = {r.streams: r for r in results if r.path == "offline"}
+    offline_runs = {r.streams: r for r in results if r.path == "offline"}
     for r in results:
-        if r.streams in offline:
-            r.vs_offline = r.tok_per_s / offline[r.streams].tok_per_s
-            r.finish(offline[r.streams].modeled_tok_per_s)
+        if r.streams in offline_runs:
+            r.vs_offline = r.tok_per_s / offline_runs[r.streams].tok_per_s
+            r.finish(offline_runs[r.streams].modeled_tok_per_s)
     return results
 
 

@@ -56,3 +56,17 @@ def test_the_busiest_thread_is_read_from_proc():
             pass
     name, seconds = window.busiest("me")
     assert seconds > 0 and name
+
+
+def test_an_offline_only_run_writes_its_json_with_the_models_constants(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "run.json"
+    bench.main(["--paths", "offline", "--streams", "2", "--max-tokens", "4", "--scales", "1",
+                "--quantizations", "wint8", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["constants"]["memory_efficiency"] == 0.70 and data["gpu"]["name"] == "h200"
+    assert data["model"]["moe_num_experts"] == 64 and data["commit"]
+    (run,) = data["runs"]
+    assert (run["path"], run["streams"], run["tokens"]) == ("offline", 2, 8) and run["device"]["simulated_steps"] > 0
+    assert "wint8/2" in data["carried_scale"] and "offline" in capsys.readouterr().out
