@@ -204,6 +204,7 @@ def test_auto_never_picks_the_simulated_backend(monkeypatch, gpu):
     import ernie_serve.devices
 
     monkeypatch.setattr(ernie_serve.devices, "gpu_visible", lambda: gpu)
+    monkeypatch.setattr(ernie_serve.devices, "unusable_gpu_reason", lambda: None)
     assert resolve_backend(EngineConfig()) == ("kernels" if gpu else "reference")
 
 
