@@ -241,6 +241,73 @@ def run_pip(python: str, args: list[str], cwd: Path) -> subprocess.CompletedProc
     return proc
 
 
+def make_venv(recipe: Recipe, want: str, interpreter: str | None, root: Path, env_dir: Path) -> tuple[str, str]:
+    """A venv of `interpreter` (None: this Python) holding the pip the Dockerfile pins; (its python, its version)."""
+    subprocess.run([interpreter or sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
+    py = str(env_dir / "bin" / "python")
+    # Its pip is installed by this one (pip --python) rather than by ensurepip, which costs seconds: the pip the
+    # Dockerfile pins, else the newest (the image has a pip of its own).
+    proc = run_pip(sys.executable, ["--python", py, "install", *pip_flags(), "-q", pip_pin(recipe)], root)
+    if proc.returncode:
+        raise CheckCannotRun(f"installing pip into the {want} venv: {proc.stderr[-800:]}")
+    got = subprocess.run([py, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    if interpreter and not got.startswith(want + "."):
+        raise CheckCannotRun(f"{interpreter} is Python {got}, not the image's {want}")
+    return py, got
+
+
+def pip_pin(recipe: Recipe) -> str:
+    pins = [r for s in recipe.steps if not s.index and not s.installs_project
+            for r in s.requirements if re.match(r"pip\b", r)]
+    return (pins or ["pip"])[-1]
+
+
+def replay_steps(recipe: Recipe, py: str, root: Path, tmp_path: Path, result: dict) -> dict[str, str] | None:
+    """The steps before the project's: stand-ins for off-PyPI ones, the others run. Returns {top-level package:
+    the stand-in providing it}; None when a step fails (the problem is in result)."""
+    stood_in: dict[str, str] = {}
+    for step in recipe.steps:
+        if step.installs_project:
+            break
+        index = step.index
+        if index and index.rstrip("/") != PYPI:
+            for requirement in step.requirements:
+                name, version = stand_in_version(requirement)
+                wheel = build_stand_in(name, version, tmp_path)
+                proc = run_pip(py, ["install", "--isolated", "--no-index", "--no-deps", "-q", str(wheel)], root)
+                if proc.returncode:
+                    raise CheckCannotRun(f"installing the stand-in {wheel.name}: {proc.stderr[-800:]}")
+                stood_in[top_level_package(name)] = name
+                result["stand_ins"].append({"name": name, "version": version, "for": step.line, "index": index})
+            continue
+        if step.args != [pip_pin(recipe)]:  # that one is done: the venv's pip is the pin
+            proc = run_pip(py, ["install", *pip_flags(), "-q", *step.args], root)
+            if proc.returncode:
+                result["problems"].append(f"step `{step.line}` fails: {proc.stderr.strip()[-800:]}")
+                return None
+        result["steps_run"].append(step.line)
+    return stood_in
+
+
+def judge(items: list[dict], stood_in: dict[str, str], project: PipStep, want: str, result: dict) -> None:
+    """What the project's step would install, and what is wrong with it, into result."""
+    for item in items:
+        meta = item["metadata"]
+        name, version = meta["name"], meta["version"]
+        result["would_install"].append(f"{name}=={version}")
+        module = top_level_package(name)
+        if module in stood_in:
+            result["problems"].append(
+                f"`{project.line}` would install {name} {version} over {stood_in[module]}, which the image brings: "
+                f"both ship the `{module}` package, so the image would run {name}'s files")
+        if name.lower() in IMAGE_BRINGS:
+            result["problems"].append(f"`{project.line}` would install {name}: {IMAGE_BRINGS[name.lower()]}")
+        url = item.get("download_info", {}).get("url", "")
+        if not item.get("is_direct") and not url.endswith(".whl"):
+            result["problems"].append(f"{name} {version} has no wheel for Python {want} ({url})")
+
+
 def check(dockerfile: Path, root: Path, python: str | None = None, this_python: bool = False) -> dict:
     """Replay the recipe's pip steps; returns what it found, with "problems" empty when the recipe passes.
     this_python: resolve with this Python and pip's --python-version even where the image's Python is here."""
@@ -249,50 +316,16 @@ def check(dockerfile: Path, root: Path, python: str | None = None, this_python: 
     interpreter = None if this_python else python or find_interpreter(want)
     result = {"dockerfile": str(dockerfile), "base_image": recipe.base_image, "image_python": want,
               "stand_ins": [], "steps_run": [], "would_install": [], "problems": []}
+    # without the image's Python here: this Python resolving for it (pip's --python-version, wheels only)
+    target_version = [] if interpreter else ["--python-version", want]
     with tempfile.TemporaryDirectory(prefix="image-recipe-") as tmp:
         tmp_path = Path(tmp)
-        env_dir = tmp_path / "venv"
-        # this Python resolving for the image's (no interpreter found): pip's --python-version, wheels only
-        target_version = [] if interpreter else ["--python-version", want]
-        subprocess.run([interpreter or sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
-        py = str(env_dir / "bin" / "python")
-        # The venv's pip, installed by this one (pip --python) rather than ensurepip, which costs seconds: the pip
-        # the Dockerfile pins, else the newest (the image has a pip of its own).
-        pins = [r for s in recipe.steps if not s.index and not s.installs_project
-                for r in s.requirements if re.match(r"pip\b", r)]
-        bootstrap = (pins or ["pip"])[-1]
-        proc = run_pip(sys.executable, ["--python", py, "install", *pip_flags(), "-q", bootstrap], root)
-        if proc.returncode:
-            raise CheckCannotRun(f"installing pip into the {want} venv: {proc.stderr[-800:]}")
-        got = subprocess.run([py, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+        py, got = make_venv(recipe, want, interpreter, root, tmp_path / "venv")
         result["resolver_python"] = got if interpreter else f"{got}, resolving with --python-version {want}"
-        if interpreter and not got.startswith(want + "."):
-            raise CheckCannotRun(f"{interpreter} is Python {got}, not the image's {want}")
-        project = [s for s in recipe.steps if s.installs_project][-1]
-        stood_in: dict[str, str] = {}  # top-level package -> the stand-in distribution providing it
-        for step in recipe.steps:
-            if step is project:
-                break
-            index = step.index
-            if index and index.rstrip("/") != PYPI:
-                for requirement in step.requirements:
-                    name, version = stand_in_version(requirement)
-                    wheel = build_stand_in(name, version, tmp_path)
-                    proc = run_pip(py, ["install", "--isolated", "--no-index", "--no-deps", "-q", str(wheel)], root)
-                    if proc.returncode:
-                        raise CheckCannotRun(f"installing the stand-in {wheel.name}: {proc.stderr[-800:]}")
-                    stood_in[top_level_package(name)] = name
-                    result["stand_ins"].append({"name": name, "version": version, "for": step.line,
-                                                "index": index})
-            elif step.args == [bootstrap]:
-                result["steps_run"].append(step.line)  # done: the venv's pip is this pin
-            else:
-                proc = run_pip(py, ["install", *pip_flags(), "-q", *step.args], root)
-                if proc.returncode:
-                    result["problems"].append(f"step `{step.line}` fails: {proc.stderr.strip()[-800:]}")
-                    return result
-                result["steps_run"].append(step.line)
+        stood_in = replay_steps(recipe, py, root, tmp_path, result)
+        if stood_in is None:
+            return result
+        project = [s for s in recipe.steps if s.installs_project][0]
         report = tmp_path / "report.json"
         proc = run_pip(py, ["install", *pip_flags(), "--dry-run", "--quiet", "--report", str(report),
                             "--only-binary=:all:", *target_version, *project.args], root)
@@ -301,20 +334,7 @@ def check(dockerfile: Path, root: Path, python: str | None = None, this_python: 
             result["problems"].append(f"`{project.line}` does not resolve to wheels for Python {want} "
                                       f"(a pinned version without a wheel for it?):\n{tail}")
             return result
-        for item in json.loads(report.read_text())["install"]:
-            meta = item["metadata"]
-            name, version = meta["name"], meta["version"]
-            result["would_install"].append(f"{name}=={version}")
-            module = top_level_package(name)
-            if module in stood_in:
-                result["problems"].append(
-                    f"`{project.line}` would install {name} {version} over {stood_in[module]}, which the image "
-                    f"brings: both ship the `{module}` package, so the image would run {name}'s files")
-            if name.lower() in IMAGE_BRINGS:
-                result["problems"].append(f"`{project.line}` would install {name}: {IMAGE_BRINGS[name.lower()]}")
-            url = item.get("download_info", {}).get("url", "")
-            if not item.get("is_direct") and not url.endswith(".whl"):
-                result["problems"].append(f"{name} {version} has no wheel for Python {want} ({url})")
+        judge(json.loads(report.read_text())["install"], stood_in, project, want, result)
     return result
 
 
