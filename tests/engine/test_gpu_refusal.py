@@ -41,6 +41,11 @@ def machine(tmp_path: Path, monkeypatch):
     return Machine()
 
 
+def backend_when_nothing_is_refused() -> str:
+    """What auto picks where the machine shows no GPU: the reference backend (kernels where the framework sees one)."""
+    return "kernels" if devices.gpu_visible() else "reference"
+
+
 H100 = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-0000-0000-0000-000000000000)"
 
 
@@ -69,11 +74,8 @@ def test_cuda_visible_devices_empty_or_minus_one_means_no_gpus(machine, monkeypa
     machine.nvidia_smi(H100)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
     assert devices.nvidia_gpus_on_machine() == []
-    assert resolve_backend(EngineConfig()) == devices_backend_without_a_gpu()
+    assert resolve_backend(EngineConfig()) == backend_when_nothing_is_refused()
 
-
-def devices_backend_without_a_gpu() -> str:
-    return "kernels" if devices.gpu_visible() else "reference"
 
 
 @framework_sees_a_gpu
@@ -113,7 +115,7 @@ def test_reference_still_runs_on_the_cpu_on_purpose(machine):
 
 
 def test_auto_on_a_machine_without_gpus_is_the_reference_backend(machine):
-    assert resolve_backend(EngineConfig()) == devices_backend_without_a_gpu()
+    assert resolve_backend(EngineConfig()) == backend_when_nothing_is_refused()
 
 
 @framework_sees_a_gpu
