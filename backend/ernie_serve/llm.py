@@ -9,13 +9,15 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
+from .model_source import resolve_model
 from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        # a model id (FastDeploy's --model) becomes its local directory before the engine loads it
+        self.config = EngineConfig.from_kwargs(model=resolve_model(model), **kwargs)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -25,6 +25,19 @@ OPENAI_FLAGS = ("max_concurrency", "max_waiting_time")
 HEALTH_CHECK_SECONDS = 0.5
 
 
+def api_key_from_env() -> str | None:
+    """--api-key's default: ERNIE_API_KEY, else FastDeploy's FD_API_KEY (so a FastDeploy deployment's environment
+    keeps its key). FastDeploy takes several comma-separated keys there; one key is served here, so a list is
+    refused rather than taken as one long key."""
+    for name in ("ERNIE_API_KEY", "FD_API_KEY"):
+        key = os.environ.get(name, "").strip()
+        if key:
+            if "," in key:
+                raise ValueError(f"{name} holds several comma-separated keys; ernie-serve takes one API key")
+            return key
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ernie-serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drain-timeout", type=float, default=10.0,
                    help="on Ctrl-C / SIGTERM, seconds in-flight requests get to finish before they end "
                         "with an error (new ones are refused at once)")
-    g.add_argument("--api-key", default=os.environ.get("ERNIE_API_KEY"),
+    g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the shim's /v1 and on Triton's inference, "
                         "metadata, config and statistics APIs (gRPC: 'triton-grpc-protocol-authorization' "
-                        "metadata); health stays open (env ERNIE_API_KEY)")
+                        "metadata); health stays open (env ERNIE_API_KEY, else FastDeploy's FD_API_KEY)")
     g.add_argument("--admin-api-key", default=os.environ.get("ERNIE_ADMIN_API_KEY"),
                    help="value of the 'admin-key' header that Triton's shared-memory, model-repository, logging "
                         "and trace APIs require (default: a random key, i.e. those APIs are off; env "
@@ -89,6 +102,19 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
     check_supported(engine_config_from_parameters({k: v for k, v in out.items()
                                                    if k not in ("state_ttl_seconds", "data_parallel_size")}))
     return out
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """--model as FastDeploy takes it (model_source.py): a model id becomes its local directory here, before
+    tritonserver starts, so the rendered repository names a directory and a failure is one message (exit 2)
+    rather than one per model that loads the checkpoint."""
+    from ..model_source import resolve_model
+
+    if args.model is not None and args.model.strip():
+        local = resolve_model(args.model)
+        if local != args.model:
+            print(f"[ernie-serve] --model {args.model}: {local}", flush=True)
+        args.model = local
 
 
 def resolve_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -139,6 +165,9 @@ def server_from_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.drain_timeout < 0:
         parser.error(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.api_key is None:
+        args.api_key = api_key_from_env()
+    resolve_model_arg(args)
     resolve_ports(parser, args)
     openai_args = openai_flags(parser, args)
     settings = settings_from_args(args)
