@@ -13,7 +13,7 @@ from ernie_serve.parsers import (ReasoningParser, ToolParser, get_reasoning_pars
 from ernie_serve.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+FLAGS_DOC = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 
 
 def test_builtin_names():
@@ -22,16 +22,16 @@ def test_builtin_names():
     assert {"ernie-x1", "ernie-45-vl-thinking", "qwen3", "hermes"} <= set(list_tool_parsers())
 
 
-def test_every_parser_name_the_readme_lists_is_registered():
+def test_every_parser_name_the_flags_doc_lists_is_registered():
     listed: dict[str, set[str]] = {"--reasoning-parser": set(), "--tool-call-parser": set()}
-    for line in README.read_text().splitlines():
+    for line in FLAGS_DOC.read_text().splitlines():
         cells = line.split("|")
         if not line.startswith("|") or len(cells) < 4:
             continue
         for flag, names in listed.items():
             if f"`{flag}`" in cells[1]:
                 names.update(re.findall(r"`([a-z0-9_-]+)`", cells[3]))
-    assert listed["--reasoning-parser"] and listed["--tool-call-parser"], "README has no parser rows"
+    assert listed["--reasoning-parser"] and listed["--tool-call-parser"], "docs/flags.md has no parser rows"
     assert listed["--reasoning-parser"] <= set(list_reasoning_parsers())
     assert listed["--tool-call-parser"] <= set(list_tool_parsers())
 
