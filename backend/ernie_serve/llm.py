@@ -36,7 +36,8 @@ class LLM:
         texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
         if len(texts) != len(prompt_token_ids):
             raise ValueError("prompts and prompt_token_ids must have the same length")
-        params = _per_prompt(sampling_params, len(prompt_token_ids))
+        params = [self._budgeted(p, ids) for p, ids in zip(_per_prompt(sampling_params, len(prompt_token_ids)),
+                                                            prompt_token_ids)]
         return self._run(list(zip(texts, prompt_token_ids, params)), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -53,6 +54,7 @@ class LLM:
         for conv, p in zip(conversations, params):
             text, ids = render_chat_prompt(self.tokenizer, conv, tools, chat_template_kwargs,
                                            chat_template or self.config.chat_template)
+            p = self._budgeted(p, ids)
             if p.guided_decoding is not None and self.config.reasoning_parser:
                 # the constraint goes where the reasoning parser reads the answer, after the reasoning
                 rp = get_reasoning_parser(self.config.reasoning_parser)(self.tokenizer)
@@ -62,6 +64,20 @@ class LLM:
         for out in outs:
             parse_chat_output(self.tokenizer, self.config, out, tools)
         return outs
+
+    def _budgeted(self, p: SamplingParams, ids: Sequence[int]) -> SamplingParams:
+        """reasoning_max_tokens placed for this prompt by the configured reasoning parser
+        (engine/reasoning_budget.py)."""
+        if p.reasoning_max_tokens is None or p.reasoning_end_token_id is not None:
+            return p
+        from .engine.reasoning_budget import resolve_reasoning_budget
+        from .parsers import get_reasoning_parser
+
+        if not self.config.reasoning_parser or self.tokenizer is None:
+            return resolve_reasoning_budget(p, None, False)  # refused: nothing says where the reasoning ends
+        rp = get_reasoning_parser(self.config.reasoning_parser)(self.tokenizer)
+        return resolve_reasoning_budget(p, getattr(rp, "think_end_token_id", None),
+                                        rp.get_model_status(list(ids)) == "think_start")
 
     def _run(self, items: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         order, results = {}, {}

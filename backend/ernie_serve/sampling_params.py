@@ -114,6 +114,12 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     # token id -> added to its logit before the penalties (vLLM's order); JSON's string keys are accepted
     logit_bias: dict[int, float] | None = None
+    # FastDeploy's: at most this many tokens of reasoning; a thinking output that reaches it gets the reasoning
+    # parser's end-of-thinking token (`</think>`) next, and the answer follows (None: unbounded)
+    reasoning_max_tokens: int | None = None
+    # the token that closes the reasoning (`</think>`), which the engine appends when the budget is spent; set by
+    # the front from its reasoning parser (engine/reasoning_budget.py), or by a direct caller of the engine
+    reasoning_end_token_id: int | None = None
     # what each RequestOutput carries (outputs.RequestOutputKind); set by the front that reads the outputs
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # whether the engine's outputs carry text (vLLM's): a front that decodes the ids itself turns it off, and the
@@ -148,6 +154,13 @@ class SamplingParams:
             self.max_tokens = _integer("max_tokens", self.max_tokens, 1, INT32_MAX,
                                        hint=" (or null: up to max_model_len)")
         self.min_tokens = _integer("min_tokens", self.min_tokens, 0, INT32_MAX)
+        if self.reasoning_max_tokens is not None:
+            self.reasoning_max_tokens = _integer("reasoning_max_tokens", self.reasoning_max_tokens, 1, INT32_MAX,
+                                                 hint=" (or null: unbounded)")
+        if self.reasoning_end_token_id is not None:
+            if self.reasoning_max_tokens is None:
+                raise ValueError("reasoning_end_token_id is only used with reasoning_max_tokens")
+            self.reasoning_end_token_id = _integer("reasoning_end_token_id", self.reasoning_end_token_id, 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:

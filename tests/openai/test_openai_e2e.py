@@ -180,6 +180,40 @@ def test_reasoning_tokens_are_the_parsers_count(client, triton):
     assert len(r.choices[0].message.prompt_token_ids) == r.usage.prompt_tokens
 
 
+def test_reasoning_max_tokens_closes_the_thinking_streamed_or_not(client, triton):
+    from ernie_serve.demo.tiny_model import ensure_tiny_model
+    from ernie_serve.parsers import get_reasoning_parser
+    from ernie_serve.tokenizer import ErnieTokenizer
+
+    end = get_reasoning_parser("ernie-x1")(ErnieTokenizer.from_pretrained(ensure_tiny_model())).think_end_token_id
+    body = {"reasoning_max_tokens": 3, "return_token_ids": True}
+    r = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=40, temperature=0,
+                                       extra_body=body)
+    ids = r.choices[0].message.completion_token_ids
+    assert ids[3] == end and end not in ids[:3]
+    assert r.usage.completion_tokens_details.reasoning_tokens <= 4
+    chunks = list(client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=40, temperature=0,
+                                                 stream=True, extra_body={"reasoning_max_tokens": 3}))
+    message = r.choices[0].message
+    assert "".join(_reasoning(c.choices[0].delta) for c in chunks if c.choices) == message.reasoning_content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    direct = httpx.post(f"http://{triton.http_url}/v2/models/ernie/generate", timeout=60, json={
+        "messages": json.dumps(CHAT), "max_tokens": 40, "temperature": 0.0,
+        "sampling_parameters": json.dumps({"reasoning_max_tokens": 3})}).json()
+    assert direct["output_ids"] == ids
+    off = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=40, temperature=0,
+                                         extra_body={"reasoning_max_tokens": 3, "return_token_ids": True,
+                                                     "chat_template_kwargs": {"enable_thinking": False}})
+    plain = client.chat.completions.create(model="ernie-tiny", messages=CHAT, max_tokens=40, temperature=0,
+                                           extra_body={"return_token_ids": True,
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.completion_token_ids == plain.choices[0].message.completion_token_ids
+    unparsed = httpx.post(f"http://{triton.http_url}/v2/models/ernie/generate", timeout=60, json={
+        "text_input": "hi", "max_tokens": 4, "skip_parsers": True,
+        "sampling_parameters": json.dumps({"reasoning_max_tokens": 3})})
+    assert unparsed.status_code == 400 and "reasoning_max_tokens" in unparsed.text
+
+
 def test_completions_keep_the_reasoning_markers(client):
     from ernie_serve.chat import render_chat_prompt
     from ernie_serve.demo.tiny_model import ensure_tiny_model

@@ -72,6 +72,7 @@ def test_two_ernie_moe_instances_build_their_engines_on_different_gpus(monkeypat
     built: list[str] = []
     module = _load_ernie_moe_model(monkeypatch, built)
     monkeypatch.setattr(instance_devices, "nvidia_device_nodes", lambda: EIGHT_GPUS)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "unset at the end")  # recorded first: teardown restores the original
     for k in range(2):  # each instance is its own stub process: each starts from the parent's environment
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         module.TritonPythonModel().initialize(_args(k, 2))

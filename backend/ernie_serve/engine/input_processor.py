@@ -15,6 +15,7 @@ from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 from .guided import GrammarCompiler
 from .output_processor import TextState
+from .reasoning_budget import budget_for
 from .request import Request
 
 
@@ -81,6 +82,10 @@ class InputProcessor:
         if p.guided_decoding is not None and self.grammars is None:
             raise ValueError("guided_decoding needs the tokenizer and an eos token: this engine runs with "
                              "skip_tokenizer_init or its model has no eos_token_id")
+        if p.reasoning_end_token_id is not None and p.reasoning_end_token_id >= vocab:
+            raise ValueError(f"reasoning_end_token_id must be a token id in [0, {vocab}), got "
+                             f"{p.reasoning_end_token_id}")
+        budget_for(p)  # refuses a budget without the token that ends the reasoning
         max_tokens = min(p.max_tokens or limit, limit - len(ids))
         group = []
         for i in range(p.n):
@@ -90,6 +95,6 @@ class InputProcessor:
             guided = self.grammars.new_state(p.guided_decoding) if p.guided_decoding is not None else None
             group.append(Request(rid, list(ids), p, self.eos_token_ids, max_tokens,
                                  parent_id=request_id if p.n > 1 else None, index=i, generator=rng,
-                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided,
+                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided, reasoning=budget_for(p),
                                  prompt_logprobs=[] if p.prompt_logprobs is not None and i == 0 else None))
         return RequestGroup(request_id, group, [TextState(self.tokenizer, r) for r in group])

@@ -19,6 +19,7 @@ from .sampler import takes_argmax_only
 
 if TYPE_CHECKING:
     from .guided import GuidedState
+    from .reasoning_budget import ReasoningBudget
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +70,7 @@ class Request:
     num_computed_tokens_total: int = 0  # all tokens this request ever ran through the model (counts recompute)
     error: str | None = None  # why it ended with FINISHED_ERROR
     guided: "GuidedState | None" = None  # guided decoding: where the output is in its grammar
+    reasoning: "ReasoningBudget | None" = None  # reasoning_max_tokens: what the reasoning may still take
     # SamplingParams.prompt_logprobs, on the sequence that computes the prompt (the first of n): one
     # {token: (logprob, rank)} per prompt token after the first, filled as its prefill chunks run.
     prompt_logprobs: list[dict] | None = None

@@ -241,15 +241,23 @@ class Scheduler:
 
     def append_tokens(self, req: Request, tokens: list[int], logprobs: list) -> list[int]:
         """Append sampled tokens under the token-level stop rules (eos, stop_token_ids, max_tokens,
-        max_model_len); tokens after a stop are dropped. A guided request's grammar advances with each
-        token, and a token it rejects fails the request. Returns the tokens kept."""
+        max_model_len) and the reasoning budget (engine/reasoning_budget.py); tokens after a stop are dropped. A
+        guided request's grammar advances with each token, and a token it rejects fails the request. Returns the
+        tokens kept."""
         p = req.sampling_params
         added: list[int] = []
         if tokens and req.first_token_time is None:
             req.first_token_time = time.monotonic()
         outputs, everything = req.output_token_ids, req.all_token_ids  # Request.append_output, inlined (hot)
         stops, end = req.stop_ids, min(req.length_limit, self.config.max_model_len)
+        budget = req.reasoning if req.reasoning is not None and req.reasoning.open else None
         for tok, lp in zip(tokens, logprobs):
+            forced = False
+            if budget is not None:  # reasoning_max_tokens: the reasoning's end in place of a token past it
+                kept = budget.take(tok)
+                if kept != tok:
+                    tok, forced = kept, True
+                    lp = None if lp is None else {kept: (0.0, 1)}
             outputs.append(tok)
             everything.append(tok)
             added.append(tok)
@@ -264,6 +272,8 @@ class Scheduler:
                 break
             if len(everything) >= end:  # max_tokens or max_model_len
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
+                break
+            if forced:  # later drafts were drawn after the replaced token
                 break
         return added
 

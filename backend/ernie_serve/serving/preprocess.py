@@ -12,6 +12,7 @@ from typing import Any
 from ..chat import render_chat_prompt
 from ..engine.guided import GrammarCompiler
 from ..engine.guided_grammar import GrammarError, answer_constraint, tool_call_constraint
+from ..engine.reasoning_budget import resolve_reasoning_budget
 from ..parsers import ChatOutputParser, get_reasoning_parser, get_tool_parser
 from ..sampling_params import SamplingParams
 from .errors import InvalidInput
@@ -89,7 +90,8 @@ class Preprocessor:
                                              f"{self.max_model_len - len(ids)} tokens")
         enable_thinking = req.chat_template_kwargs.get("enable_thinking") if req.is_chat else None
         enable_thinking = enable_thinking if isinstance(enable_thinking, bool) else None
-        params = self._constrained(req, ids, reasoning, tool, enable_thinking)
+        params = self._budgeted(self._constrained(req, ids, reasoning, tool, enable_thinking), req, ids, reasoning,
+                                tool, enable_thinking)
         meta = {
             "stream": req.stream,
             "is_chat": req.is_chat,
@@ -144,6 +146,23 @@ class Preprocessor:
         except GrammarError as e:
             raise InvalidInput(field, f"{field}: {e.reason}") from None
         return replace(params, guided_decoding=guided)
+
+    def _budgeted(self, params: SamplingParams, req: GenerateRequest, ids: list[int], reasoning: str | None,
+                  tool: str | None, enable_thinking: bool | None) -> SamplingParams:
+        """reasoning_max_tokens placed for this prompt (engine/reasoning_budget.py): the engine gets the reasoning
+        parser's end token when the output starts inside the reasoning (the status the detokenizer will use)."""
+        if params.reasoning_max_tokens is None or params.reasoning_end_token_id is not None:
+            return params
+        end, starts = None, False
+        if reasoning:
+            end = getattr(get_reasoning_parser(reasoning)(self.tokenizer), "think_end_token_id", None)
+            tools = req.tools if tool else None
+            status = ChatOutputParser(self.tokenizer, reasoning, tool, ids, tools, enable_thinking).model_status
+            starts = status == "think_start"
+        try:
+            return resolve_reasoning_budget(params, end, starts)
+        except ValueError as e:
+            raise InvalidInput("reasoning_max_tokens", str(e)) from None
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:

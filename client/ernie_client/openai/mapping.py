@@ -17,6 +17,7 @@ from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # SamplingParams fields that travel in the sampling_parameters JSON (the rest have tensors).
 _JSON_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                "reasoning_max_tokens",
                 "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "logit_bias",
                 # structured outputs, under the names the ensemble's sampling_parameters takes
                 "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")

@@ -91,6 +91,8 @@ class _GenerationFields(_Model):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    # FastDeploy's: at most this many reasoning tokens, then the model is made to close its thinking and answer
+    reasoning_max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
