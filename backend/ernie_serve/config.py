@@ -48,12 +48,13 @@ class EngineConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     splitwise_role: str = "mixed"
-    # prefill/decode disaggregation (serving/disagg.py): the port a prefill server takes prompts on, and the
-    # prefill servers' ports a decode server sends them to (comma-separated; FastDeploy's names)
+    # prefill/decode disaggregation (serving/disagg.py), FastDeploy's names. Each P or D server's own two ports:
+    # engine_worker_queue_port, where it takes its peers' messages (P: prompts from decode servers; D: prefill
+    # servers' results), and cache_queue_port, its KV endpoint (P: sends blocks from it; D: receives them on it),
+    # so pings and aborts never queue behind megabytes of KV. innode_prefill_ports: the prefill servers' queue
+    # ports a decode server sends prompts to (comma-separated)
     engine_worker_queue_port: int | None = None
     innode_prefill_ports: str | None = None
-    # a prefill server's KV endpoint: the blocks go to decode servers on a connection of their own, so pings and
-    # aborts never queue behind megabytes of KV (without it they share engine_worker_queue_port's)
     cache_queue_port: int | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
@@ -220,12 +221,13 @@ class EngineConfig:
         if role == "prefill" and self.engine_worker_queue_port is None:
             raise ValueError("splitwise_role='prefill' needs engine_worker_queue_port: the port decode servers "
                              "send prompts to (they list it in --innode-prefill-ports)")
-        if role != "prefill" and self.engine_worker_queue_port is not None:
-            raise ValueError(f"engine_worker_queue_port is the prefill server's port (splitwise_role='prefill'), "
-                             f"got splitwise_role={role!r}")
-        if role != "prefill" and self.cache_queue_port is not None:
-            raise ValueError(f"cache_queue_port is a prefill server's KV endpoint (splitwise_role='prefill'); a "
-                             f"decode server learns it from each prefill server, got splitwise_role={role!r}")
+        for name in ("engine_worker_queue_port", "cache_queue_port"):
+            if role == "mixed" and getattr(self, name) is not None:
+                raise ValueError(f"{name} is a prefill or decode server's own queue port, where its P/D peers reach "
+                                 f"it; a mixed server has none, got splitwise_role='mixed'")
+            if getattr(self, name) in ports:
+                raise ValueError(f"{name}={getattr(self, name)} is also in innode_prefill_ports: a decode server's "
+                                 f"own ports are its own, the prefill servers' are theirs")
         if self.cache_queue_port is not None and self.cache_queue_port == self.engine_worker_queue_port:
             raise ValueError(f"cache_queue_port and engine_worker_queue_port must differ, both are "
                              f"{self.cache_queue_port}")

@@ -66,7 +66,8 @@ def test_the_server_refuses_them_before_starting_anything(flags, capsys):
     (dict(splitwise_role="prefill"), "needs engine_worker_queue_port"),
     (dict(splitwise_role="decode", innode_prefill_ports="81a"), "comma-separated TCP ports"),
     (dict(innode_prefill_ports="8182"), "is for splitwise_role='decode'"),
-    (dict(engine_worker_queue_port=8182), "the prefill server's port"),
+    (dict(engine_worker_queue_port=8182), "a mixed server has none"),
+    (dict(splitwise_role="decode", innode_prefill_ports="8182", engine_worker_queue_port=8182), "its own"),
 ])
 def test_disaggregation_flags_are_checked_at_start_up(kw, hint):
     with pytest.raises(ValueError) as e:
@@ -152,15 +153,19 @@ def test_enable_v1_kvcache_scheduler_is_accepted_at_1_and_refused_otherwise(monk
 
 
 @pytest.mark.parametrize("kw,hint", [
-    (dict(cache_queue_port=8183), "cache_queue_port is a prefill server's KV endpoint"),
-    (dict(splitwise_role="decode", innode_prefill_ports="8182", cache_queue_port=8193), "learns it from each"),
+    (dict(cache_queue_port=8183), "cache_queue_port is a prefill or decode server's own queue port"),
+    (dict(splitwise_role="decode", innode_prefill_ports="8182", engine_worker_queue_port=8186,
+          cache_queue_port=8186), "must differ"),
     (dict(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=8182), "must differ"),
     (dict(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=70000), "must be a TCP port"),
 ])
-def test_cache_queue_port_is_the_prefill_servers_and_is_checked(kw, hint):
+def test_queue_ports_are_a_prefill_or_decode_servers_own_and_are_checked(kw, hint):
     with pytest.raises(ValueError, match=hint):
         EngineConfig(**kw)
     EngineConfig(splitwise_role="prefill", engine_worker_queue_port=8182, cache_queue_port=8183)
+    # the seeds' decode side: its own queue ports, as FastDeploy's instances each have
+    EngineConfig(splitwise_role="decode", innode_prefill_ports="8182", engine_worker_queue_port=8186,
+                 cache_queue_port=8187)
 
 
 def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32_and_bfloat16(tiny_model_dir, monkeypatch):

@@ -22,6 +22,8 @@ def test_the_cli_accepts_data_parallel_size_though_one_engine_refuses_it():
     ({"data_parallel_size": "2"}, 3, "disagree"),
     ({"data_parallel_size": "0"}, None, "must be >= 1"),
     ({"data_parallel_size": "2", "splitwise_role": "prefill"}, None, "one prefill server per port"),
+    ({"data_parallel_size": "2", "splitwise_role": "decode", "innode_prefill_ports": "8182",
+      "cache_queue_port": "8187"}, None, "one decode server per port"),
 ])
 def test_replica_counts_that_cannot_work_are_refused(settings, instances, message):
     with pytest.raises(ValueError, match=message):

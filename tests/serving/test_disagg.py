@@ -93,6 +93,37 @@ def test_with_a_cache_queue_port_the_kv_travels_on_its_own_connection_and_gives_
             front.shutdown(drain=False)
 
 
+@pytest.mark.parametrize("own", [("queue", "kv"), ("queue",)], ids=["queue_and_kv_ports", "queue_port_only"])
+def test_a_decode_server_with_its_own_queue_ports_gets_its_results_there_and_the_same_tokens(tiny_model_dir, servers,
+                                                                                            own):
+    """The seeds' decode side names its own --engine-worker-queue-port and --cache-queue-port (FastDeploy's
+    instances each have their own): the prefill server sends the KV to the decode server's KV port (or, without
+    one, to its queue port), not back on the prompt connection nor from its own KV port."""
+    _, _, mixed = servers
+    port, kv_port, own_queue, own_kv = free_port(), free_port(), free_port(), free_port()
+    base = dict(ENGINE, model=str(tiny_model_dir))
+    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port,
+                                               cache_queue_port=kv_port))
+    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port),
+                                              engine_worker_queue_port=own_queue,
+                                              cache_queue_port=own_kv if "kv" in own else None))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        pd = [_final(_collect(decode, f"own-{i}", p, params)) for i, p in enumerate(PROMPTS)]
+        mx = [_final(_collect(mixed, f"own-mixed-{i}", p, params)) for i, p in enumerate(PROMPTS)]
+        for (a, a_err), (b, b_err) in zip(pd, mx):
+            assert a_err is None and b_err is None
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        where = "decode_kv_socket" if "kv" in own else "decode_queue_socket"
+        assert prefill.service.transfers == {"prompt_socket": 0, "kv_socket": 0, where: len(PROMPTS)}
+        assert not prefill.service._kv_routes  # it never connected to the prefill server's KV port
+        for front in (prefill, decode):
+            _wait_for(lambda: _all_free(front))
+    finally:
+        for front in (decode, prefill):
+            front.shutdown(drain=False)
+
+
 def test_a_decode_server_gets_its_kv_on_the_prompt_connection_until_the_kv_one_is_up(servers):
     prefill, decode, _ = servers  # a prefill server without --cache-queue-port: its hello names no KV port
     out, err = _final(_collect(decode, "no-kv-port", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3)))

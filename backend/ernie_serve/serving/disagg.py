@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation between two servers, started as FastDeploy's are:
 
-    ernie-serve --splitwise-role prefill --engine-worker-queue-port 8182 ...        # P
-    ernie-serve --splitwise-role decode --innode-prefill-ports 8182 --http-port ...  # D: clients talk to it
+    ernie-serve --splitwise-role prefill --engine-worker-queue-port 8182 --cache-queue-port 8183 ...  # P
+    ernie-serve --splitwise-role decode --engine-worker-queue-port 8186 --cache-queue-port 8187 \
+                --innode-prefill-ports 8182 --port 8184 ...                                       # D
 
     client -> D's ernie_moe: DecodeFront.add_request --[prefill: id, prompt]--> P's PrefillService
                                                                                  AsyncEngine.add_prefill
@@ -13,7 +14,13 @@ KVTransfer's frames (a JSON header and the raw blocks). A prefill server started
 the KV on a connection of its own, bound there: D says hello on each prefill port, P answers with its KV port,
 D connects a second DEALER under the same identity and says hello on it, and from then on P routes that D's
 blocks there, so pings, failures and aborts never wait behind megabytes of KV. Until the hello is through
-(or without the flag) the KV shares the prompt connection. FastDeploy's P samples the first token and D
+(or without the flag) the KV shares the prompt connection.
+
+A decode server's own ports (in FastDeploy each instance has its own queues): it binds a ROUTER on each it is
+given and names them in its hello; each prefill server then opens a connection to them, signed with its queue
+port, and sends this decode server's results there: the KV to its --cache-queue-port, failures (and the KV when
+it has no KV port) to its --engine-worker-queue-port. A decode server with ports of its own does not connect to
+the prefill servers' KV ports. FastDeploy's P samples the first token and D
 appends it; here P computes the prompt's KV only and D recomputes the last prompt token and samples every
 token itself with the request's own parameters and generator, so a 1P1D pair gives what one mixed server
 gives for every kind of request (seeded sampling, guided decoding, penalties), at the cost of one token
@@ -58,7 +65,8 @@ def engine_front(config: EngineConfig):
     if config.splitwise_role == "prefill":
         return PrefillFront(engine, config.engine_worker_queue_port, config.cache_queue_port)
     if config.splitwise_role == "decode":
-        return DecodeFront(engine, config.prefill_ports)
+        return DecodeFront(engine, config.prefill_ports, queue_port=config.engine_worker_queue_port,
+                           kv_port=config.cache_queue_port)
     return engine
 
 
@@ -142,11 +150,12 @@ class PrefillService:
     given), owned by one thread."""
 
     def __init__(self, engine: AsyncEngine, port: int, kv_port: int | None = None, host: str = "127.0.0.1"):
-        self.engine, self.port, self.kv_port = engine, port, kv_port
+        self.engine, self.port, self.kv_port, self.host = engine, port, kv_port, host
         self._ctx = zmq.Context()
         self._sock = self._router(host, port)
         self._kv_sock = self._router(host, kv_port) if kv_port is not None else None
         self._kv_routes: set[bytes] = set()  # decode servers that said hello on the KV socket
+        self._push: dict[bytes, _Push] = {}  # decode servers with ports of their own: connections to them
         self.transfers = {"prompt_socket": 0, "kv_socket": 0}  # where each KVTransfer went (for tests and logs)
         self._wake = _Wakeup()
         self._stop = threading.Event()
@@ -178,14 +187,23 @@ class PrefillService:
                         self._kv_routes.add(owner)
             for frames in self._wake.drain():
                 self._send(frames)
-        for sock in (self._sock, self._kv_sock):
+        for sock in (self._sock, self._kv_sock, *(s for push in self._push.values() for s in push.sockets())):
             if sock is not None:
                 sock.close(0)
         self._ctx.term()
         self._wake.close()
 
     def _send(self, frames: list) -> None:
-        """Replies go back on the prompt socket; KV on the KV socket once its owner said hello there."""
+        """Results go to the decode server's own ports where it has them; else replies go back on the prompt
+        socket, and KV on the KV socket once its owner said hello there."""
+        push = self._push.get(frames[0])
+        sock = push.route(frames[1]) if push is not None else None
+        if sock is not None:
+            if frames[1] == b"kv":
+                where = "decode_kv_socket" if sock is push.kv else "decode_queue_socket"
+                self.transfers[where] = self.transfers.get(where, 0) + 1
+            sock.send_multipart(frames[1:], copy=False)
+            return
         if frames[1] == b"kv":
             on_kv = frames[0] in self._kv_routes
             self.transfers["kv_socket" if on_kv else "prompt_socket"] += 1
@@ -199,6 +217,7 @@ class PrefillService:
         if kind == b"ping":
             self._sock.send_multipart([owner, b"pong"])
         elif kind == b"hello":
+            self._connect_back(owner, json.loads(body[0]) if body else {})
             self._sock.send_multipart([owner, b"hello", json.dumps({"kv_port": self.kv_port}).encode()])
         elif kind == b"prefill":
             msg = json.loads(body[0])
@@ -208,9 +227,26 @@ class PrefillService:
                 self.engine.add_prefill(rid, msg["prompt_token_ids"], lambda t, why, rid=rid: self._done(rid, t, why))
             except Exception as e:  # noqa: BLE001 - bad prompt, overload, dead engine: the decode side is told
                 self._owners.pop(rid, None)
-                self._sock.send_multipart([owner, b"failed", _failure(rid, f"{type(e).__name__}: {e}")])
+                self._send([owner, b"failed", _failure(rid, f"{type(e).__name__}: {e}")])
         elif kind == b"cancel":
             self.engine.abort(body[0].decode())
+
+    def _connect_back(self, owner: bytes, ports: dict) -> None:
+        """A decode server named its own ports in its hello: its results go there, from this server's identity."""
+        if not (ports.get("queue_port") or ports.get("kv_port")) or owner in self._push:
+            return
+        self._push[owner] = _Push(*(self._dealer(ports.get(k)) for k in ("queue_port", "kv_port")))
+        log.info("prefill server: results for decode server %s go to its ports %s", owner.decode(errors="replace"),
+                 {k: v for k, v in ports.items() if v})
+
+    def _dealer(self, port: int | None) -> zmq.Socket | None:
+        if port is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, prefill_identity(self.port))
+        sock.connect(f"tcp://{self.host}:{int(port)}")
+        return sock
 
     def _done(self, rid: str, transfer: KVTransfer | None, why: str | None) -> None:
         """On the engine's loop thread: hand the result to the socket's thread."""
@@ -225,6 +261,26 @@ class PrefillService:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+@dataclass
+class _Push:
+    """A prefill server's connections to one decode server's own ports: results (failures, and the KV when it
+    has no KV port) to its queue port, KV to its KV port."""
+    results: zmq.Socket | None
+    kv: zmq.Socket | None
+
+    def route(self, kind: bytes) -> zmq.Socket | None:
+        return (self.kv or self.results) if kind == b"kv" else self.results
+
+    def sockets(self) -> tuple:
+        return self.results, self.kv
+
+
+def prefill_identity(port: int) -> bytes:
+    """How a prefill server signs what it sends to a decode server's own ports: by its queue port, which the
+    decode server knows from --innode-prefill-ports."""
+    return f"prefill-{port}".encode()
 
 
 def _failure(rid: str, why: str) -> bytes:
@@ -255,19 +311,29 @@ class _PrefillServer:
 class DecodeFront(_Front):
     """A decode server's engine: prompts go to the prefill servers, their KV comes back and is decoded here."""
 
-    def __init__(self, engine: AsyncEngine, prefill_ports: list[int], host: str = "127.0.0.1"):
+    def __init__(self, engine: AsyncEngine, prefill_ports: list[int], host: str = "127.0.0.1",
+                 queue_port: int | None = None, kv_port: int | None = None):
         super().__init__(engine)
         self._lock = threading.Lock()
         self._waiting: dict[str, _Waiting] = {}
         self._ctx = zmq.Context()
         self._host = host
+        self.queue_port, self.kv_port = queue_port, kv_port
+        # this server's own ports (bound before any hello names them): prefill servers send results there
+        self._own = [self._bind(port) for port in (queue_port, kv_port) if port is not None]
+        hello = json.dumps({"queue_port": queue_port, "kv_port": kv_port}).encode()
         self._servers = []
+        self._by_identity: dict[bytes, _PrefillServer] = {}
         me = uuid.uuid4().hex[:12]
         for i, port in enumerate(prefill_ports):
             identity = f"decode-{me}-{i}".encode()
             server = _PrefillServer(f"{host}:{port}", self._dealer(identity, port), identity)
-            server.sock.send_multipart([b"hello"])  # queued until connected; the answer names its KV port
+            server.sock.send_multipart([b"hello", hello])  # queued until connected; the answer names its KV port
             self._servers.append(server)
+            self._by_identity[prefill_identity(port)] = server
+        if self._own:
+            log.info("decode server: prefill servers send results to %s", ", ".join(
+                f"tcp://{host}:{p} ({what})" for p, what in ((queue_port, "queue"), (kv_port, "KV")) if p))
         self._next_server = cycle(self._servers)
         self._wake = _Wakeup()
         self._stop = threading.Event()
@@ -310,6 +376,12 @@ class DecodeFront(_Front):
             self._fail(rid, w, "unavailable: the server shut down before the prompt came back from prefill")
         super().shutdown(drain, timeout)
 
+    def _bind(self, port: int) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://{self._host}:{port}")
+        return sock
+
     def _dealer(self, identity: bytes, port: int) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -322,11 +394,15 @@ class DecodeFront(_Front):
         poller = zmq.Poller()
         for server in self._servers:
             poller.register(server.sock, zmq.POLLIN)
+        for sock in self._own:
+            poller.register(sock, zmq.POLLIN)
         poller.register(self._wake.read_fd, zmq.POLLIN)
         by_sock = {s.sock: s for s in self._servers}
         while not self._stop.is_set():
             for sock, _ in poller.poll(POLL_MS):
-                if sock in by_sock:
+                if sock in self._own:
+                    self._on_own_port(sock.recv_multipart())
+                elif sock in by_sock:
                     server = by_sock[sock]
                     server.last_heard = time.monotonic()
                     frames = sock.recv_multipart()
@@ -341,16 +417,25 @@ class DecodeFront(_Front):
                     server.waiting.add(rid)
                 server.sock.send_multipart(frames)
             self._watch_servers()
-        for server in self._servers:
-            for sock in (server.sock, server.kv_sock):
-                if sock is not None:
-                    sock.close(0)
+        for sock in (*self._own, *(s for server in self._servers for s in (server.sock, server.kv_sock))):
+            if sock is not None:
+                sock.close(0)
         self._ctx.term()
         self._wake.close()
 
+    def _on_own_port(self, frames: list[bytes]) -> None:
+        """A prefill server's result on one of this server's own ports, signed with its identity."""
+        server = self._by_identity.get(frames[0])
+        if server is None:
+            log.warning("decode server: a message from %r, which is not one of its prefill servers", frames[0])
+            return
+        server.last_heard = time.monotonic()
+        self._on_message(server, frames[1:])
+
     def _connect_kv(self, server: _PrefillServer, kv_port: int | None, poller: zmq.Poller, by_sock: dict) -> None:
-        """The prefill server has a KV port: connect to it under this server's identity and say hello there."""
-        if kv_port is None or server.kv_sock is not None:
+        """The prefill server has a KV port: connect to it under this server's identity and say hello there
+        (not when this server has ports of its own: the prefill server sends the KV there)."""
+        if kv_port is None or server.kv_sock is not None or self._own:
             return
         server.kv_sock = self._dealer(server.identity, int(kv_port))
         server.kv_sock.send_multipart([b"hello"])

@@ -211,6 +211,12 @@ def replicas(settings: dict[str, str], engine_instances: int | None) -> int | No
     if n > 1 and role == "prefill":
         raise ValueError(f"data_parallel_size={n} with splitwise_role=prefill: every replica would listen on the "
                          f"one engine_worker_queue_port; start one prefill server per port instead")
+    own = [k for k in ("engine_worker_queue_port", "cache_queue_port")
+           if settings.get(k) or settings.get(k.replace("_", "-"))]
+    if n > 1 and role == "decode" and own:
+        raise ValueError(f"data_parallel_size={n} with splitwise_role=decode and {', '.join(own)}: every replica "
+                         f"would listen on the same port; leave them out (each replica then takes its results on its "
+                         f"prompt connections) or start one decode server per port")
     return n
 
 
