@@ -19,9 +19,9 @@ layer of a kind launches the same kernels.
     .venv/bin/python scripts/gpu_aot_check.py --json out/gpu_aot.json            # all cases, sm_80 / sm_89 / sm_90
     .venv/bin/python scripts/gpu_aot_check.py --archs 90 --cases "300B-A47B tp8 wint8"
 
-Exits non-zero on any compile error, shared memory over the architecture's per-block limit, or spills in a hot
-kernel (attention, the MoE and weight-only GEMMs: a step's time; moe_align's one serial program may spill a few
-bytes).
+Exits non-zero on any compile error, shared memory over the architecture's per-block limit, spills in a hot
+kernel (attention, the MoE and weight-only GEMMs: a step's time), or a TF32 MMA in a kernel that promises IEEE fp32
+(the router's logits).
 """
 from __future__ import annotations
 
@@ -97,6 +97,7 @@ CASES = [
 ARCHS = {80: ("A800 / A30", 108, 163 * 1024), 89: ("L20", 92, 99 * 1024), 90: ("H800 / H20 / H200", 132, 227 * 1024)}
 FP8_MIN_ARCH = 89
 HOT = ("_unified_attention_kernel", "_fused_moe_kernel", "_wo_gemm_kernel")  # a step's time: spills there matter
+IEEE_FP32 = ("_router_logits_kernel",)  # fp32 dots that must not round their inputs to TF32
 BLOCK_SIZE = 64  # FastDeploy's default
 BATCHES = {"prefill512": [(256, 0), (256, 0)], "decode64": [(1, 2047)] * 64, "decode1": [(1, 2047)]}
 
@@ -360,11 +361,12 @@ def main(argv: list[str] | None = None) -> int:
             seen.add(key)
             rec = {"name": launch.name, "arch": f"sm_{arch}", "config": name, "triton": triton.__version__,
                    "ok": launch.error is None, "error": launch.error, "shared_bytes": None, "registers": None,
-                   "spills": None, "num_warps": None, "num_stages": None}
+                   "spills": None, "num_warps": None, "num_stages": None, "tf32": None}
             if launch.kernel is not None:
                 md = launch.kernel.metadata
                 rec.update(shared_bytes=int(md.shared), num_warps=md.num_warps, num_stages=md.num_stages)
                 rec["registers"], rec["spills"] = ptxas_usage(launch.kernel, arch)
+                rec["tf32"] = ".tf32" in launch.kernel.asm["ptx"]  # mma / wgmma on TF32 operands
             why = _failure(rec, arch)
             if why:
                 rec["ok"] = False
@@ -389,6 +391,8 @@ def _failure(rec: dict, arch: int) -> str | None:
         return f"shared memory {rec['shared_bytes']} bytes > sm_{arch}'s {limit} per block"
     if rec["spills"] and rec["name"] in HOT:
         return f"{rec['spills']} bytes of register spills in a hot kernel ({rec['registers']} registers)"
+    if rec["tf32"] and rec["name"] in IEEE_FP32:
+        return "a TF32 MMA in a kernel whose fp32 dot must be IEEE"
     return None
 
 

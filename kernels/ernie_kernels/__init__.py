@@ -18,6 +18,7 @@ _LAUNCHERS = {
     "kv_write": "kv_write",
     "rope_inplace": "rope",
     "silu_and_mul": "activation",
+    "router_logits": "router",
     "router_topk": "router",
 }
 

@@ -25,5 +25,7 @@ def test_the_seeds_kernels_compile_for_ampere_and_hopper_without_spills(tmp_path
     records = json.loads(out.read_text())["kernels"]
     assert {r["config"] for r in records} == set(CASES) and {r["arch"] for r in records} == {"sm_80", "sm_90"}
     names = {r["name"] for r in records}
-    assert {"_wo_gemm_kernel", "_fused_moe_kernel", "_unified_attention_kernel", "_kv_write_kernel"} <= names
+    assert {"_wo_gemm_kernel", "_fused_moe_kernel", "_unified_attention_kernel", "_kv_write_kernel",
+            "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel", "_router_logits_kernel"} <= names
+    assert not any(r["tf32"] for r in records if r["name"] == "_router_logits_kernel")  # IEEE fp32, no TF32 MMA
     assert all(r["ok"] and r["shared_bytes"] is not None and r["registers"] for r in records)

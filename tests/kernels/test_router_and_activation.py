@@ -31,3 +31,20 @@ def test_silu_and_mul_matches_the_reference(fw):
     x = np.random.default_rng(1).standard_normal((5, 2 * 300)).astype(np.float32)
     want = reference_silu_and_mul(paddle.to_tensor(x)).numpy()
     np.testing.assert_allclose(fw.numpy(silu_and_mul(fw.tensor(x))), want, rtol=1e-5, atol=1e-6)
+
+
+def test_router_logits_are_the_fp32_product_of_hidden_and_gate(fw):
+    """Rows past a program's 32 and channels past a K step's 32 (masked tails), a bf16 hidden widened as loaded:
+    the fp32 product to fp32 rounding (float64 reference)."""
+    from ernie_kernels.router import router_logits
+
+    rng = np.random.default_rng(2)
+    t, h, e = 45, 200, 12
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    gate = rng.standard_normal((h, e)).astype(np.float32)
+    want = x.astype(np.float64) @ gate.astype(np.float64)
+    np.testing.assert_allclose(fw.numpy(router_logits(fw.tensor(x), fw.tensor(gate))), want, rtol=1e-5, atol=1e-4)
+    xb = fw.tensor(x, bf16=True)
+    want_b = fw.numpy(xb).astype(np.float64) @ gate.astype(np.float64)
+    np.testing.assert_allclose(fw.numpy(router_logits(xb, fw.tensor(gate))), want_b, rtol=1e-5, atol=1e-4)
+    assert tuple(router_logits(fw.tensor(x[:0]), fw.tensor(gate)).shape) == (0, e)

@@ -148,7 +148,7 @@ class KernelModel:
         return self.linear(out.reshape([t, nh * hd]), layer.o)
 
     def _mlp(self, layer: DeviceLayer, h: Any) -> Any:
-        from ernie_kernels import fused_moe, router_topk, silu_and_mul
+        from ernie_kernels import fused_moe, router_logits, router_topk, silu_and_mul
 
         shared = None
         if layer.mlp_up_gate is not None:
@@ -156,7 +156,7 @@ class KernelModel:
         if not layer.is_moe:
             return shared
         cfg, e = self.config, layer.experts
-        logits = self.ops.matmul(self.ops.cast(h, "float32"), layer.gate)
+        logits = router_logits(h, layer.gate)  # IEEE fp32 on both frameworks: never TF32
         ids, weights = router_topk(logits, layer.gate_bias, cfg.moe_k, cfg.moe_norm_min)
         out = fused_moe(h, e.up_gate, e.down, ids, weights, e.method, e.up_gate_scale, e.down_scale,
                         e.up_gate_act_scale, e.down_act_scale, expert_start=self.expert_start)
