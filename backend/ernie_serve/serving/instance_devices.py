@@ -12,7 +12,6 @@ device id 0, so k comes from the name; with KIND_GPU Triton places each instance
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Mapping, MutableMapping
@@ -21,8 +20,12 @@ VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
 def nvidia_device_nodes() -> list[str]:
-    """NVIDIA GPU device nodes on this machine (what a container started with --gpus shows), asked of no framework."""
-    return sorted(glob.glob("/dev/nvidia[0-9]*"))
+    """NVIDIA GPU device nodes on this machine (what a container started with --gpus shows), asked of no framework:
+    one a GPU, so they count the GPUs a replica slices (devices.nvidia_gpus_on_machine, which also reads
+    CUDA_VISIBLE_DEVICES and nvidia-smi, says whether there are any, not how many)."""
+    from .. import devices
+
+    return sorted(str(p) for p in devices.NVIDIA_DEVICE_DIR.glob("nvidia[0-9]*"))
 
 
 def instance_ordinal(args: Mapping[str, str]) -> int:
