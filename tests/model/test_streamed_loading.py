@@ -143,3 +143,11 @@ def test_loading_reports_its_progress_up_to_the_whole_checkpoint(checkpoint, ops
                 for i in safetensors_io.read_header(s)[0].values())
     assert ticks and ticks[-1] == ("weights", total, total)
     assert [d for _, d, _ in ticks] == sorted(d for _, d, _ in ticks)
+
+
+def test_a_transposed_read_is_a_contiguous_copy_of_the_transpose(tmp_path):
+    a = np.random.default_rng(1).standard_normal((700, 300)).astype(np.float32)
+    safetensors_io.save_file({"a": a}, tmp_path / "x.safetensors", bf16={"a"})
+    with safetensors_io.SafetensorsReader(tmp_path / "x.safetensors") as reader:
+        t = reader.read("a", 1, np.arange(10, 290), transpose=True)
+    assert t.flags.c_contiguous and np.array_equal(t, a.astype(ml_dtypes.bfloat16)[:, 10:290].T)

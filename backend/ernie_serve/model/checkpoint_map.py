@@ -330,9 +330,9 @@ class Assembler:
             piece, axis, keep = part
         if axis is not None and transpose:
             axis = len(shape) - 1 - axis  # the value's axis in the tensor as stored (transposed pieces are 2-D)
-        arr = reader.read(tensor_name, axis, keep)
-        self._fill(tensor_name, shape, target, piece, arr.T if transpose else arr)
-        return arr.nbytes
+        value = reader.read(tensor_name, axis, keep, transpose=transpose)
+        self._fill(tensor_name, shape, target, piece, value)
+        return value.nbytes
 
     def _fill(self, tensor_name: str, arr_shape: tuple, target: Target, piece: Piece, value: np.ndarray) -> None:
         """Put this rank's `value` (in the parameter's layout) where `piece` says: the whole target, or a piece of
