@@ -264,7 +264,7 @@ def run_engine(num_requests: int, seed: int, repeats: int) -> dict:
                 pass
         return ok
 
-    def best(runs: list[dict]) -> dict:  # this box is shared: the least disturbed of the repeats
+    def best(runs: list[dict]) -> dict:  # a shared host is noisy: the least disturbed of the repeats
         return min(runs, key=lambda r: r["step_ms"] or float("inf"))
 
     plain_llm = LLM(max_model_len=1024, max_num_seqs=BATCH, disable_progress_bar=True)

@@ -55,7 +55,7 @@ KERNELS = "backend/ernie_serve/cpu_kernels"
 
 
 def build_revision(rev: str, into: Path) -> Path:
-    """The C kernels of git revision `rev`, compiled for this machine into `into`."""
+    """The C kernels of git revision `rev`, compiled for the host CPU into `into`."""
     from ernie_serve.cpu_kernels import build
 
     src = into / "src"

@@ -10,7 +10,7 @@ with the image's Python (found here through uv, python3.X on PATH or pyenv; othe
     only; nothing here runs Paddle or torch;
   - other steps before the project's run as written (e.g. pinning pip);
   - the project's own step (`pip install -e ".[...]"`) is resolved with `pip install --dry-run --report`,
-    wheels only (--only-binary=:all:), from PyPI, ignoring this machine's pip configuration.
+    wheels only (--only-binary=:all:), from PyPI, ignoring the host's pip configuration.
 It fails when the resolution would install another provider of a stood-in package (a `paddlepaddle` over
 paddlepaddle-gpu: the CPU build's files over the GPU build's), a second tritonserver (nvidia-pytriton: the image
 has its own), or cannot find a wheel for the image's Python (a pinned version without one).
@@ -158,7 +158,7 @@ def image_python(base_image: str) -> str:
 
 
 def find_interpreter(version: str) -> str | None:
-    """A Python `version` (X.Y) interpreter on this machine: uv's, python3.X on PATH, or pyenv's; None: none here."""
+    """A Python `version` (X.Y) interpreter on the host: uv's, python3.X on PATH, or pyenv's; None: none here."""
     candidates = []
     uv = shutil.which("uv")
     if uv:
@@ -226,7 +226,7 @@ def build_stand_in(name: str, version: str, into: Path) -> Path:
 
 
 def pip_flags() -> list[str]:
-    """PyPI only, this machine's pip configuration ignored (the image has none of it); its CA bundle kept."""
+    """PyPI only, the host's pip configuration ignored (the image has none of it); its CA bundle kept."""
     flags = ["--isolated", "--disable-pip-version-check", "--timeout", "60", "--index-url", PYPI]
     if os.environ.get("PIP_CERT"):
         flags += ["--cert", os.environ["PIP_CERT"]]

@@ -36,7 +36,7 @@ from ernie_kernels import reference as ref  # noqa: E402
 
 
 def _load_formats():
-    """formats.py by path: the engine package's __init__ may pull in Paddle, which this box lacks."""
+    """formats.py by path: the engine package's __init__ may pull in Paddle, which a torch-only GPU host lacks."""
     spec = importlib.util.spec_from_file_location("ernie_formats", ROOT / "backend/ernie_serve/quantization/formats.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -7,8 +7,8 @@ ran on; the page is generated from those files, so it never drifts from them and
 Schema of a result file (JSON object, exactly these keys):
 
     title    str        what was measured, one line
-    commit   str        the revision measured (for results carried over from the old README: the commit
-                        that recorded them)
+    commit   str        the revision measured (for figures recorded before this folder existed: the
+                        commit that recorded them)
     cpu      str        the machine: CPU model and what matters of it (cores, ISA extensions); "no GPU: ..."
                         for compile-only checks
     command  str        the command that reruns it, from the repository root

@@ -18,7 +18,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing the project and its dependencies ($extras) into .venv"
-  # This machine's pip config lists local indexes that may not exist; their warnings are noise.
+  # A host's pip config may list local indexes that do not exist; their warnings are noise.
   quiet() {
     set +e
     "$@" 2>&1 | grep -v "^WARNING: Location 'file:"

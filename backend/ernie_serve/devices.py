@@ -51,7 +51,7 @@ def gpu_visible() -> bool:
 
 
 def nvidia_gpus_on_machine() -> list[str]:
-    """What shows that this machine has NVIDIA GPUs, asking no tensor framework: the driver's device nodes, the
+    """What shows that the host has NVIDIA GPUs, asking no tensor framework: the driver's device nodes, the
     GPUs `nvidia-smi -L` lists, a CUDA_VISIBLE_DEVICES naming devices. Empty where nothing does, or where
     CUDA_VISIBLE_DEVICES hides every GPU ("" or "-1"): running on the CPU is then what was asked for.
 

@@ -97,9 +97,9 @@ _ARENA = _WeightArena()
 
 def empty_weight(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tensor, np.ndarray]:
     """As empty_host, for a weight streamed every step (the serving layouts): in transparent huge pages, so
-    streaming it walks one page table entry per 2 MB instead of per 4 KB. On this VM, where each TLB miss walks two
-    page tables, a wint8 decode step ran ~5% faster with its experts' codes there (one-off A/B in the commit that
-    added the arena). Small weights and kernels without THP get ordinary memory."""
+    streaming it walks one page table entry per 2 MB instead of per 4 KB (under a hypervisor each TLB miss walks
+    two page tables); a wint8 decode step is faster with its experts' codes there (scripts/bench_cpu_dtypes.py
+    --formats wint8-bf16 re-checks it). Small weights and kernels without THP get ordinary memory."""
     dtype = np.dtype(dtype)
     shape = [int(s) for s in shape]
     count = math.prod(shape)
@@ -108,7 +108,7 @@ def empty_weight(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tens
         return empty_host(shape, dtype)
     region, offset = _huge_page_mapping(nbytes) if nbytes >= _OWN_MAPPING else _ARENA.take(nbytes)
     view = np.frombuffer(region, dtype=dtype, count=count, offset=offset).reshape(shape)
-    # zero-copy: the tensor holds the array, the array holds the mapping (one-off at load: the constructor
+    # zero-copy: the tensor holds the array, the array holds the mapping (once per weight at load: the constructor
     # leak described above is one list per weight)
     return paddle.utils.dlpack.from_dlpack(view), view
 
@@ -116,9 +116,9 @@ def empty_weight(shape: tuple[int, ...] | list[int], dtype) -> tuple[paddle.Tens
 def zeros_huge(shape: tuple[int, ...] | list[int], dtype) -> np.ndarray:
     """Zeros for a large pool a step reads scattered (the paged KV cache), in transparent huge pages: an anonymous
     mapping reads as zeros and takes memory only where written (2 MB at a time here), as np.zeros does, but np.zeros'
-    pages are 4 KB (NumPy asks for huge pages for np.empty, not for zeros). A wint8-bf16 decode step at 16 running on
-    300-400 tokens ran ~4.5% faster with its cache here (5 of 5 alternating runs, one-off step timer), bfloat16's
-    0-1%; attention reads a cold cache a few KB a sequence at a time, a page walk each 4 KB page."""
+    pages are 4 KB (NumPy asks for huge pages for np.empty, not for zeros). Attention reads a cold cache a few KB a
+    sequence at a time, a page walk each 4 KB page, so a decode step on a few hundred tokens a sequence is faster
+    with its cache here (scripts/bench_cpu_dtypes.py re-checks it)."""
     dtype = np.dtype(dtype)
     count = math.prod(int(s) for s in shape)
     if count * dtype.itemsize < _OWN_MAPPING:

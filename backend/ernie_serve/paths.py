@@ -23,7 +23,7 @@ def models_dir() -> Path:
 
 
 def build_dir() -> Path:
-    """Git-ignored home of native code compiled on this machine (ERNIE_BUILD_DIR overrides it)."""
+    """Git-ignored home of native code compiled for the host (ERNIE_BUILD_DIR overrides it)."""
     env = os.environ.get("ERNIE_BUILD_DIR")
     if env:
         return Path(env)

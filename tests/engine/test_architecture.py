@@ -1,4 +1,4 @@
-"""The layering the README's Layout section draws: no import cycle between ernie_serve's packages (every import
+"""The layering docs/architecture.md draws: no import cycle between ernie_serve's packages (every import
 counted, lazy ones inside functions too), and the engine's core imports no framework."""
 from __future__ import annotations
 

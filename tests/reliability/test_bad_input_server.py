@@ -126,8 +126,8 @@ TRITON_PARSER = [
 
 @pytest.mark.parametrize("raw,case", TRITON_PARSER, ids=[c for _, c in TRITON_PARSER])
 def test_triton_json_parser_refuses_these_before_the_ensemble_runs(served, raw, case):
-    """tritonserver 2.51 answers these itself, with HTTP 500 and its own message (README: reliability
-    notes); nothing reaches the models, so the engine cannot be hurt."""
+    """tritonserver 2.51 answers these itself, with HTTP 500 and its own message (docs/reliability.md,
+    "Bad input"); nothing reaches the models, so the engine cannot be hurt."""
     status, err = post(f"http://{served.http_url}/v2/models/ernie/generate", raw)
     assert status in (400, 500) and err["error"] and "in ensemble" not in err["error"], (case, err)
     assert_engine_alive(served)

@@ -133,6 +133,6 @@ def test_http_generate_beyond_the_queue_is_answered_with_an_error_naming_the_ove
     assert len(statuses) == len(threads)
     refused = [(code, body) for code, body in statuses if code != 200]
     # tritonserver 2.51's generate endpoint answers every error inside a response with 400, whatever its
-    # code (UNAVAILABLE here); the message is what says "retry later". README "Reliability".
+    # code (UNAVAILABLE here); the message is what says "retry later" (docs/reliability.md).
     assert all(code in (400, 503) and "overloaded" in body for code, body in refused), refused[:3]
     assert_alive_and_idle(burst_server)

@@ -1,6 +1,6 @@
 """The bounded soak (scripts/soak.py) for CI: 45 s of mixed shim and gRPC streams with random cancels and
 bad requests against a real tritonserver; nothing lost, KV whole when idle, RSS flat (issue 16 "soak").
-The 10-minute run and its figures are in README "Reliability"."""
+The 10-minute run: docs/reliability.md; its figures: benchmarks/results/readme_soak.json."""
 from __future__ import annotations
 
 import json

@@ -4,9 +4,8 @@
 #include <stdint.h>
 
 /* From how many rows a bfloat16 column block goes to AMX. Fewer rows are memory-bound, and there cpu_gemm.c's
- * widening tiles stream the block faster than cpu_amx.c interleaves it for the tile unit (16 experts at 1-8 rows:
- * 0.56-0.86x of the widening tiles' GB/s; a 1024 x 1536 layer at 16 rows 1.24x; scripts/bench_kernels_ab.py
- * --bits 16). */
+ * widening tiles stream the block faster than cpu_amx.c interleaves it for the tile unit; from 16 rows AMX wins.
+ * scripts/bench_kernels_ab.py --bits 16 re-checks this threshold. */
 #define AMX_ROWS 16
 
 /* 1 once this process may use AMX tiles (built for a CPU with AMX-BF16, allowed, and Linux granted the tile state). */
@@ -21,14 +20,11 @@ void ernie_set_amx(int on);
 void ernie_amx_blocks(const uint16_t *xh, int M, int K, const uint16_t *const *w, int nw, float *const *y,
                       int64_t ldy, const char *next);
 /* From how many rows an int8 column block goes to AMX (cpu_qgemm.c). The VNNI blocks take each row at two int8
- * levels, four vpdpbusd a row per 128 bytes of codes, and this Xeon issues one a cycle (one-off loop: 0.87 a cycle at
- * the nominal 2.6 GHz): from ~5 rows they run out of cycles before memory runs out of bytes. In a wint8-bf16 decode
- * step at 16 running, ~37% of the experts get 5+ rows, and there (per-rows timing of the MoE tasks, one-off) the
- * gate-up blocks streamed 10.4 -> 8.8 GB/s a thread from 5 to 8 rows on VNNI, ~11 flat on AMX, where 1-4 rows stay
- * on VNNI at 12.4-13.9. Once the AMX blocks streamed their codes through vector loads (cpu_amx.c): decode step 1.023x
- * (12 alternating rounds, one-off), scripts/bench_kernels_ab.py --bits 8 experts at 8 / 12 rows 0.97-1.21x /
- * 1.20-1.45x, 1-4 rows unchanged. (At 16 it was chosen when AMX streamed its tiles from memory: then 8 rows were no
- * faster on it, 0.90-1.01x, and 3-4 rows slower, 0.74-0.83x.) */
+ * levels, four vpdpbusd a row per 128 bytes of codes, at about one vpdpbusd a cycle: from ~5 rows they run out of
+ * cycles before memory runs out of bytes, while AMX (its codes streamed through vector loads, cpu_amx.c) keeps
+ * streaming at the memory's pace; 1-4 rows stay on VNNI, which is faster there. A wint8-bf16 decode step at 16
+ * running gives many experts 5+ rows. scripts/bench_kernels_ab.py --bits 8 (experts at 1-12 rows) and
+ * scripts/bench_cpu_dtypes.py --formats bfloat16,wint8-bf16 re-check this threshold. */
 #define AMX_INT8_ROWS 5
 /* 1 where AMX-INT8 is built in and ernie_amx_ready. */
 int ernie_amx_int8_ready(void);

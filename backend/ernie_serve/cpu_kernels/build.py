@@ -1,4 +1,4 @@
-"""Builds the C kernels of this package into one shared library for this machine, once, and loads it.
+"""Builds the C kernels of this package into one shared library for the host CPU, once, and loads it.
 
 Compiled with the system C compiler for this CPU (-march=native) and linked against the OpenMP runtime Paddle
 ships, so the kernels' threads are Paddle's threads and the two never compete for the cores. The library is
@@ -86,7 +86,7 @@ def compile_library(out: Path, sources: list[Path] | None = None) -> None:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded library, built first if this machine has none for these sources; None without a compiler."""
+    """The loaded library, built first if the host has none for these sources; None without a compiler."""
     global _lib, _failed
     if _lib is not None or _failed is not None:
         return _lib

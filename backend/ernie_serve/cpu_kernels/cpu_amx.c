@@ -3,17 +3,18 @@
  * activation codes (ernie_amx_int8_rows, for cpu_qgemm.c): its layout is already the tile unit's (each group of 4 k
  * a row of 32 columns x 4 bytes), so a B tile loads straight from the weight, no repack.
  *
- * Why: a `--dtype bfloat16` prefill is compute-bound, and on this Xeon the AVX-512 float32 FMA does ~110 G
- * multiply-adds a second a core while TDPBF16PS does ~1460 G (one-off loops of each); vdpbf16ps, the AVX512-BF16
- * dot product, ran at a quarter of the FMA's instruction rate here, so it would have been slower than widening the
- * weight to float32. vLLM-CPU and FastDeploy's CPU path take bfloat16 matmuls to AMX through oneDNN likewise.
+ * Why: a `--dtype bfloat16` prefill is compute-bound, and TDPBF16PS does an order of magnitude more multiply-adds a
+ * second a core than the AVX-512 float32 FMA; vdpbf16ps, the AVX512-BF16 dot product, issues at a fraction of the
+ * FMA's rate, so it would be slower than widening the weight to float32 and is not used. vLLM-CPU and FastDeploy's
+ * CPU path take bfloat16 matmuls to AMX through oneDNN likewise. scripts/bench_cpu_dtypes.py --formats bfloat16
+ * against ERNIE_CPU_AMX=0 re-checks it.
  *
  * The weight keeps the one layout every bfloat16 path reads, [K, 32] a column block; AMX wants a B tile's rows
  * to be (k, k + 1) pairs of 16 columns, so a panel of the block is interleaved into that form as it is streamed
  * in (the repack is the block's one pass over memory; at decode it also prefetches the thread's next block), and
  * every row group of 16 then reads the panel from L1 / L2. The x tile (16 rows at K apart, read from L2) is the
- * costly load, so a SwiGLU's gate and up blocks go through together and share each one (a 1024 x 32 block at 800
- * rows: 52 us with groups of 32 rows and one block, 44 with groups of 16, one-off). x comes in already rounded to
+ * costly load, so a SwiGLU's gate and up blocks go through together and share each one, in row groups of 16
+ * (scripts/bench_kernels_ab.py --prefill --bits 16 re-checks it). x comes in already rounded to
  * bfloat16 (cpu_gemm.c rounds it once a call), with 16 readable rows past the last: a tile always loads 16 rows,
  * the extra ones are never stored. */
 #include <stdint.h>
@@ -30,13 +31,12 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for the AMX tile data state (off by default for a process) */
 #define XFEATURE_XTILEDATA 18
 #define COLS 32                    /* cpu_gemm.c's column block */
-/* k values interleaved at once (64 KB a block), read by every row group; C goes back to memory between panels. A
- * 16 x 200-token bfloat16 prefill (K 704-1024, one panel) took 1034-1061 ms with panels of 1024, 1127-1219 with 256
- * or 512 (scripts/bench_cpu_dtypes.py, one-off runs of each). */
+/* k values interleaved at once (64 KB a block), read by every row group; C goes back to memory between panels, so
+ * a panel covers ERNIE-4.5's K (704-1024 here) whole: smaller panels made the bfloat16 prefill slower
+ * (scripts/bench_cpu_dtypes.py --formats bfloat16 re-checks it). */
 #define PANEL 1024
-/* Up to this many row groups of 16 a block is memory-bound and its interleave pass prefetches the next call's block:
- * a dense 1024 x 1536 layer from memory at 32 rows 1.06x with it (scripts/bench_kernels_ab.py --bits 16; it was one
- * group only), at 24 and 32 rows 11.0-12.3 -> 11.9-13.7 GB/s in a one-off C loop of 100 calls. */
+/* Up to this many row groups of 16 a block is memory-bound and its interleave pass prefetches the next call's block
+ * (scripts/bench_kernels_ab.py --bits 16 at 17-64 rows re-checks it). */
 #define PREFETCH_GROUPS 4
 
 static int allowed = 1, ready = -1; /* ready -1: not asked yet */
@@ -52,9 +52,9 @@ int ernie_amx_ready(void) {
 }
 
 /* The tile configuration's generation: ernie_amx_new_call advances it at each GEMM entry point, and a thread loads
- * the configuration once a generation. LDTILECFG cost ~0.5 us, 20-30% of a decode-sized block's product when it
- * was loaded for every block (a one-off loop of int8 blocks); and within one of our parallel regions no other code
- * runs on its threads, while between two calls Paddle's own oneDNN kernels may load theirs. */
+ * the configuration once a generation: LDTILECFG costs a sizeable share of a decode-sized block's product, so it is
+ * not loaded for every block; within one of our parallel regions no other code runs on its threads, while between
+ * two calls Paddle's own oneDNN kernels may load theirs. */
 static unsigned generation = 1;
 static __thread unsigned configured_in = 0;
 static __thread int configured_rows = 0;
@@ -64,10 +64,9 @@ void ernie_amx_new_call(void) { __atomic_add_fetch(&generation, 1, __ATOMIC_RELA
 /* Eight tiles of 64 bytes a row: C in 0-3 (`rows` rows x the 32 columns of up to two blocks), A in 4-5 (`rows` rows),
  * B in 6-7 (16 rows: 32 k of bfloat16 pairs or 64 k of int8 quads). `rows` is 16, or 8 for an int8 GEMM of at most 8
  * rows (a MoE step's expert of 5-8), whose A tiles then read half the activation lines (each block re-reads them,
- * 2 KB of them a 64-k step against 2 KB of codes): in a wint8-bf16 decode step those experts' blocks streamed
- * 10.8 -> 11.0-11.9 GB/s a thread (per-rows timing of the MoE tasks, one-off), the step 1.011x (12 alternating
- * rounds, one-off). A thread walks an expert's blocks in a run, so the configuration changes at most at an
- * expert's first block. */
+ * 2 KB of them a 64-k step against 2 KB of codes). A thread walks an expert's blocks in a run, so the configuration
+ * changes at most at an expert's first block. scripts/bench_kernels_ab.py --bits 8 (experts at 5-8 rows)
+ * re-checks it. */
 static void configure(int rows) {
     const unsigned now = __atomic_load_n(&generation, __ATOMIC_RELAXED);
     if (configured_in == now && configured_rows == rows) return;
@@ -88,8 +87,7 @@ static void configure(int rows) {
 
 /* Rows [k0, k0 + kp) of the block w ([K, COLS]) as two B tiles' worth of (k, k + 1) pairs: left[p] holds columns
  * 0-15 of rows k0 + 2p and k0 + 2p + 1, pair by pair, right[p] columns 16-31. `pf`: bytes to prefetch alongside, 128
- * a pair, into L2 (into L1, 200 MB of distinct blocks at 16 rows streamed at 0.91-0.96x of that: a one-off C
- * harness). */
+ * a pair, into L2 (into L1 streamed slower: the lines were evicted before their use). */
 static void interleave(const uint16_t *w, int k0, int kp, uint16_t (*left)[32], uint16_t (*right)[32],
                        const char *pf) {
     /* vpunpck*wd pairs the two rows within each 128-bit lane: lo holds columns 0-3, 8-11, 16-19, 24-27, hi 4-7, ...
@@ -238,9 +236,8 @@ void ernie_amx_int8_rows(const int8_t *const *q, int rows, int levels, int64_t l
     /* A memory-bound block (pf set: at most 16 rows) comes into an L1 buffer through vector loads, the prefetches
      * of the next block among them, and the B tiles load from there: loaded straight from memory, each tile load
      * waited out its 16 lines' misses with few others in flight (perf: most of the loop's time on the tile loads
-     * and the products waiting on them). A dense 1024 x 1536 layer at 16 rows from memory 127 -> 98 us a call (a
-     * one-off C loop of ernie_qgemm); a wint8-bf16 decode step at 16 running 1.014x (median of 12 alternating
-     * rounds, one-off). */
+     * and the products waiting on them). scripts/bench_kernels_ab.py --bits 8 (dense layers at 16 rows) re-checks
+     * it. */
     uint8_t copy[2][16 * 4 * COLS] __attribute__((aligned(64)));
     for (int g = 0, i = 0; g < G; g += 16, i ^= 1) { /* 64 k: 16 groups of 4, a B tile's rows */
         const char *b = (const char *)w + (int64_t)g * 4 * COLS;

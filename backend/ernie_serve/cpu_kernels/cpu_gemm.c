@@ -10,7 +10,7 @@
  *
  * Why: at decode a weight is read once per step for a handful of rows, so the step is bound by weight bytes, and
  * Paddle's matmul over [K, N] streams them well below the memory's bandwidth; at prefill sizes this kernel still
- * beats MKL (README "Benchmarks": scripts/bench_decode_step.py splits a decode step by kernel).
+ * beats MKL (scripts/bench_decode_step.py splits a decode step by kernel; docs/cpu-backend.md).
  *
  * Layout: W is held column-blocked, [ceil(N/32), K, 32] (the last block zero-padded), not [K, N]: a thread's
  * 32-column task then streams one contiguous K*32-float run instead of 32 floats from each of K rows N apart.
@@ -93,9 +93,9 @@ typedef __m256 vn;
 #define WIDE_ROWS 3 /* whole-block tiles: 12 accumulators, the weights read as FMA operands */
 /* How many rows at most take the block whole; more take it in two 16-column halves. float32: up to 16, a decode
  * step's sizes: a float32 half is every other 64-byte line of the block's rows, and where the weights come from
- * memory once a step two strided passes were slower than 3-row tiles re-reading the block from L2 (a decode step
- * 79-86 ms either way with this cut, 83-104 with halves from 5 rows, one-off A/B of the engine). bfloat16: up to 2
- * (its halves share each line; a whole-block tile of 3 rows spills an accumulator as it widens four vectors a row). */
+ * memory once a step two strided passes were slower than 3-row tiles re-reading the block from L2 (engine A/B:
+ * scripts/bench_kernels_ab.py --workload mixed --dtype float32 re-checks it). bfloat16: up to 2 (its halves share
+ * each line; a whole-block tile of 3 rows spills an accumulator as it widens four vectors a row). */
 #define WIDE_UP_TO(bf16) ((bf16) ? 2 : 16)
 static inline vn vn_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline vn vn_load_bf16(const uint16_t *p) { return bf16_8(p); }
@@ -205,21 +205,17 @@ static blocked_w block_of(blocked_w w, int K, int b) {
  *
  * `next` (or NULL): the block this thread reads after this one, prefetched while this one is multiplied, each tile
  * taking an equal share of it spread over its K steps. At decode a block is multiplied from L2 by a tile every few
- * rows; without the prefetch the memory stream ran during the first tile only and sat idle during the others
- * (16 experts at 4 rows each read 20.8-26.1 GB/s of float32 weights on a box that streams 29; with it 25.0-29.3). On
- * AVX2 a float32 block that one tile reads (a row or three) is left to the hardware prefetcher, which kept up with a
- * single pass on the Zen 3 box: the software one cost 4-12% there; on the AVX-512 Xeon (every tile spans the block)
- * it paid even for one tile: 16 experts at 1-8 rows 1.02-1.48x (ONE_TILE_PREFETCH). There a block's one tile (up to
- * 8 rows) now prefetches its own rows PREFETCH_AHEAD bytes on instead, running into the next block at its end (a
- * thread's blocks lie one after another, an expert's and the experts' of a layer too): a prefetch a block (64 KB) ahead
- * into L1 was evicted from it before its use. From memory (a one-off C loop of 100 dense 1024 x 1536 calls): bfloat16
- * 1-8 rows 13.3-17.5 -> 15.5-18.5 GB/s, float32 16.2-19.2 -> 16.4-20.4. And two tiles of 9-16 bfloat16 rows prefetch
- * `next` as float32's do: 7.9-9.7 -> 11.6-13.6 GB/s (it was left unprefetched as compute-bound on the AVX2 box,
- * 0.84x at 16 rows there). Past PREFETCH_ROWS (threads.h; 16 rows on AVX-512) the block is compute-bound and is not
- * prefetched. Both prefetches go to L2, not L1 (T1; a one-row pass reaches the line before L1 would matter): from
- * memory, SwiGLU experts K 1024 at 1-12 rows bfloat16 1.04-1.26x, float32 1.03-1.13x, a dense layer at 16 rows
- * float32 1.07x; the engine on the mixed workload bf16 1.072x, fp32 1.013x (the AMX one-group pass, cpu_amx.c, keeps
- * L1: 0.93x into L2). Measured side by side: scripts/bench_kernels_ab.py, README "Benchmarks", "What changed". */
+ * rows; without the prefetch the memory stream runs during the first tile only and sits idle during the others. On
+ * AVX2 a float32 block that one tile reads (a row or three) is left to the hardware prefetcher, which keeps up with a
+ * single pass there (the software prefetch cost more than it saved); on AVX-512 (every tile spans the block) it pays
+ * even for one tile (ONE_TILE_PREFETCH). There a block's one tile (up to 8 rows) prefetches its own rows
+ * PREFETCH_AHEAD bytes on instead, running into the next block at its end (a thread's blocks lie one after another,
+ * an expert's and the experts' of a layer too): a prefetch a whole block (64 KB) ahead into L1 was evicted from it
+ * before its use. Two tiles of 9-16 bfloat16 rows prefetch `next` as float32's do. Past PREFETCH_ROWS (threads.h) the
+ * block is compute-bound and is not prefetched. Both prefetches go to L2, not L1 (T1; a one-row pass reaches the line
+ * before L1 would matter), while the AMX one-group pass (cpu_amx.c) keeps L1. Every choice here is re-checked side by
+ * side, two kernel builds in one process: scripts/bench_kernels_ab.py --base REV --bits 16,32 (GEMMs from memory)
+ * and --workload mixed --dtype bfloat16|float32 (the engine). */
 static void rows_times_block(rows_x x, int M, int K, blocked_w src, int64_t ldy, float *y, const char *next) {
 #ifdef ERNIE_VF16
     if (M <= 0) return;

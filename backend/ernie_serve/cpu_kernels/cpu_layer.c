@@ -1,10 +1,10 @@
 /* ERNIE-4.5 decoder layers, each in one pass of C over the kernels of cpu_ops.c, cpu_gemm.c / cpu_qgemm.c and
  * cpu_attention.c, for the CPU serving path's steps that every one of those kernels covers.
  *
- * Why: a decode step at 16 running spent ~20 of its ~80 ms between the matmuls (the Python layers' "rest of the
- * runner" in `.venv/bin/python scripts/bench_decode_step.py`): ~60 calls into the small fused ops a step, almost
- * all of it Python, ctypes and Paddle tensor creation around microseconds of arithmetic, plus the layers' own
- * dispatch, residual adds, the KV write and the experts' dispatch in NumPy. Here a layer is the same kernels called
+ * Why: with Python layers a decode step spends a large share of its time between the matmuls (the "rest of the
+ * runner" that `.venv/bin/python scripts/bench_decode_step.py` reports for the Python layers): ~60 calls into the
+ * small fused ops a step, almost all of it Python, ctypes and Paddle tensor creation around microseconds of
+ * arithmetic, plus the layers' own dispatch, residual adds, the KV write and the experts' dispatch in NumPy. Here a layer is the same kernels called
  * back to back on buffers of one allocation. model/cpu_layers.py builds the descriptors below once at load and runs
  * the layers through here; the Python layers (model/ernie.py) remain the definition the tests hold this to, and
  * serve every step this does not.

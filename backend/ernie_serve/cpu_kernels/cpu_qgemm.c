@@ -7,7 +7,7 @@
  * compute-bound at 4+ rows (wint8 decoded little faster than fp32 while reading a quarter of its bytes);
  * vpdpbusd multiplies 64 byte pairs an instruction and needs no widening, so the weights are used as they are
  * stored. AVX2 has no such instruction (its vpmaddubsw needs the codes split into nibbles), so there the widening
- * path below serves float activations (README "bfloat16 on the CPU" has both measured). From AMX_INT8_ROWS rows
+ * path below serves float activations (docs/cpu-backend.md). From AMX_INT8_ROWS rows
  * (amx.h), on a CPU with AMX-INT8, int8 codes go to the tile unit instead (cpu_amx.c's ernie_amx_int8_rows: the same
  * integer sums).
  *
@@ -538,9 +538,7 @@ static int prepare(const float *x, int M, int K, int bits, int int_x, qacts *a) 
 /* Every row of x into a's codes, the rows shared out among the threads of the parallel region this is called from
  * (an implicit barrier at the end: every block reads every row). A region of its own before the GEMM's cost a fork,
  * and below 2^18 elements (every decode step, and prefill chunks up to 255 rows of 1024) it ran on one core while the
- * other waited: 22 us a MoE layer's 64 rows of 1024, 6 us a dense layer's 16 (a one-off C loop). Against that
- * (scripts/bench_kernels_ab.py --bits 8, 9 rounds): decode-sized experts 1.00-1.06x, a dense layer at 16 / 32 rows
- * 1.06x / 1.08x; --prefill --bits 8,4: 32-row dense layers 1.08-1.36x. */
+ * other waited. scripts/bench_kernels_ab.py --bits 8 and --prefill --bits 8,4 re-check it. */
 static void quantize_rows(const qacts *a, int M) {
     if (!a->q) return; /* the widening path: float rows as they are */
     #pragma omp for schedule(static)

@@ -40,12 +40,11 @@ int ernie_threads(void) {
 }
 
 /* What a task of `rows` rows costs, in quarter rows: its block's bytes weigh as much as TASK_BLOCK_ROWS rows of
- * arithmetic. At decode a block is memory-bound and rows add little (bfloat16 experts from memory: 1 row 1.0, 4 rows
- * 1.12, 8 rows 1.23, 12 rows ~1.6 of a 1-row block's time, scripts/bench_kernels_ab.py's GB/s); in a prefill chunk the
- * arithmetic dominates. From `flat_from` rows (0: never) a row costs a quarter: int8 codes go to AMX there
- * (amx.h's AMX_INT8_ROWS), whose extra rows cost little until far past a decode's (per-rows timing of a wint8-bf16
- * step's MoE tasks, one-off: 1-4 rows 13.8-12.4 GB/s a thread on VNNI, 5-8 ~11.6 and 9-12 ~10.5 on AMX); costed at
- * a row each they left one thread waiting ~8% of the MoE GEMMs' time at the barrier. */
+ * arithmetic. At decode a block is memory-bound and rows add little (scripts/bench_kernels_ab.py prints each row
+ * count's GB/s); in a prefill chunk the arithmetic dominates. From `flat_from` rows (0: never) a row costs a quarter:
+ * int8 codes go to AMX there (amx.h's AMX_INT8_ROWS), whose extra rows cost little until far past a decode's; costed
+ * at a row each they left one thread waiting at the barrier. scripts/bench_kernels_ab.py --bits 8 and
+ * --workload uniform --dtype bfloat16 --quantization wint8 re-check the weights. */
 #define TASK_BLOCK_ROWS 16
 
 static int64_t task_cost(int64_t rows, int flat_from) {

@@ -4,7 +4,7 @@
  * Why: OpenMP keeps its thread count per calling thread, and Paddle sets OMP_NUM_THREADS=1 at import, so a loop
  * started from any thread but the one that called omp_set_num_threads ran on one core. The served engine steps
  * from its own thread (engine/async_engine.py), so inside tritonserver the kernels ran on one of the two cores
- * and the served engine fell far behind the same engine offline (README "Serving benchmark (online)").
+ * and the served engine fell far behind the same engine offline (scripts/bench_serving.py shows it; docs/benchmarks.md).
  * THREADS is the clause every parallel loop here carries. */
 #ifndef ERNIE_THREADS_H
 #define ERNIE_THREADS_H

@@ -1,7 +1,8 @@
 """Guided decoding on llguidance: the tokenizer in its form, compiled grammars, each request's matcher,
 and the grammar masks of a sampling batch.
 
-Why llguidance and not xgrammar: README "Structured outputs" (measured on this machine).
+Why llguidance and not xgrammar: docs/structured-outputs.md (scripts/bench_guided.py --part mask --engines
+llguidance,xgrammar re-checks it).
 
 A grammar is compiled once (on the caller's thread, in make_request_group) and kept as a pristine
 matcher; each request gets a deep copy, far cheaper than compiling (compile times: `.venv/bin/python

@@ -1,44 +1,10 @@
 """ernie_moe's logic: one AsyncEngine per model instance, driven from Triton's decoupled execute.
 
-Per request: execute() submits and returns; the engine thread produces one RequestOutput per step;
-a response thread turns them into output tensors and sends them, so a slow send never stalls the
-step loop. A stream's steps are buffered on the request and the response thread sends whatever has
-accumulated when it gets to it: one response a step while it keeps up, several steps' tokens in one
-response (never fewer tokens, never another order) when it lags, and at least `stream_interval`
-tokens a response after the first when the operator asks for fewer, larger chunks. Non-streaming
-requests get a single response with everything.
-
-Pacing: in the ensemble a response that leaves here does not wait in this process but in tritonserver's queue
-in front of ernie_detokenizer, one request per response; when the detokenizer (or the CPU it shares) falls
-behind, that queue grows a response a stream a step and each one costs a hop in tritonserver, the stub IPC and
-the detokenizer. So the detokenizer reports each stream's progress (control.ProgressReporter, batched), and
-while PACE_WINDOW of a stream's responses are unprocessed its next one is held here, where the following steps'
-tokens join it at no cost: the backlog stays bounded and a lagging pipeline carries more tokens per response
-instead of more responses. A FINAL is never held, and a hold lasts at most PACE_MAX_HOLD_SECONDS (a report
-lost, or a detokenizer that far behind). Only streams whose meta asks for it (`progress_reports`, set by the
-tokenizer for the ensemble and BLS paths, whose Postprocessor reports) are paced.
-
-Cancellation (is_cancelled() polled on a thread, or an abort from the detokenizer, see control.py) aborts the
-request in the engine, which frees its KV blocks; the request then gets CANCELLED + FINAL. Every accepted
-request gets exactly one FINAL.
-
-Failures: a request that fails alone (RequestFailedError) ends INTERNAL naming the cause and the
-engine serves on; a dead engine (EngineDeadError) ends every request UNAVAILABLE and sets the
-ernie:engine_healthy gauge to 0, which the launcher watches (tritonserver 2.51 gives a python model
-no way to mark itself not ready). A drain from the launcher (control.py) refuses new requests and,
-after its grace period, ends those still running UNAVAILABLE, so that no stream is left for
-tritonserver's exit timeout to cut.
-
-Errors of a request inside the ensemble travel in band. tritonserver 2.51's ensemble scheduler stops
-counting a request's step completions once any step has failed, so an error response from this model
-while the detokenizer still holds one of the request's earlier responses leaves the ensemble request in
-flight forever (measured: a drain that ended 6 streams UNAVAILABLE held tritonserver's shutdown for the
-whole --exit-timeout-secs whenever the detokenizer lagged). So a request whose meta asks for it (the
-tokenizer sets `errors_in_band`) ends with a normal FINAL response whose engine_finish_reason carries the
-error (errors.in_band_error); the detokenizer, the last step, raises it after the earlier responses, and
-the client gets the same error. Direct callers of ernie_moe get the error response itself.
-
-An abort from the detokenizer ends with a bare FINAL: the client that cancelled reads nothing.
+execute() submits and returns; the engine thread produces one RequestOutput per step; a response thread turns a
+stream's buffered steps into responses, so a slow send never stalls the step loop, and holds a paced stream's
+next response while its detokenizer lags (PACE_WINDOW, at most PACE_MAX_HOLD_SECONDS). Every accepted request
+gets exactly one FINAL; inside the ensemble its errors travel in band (errors.in_band_error). Why each of these,
+and what tritonserver 2.51 forces: docs/serving.md.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
 def nvidia_device_nodes() -> list[str]:
-    """NVIDIA GPU device nodes on this machine (what a container started with --gpus shows), asked of no framework:
+    """NVIDIA GPU device nodes on the host (what a container started with --gpus shows), asked of no framework:
     one a GPU, so they count the GPUs a replica slices (devices.nvidia_gpus_on_machine, which also reads
     CUDA_VISIBLE_DEVICES and nvidia-smi, says whether there are any, not how many)."""
     from .. import devices
