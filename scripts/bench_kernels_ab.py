@@ -97,8 +97,8 @@ def gemms(libs: dict[str, ctypes.CDLL], bits_list: list[int], rounds: int) -> No
     experts = 16
     print(f"{'format':8} {'GEMM':28} {'rows':>4}  " + "  ".join(f"{n:>15}" for n in libs) + "  new/base  same bits")
     for bits in bits_list:
-        # float32 experts are 92 MB a layer: two layers' worth (the narrower formats more) exceed the ~100 MB of L3 a
-        # core pair of this VM gets, so each call streams its weights from memory as a decode step does
+        # float32 experts are 92 MB a layer: two layers' worth (the narrower formats more) exceed the L3 a small
+        # VM's core pair gets (~100 MB), so each call streams its weights from memory as a decode step does
         layers = max(2, 64 // bits)
         for k, n, swiglu, dense in ((1024, 1408, 1, False), (704, 1024, 0, False), (1024, 1536, 0, True)):
             count = (16 if dense else experts) * layers

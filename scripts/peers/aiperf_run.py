@@ -24,8 +24,8 @@ from typing import Sequence
 
 EXPORT_FILE = "profile_export_aiperf.json"
 # aiperf 0.13's plain --concurrency mode re-checks for a free slot in a loop that only yields to its event
-# loop: its timing_manager process keeps ~0.55 of a core busy for the whole run (measured here), a quarter
-# of this 2-core box taken from the server it measures. Given a request rate too, it checks once per tick
+# loop: its timing_manager process keeps ~0.55 of a core busy for the whole run, a quarter
+# of a 2-core host taken from the server it measures. Given a request rate too, it checks once per tick
 # instead, so a concurrency point also sets this rate: a freed slot is refilled at the next tick (<= 20 ms
 # later), one request per tick.
 CONCURRENCY_TICK_RATE = 50.0

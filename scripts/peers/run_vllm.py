@@ -34,7 +34,7 @@ def cpu_env(threads: int, kv_gib: int) -> dict[str, str]:
     return {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
         # bind the worker's OpenMP threads to exactly these cores: the default ("auto") may hold one core
-        # back for the front-end process, which would leave this 2-core box running the model on one
+        # back for the front-end process, which would leave a 2-core host running the model on one
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "OMP_NUM_THREADS": str(len(cpus)),

@@ -4,8 +4,8 @@
  * SwiGLU, the experts' gather / weighting / index_add), each a pass over memory and an op dispatch, and at
  * prefill as at decode they took a large share of the step beside the matmuls.
  * Each function here is one pass, split across Paddle's OpenMP threads by rows when it is big enough
- * (PARALLEL): on this VM, waking the other thread after the main thread did anything else costs far more
- * than a decode-sized op (an RMSNorm over 16 x 1024) takes on one thread.
+ * (PARALLEL): waking another thread after the main thread did anything else can cost far more than a
+ * decode-sized op (an RMSNorm over 16 x 1024) takes on one thread, notably under a hypervisor.
  */
 #include <math.h>
 #include <stdint.h>

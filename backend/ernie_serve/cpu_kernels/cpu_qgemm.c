@@ -319,7 +319,7 @@ static void qblock_avx2(const qacts *a, int m0, int mb, int64_t G, const uint8_t
  * scaled_field: the width-bit field at bit `at` of each lane as float(w * 2^(32 - width)), i.e. the field moved to
  * the lane's top bits with the bits below it cleared (one already on top needs only the mask, one at bit 0 only the
  * shift): 3 shifts and 3 masks per 4 fields where sign-extending shift pairs took 8 shifts, and shifts, unlike masks,
- * are not issued on every vector port (kernel A/B on this Zen 3 box: 1.05-1.06x at 4-16 rows, the same bits). QF_STORE multiplies the
+ * are not issued on every vector port (scripts/bench_kernels_ab.py --bits 8,4 on an AVX2 CPU re-checks it). QF_STORE multiplies the
  * 2^(32 - width) back out, exactly: the sums are those of w * x scaled by a power of two (an |x| past ~1e29 would
  * now overflow float32, far beyond any activation). */
 static inline __m256 scaled_field(__m256i v, int at, int width) {
@@ -409,12 +409,11 @@ typedef struct {
 } row_groups;
 
 /* The most rows the integer path prefetches a block for. vpdpbusd multiplies 64 code pairs an instruction, so the
- * block stays memory-bound longer than on the widening path (PREFETCH_ROWS): on this AMX Xeon (AVX-512 VNNI),
- * against no prefetch, 16 experts at 1-8 rows 1.08-1.35x (int8) and 0.99-1.54x (int4), a dense layer at 16 rows
- * 1.12x / 1.13x (scripts/bench_kernels_ab.py --bits 8 / --bits 4). The VNNI passes prefetch into L2, not L1: the
- * next block lies a whole block ahead (32 KB at K 1024), which with the block being read overflowed the 48 KB L1
- * and evicted lines before their use (SwiGLU experts K 1024 at 1-4 rows 1.14-1.22x into L2, --bits 8 --rounds 41;
- * the engine, --workload uniform --dtype bfloat16 --quantization wint8, 1.068x). */
+ * block stays memory-bound longer than on the widening path (PREFETCH_ROWS): with AVX-512 VNNI the prefetch pays up
+ * to 16 rows. The VNNI passes prefetch into L2, not L1: the next block lies a whole block ahead (32 KB at K 1024),
+ * which with the block being read overflows a 48 KB L1 and evicts lines before their use.
+ * scripts/bench_kernels_ab.py --bits 8 / --bits 4 (GEMMs) and --workload uniform --dtype bfloat16 --quantization
+ * wint8 (the engine) re-check it. */
 #define INT_PREFETCH_ROWS 16
 
 /* Whether M rows of int8 codes go through a block on AMX: from AMX_INT8_ROWS (amx.h: where the VNNI blocks run out of

@@ -32,12 +32,12 @@ static inline int ernie_first_task(int first, int end, int nb, const int64_t *ro
 }
 /* The most rows a block of `bits`-bit weights is prefetched for (cpu_gemm.c's rows_times_block, cpu_qgemm.c's
  * widening passes; its VNNI passes have INT_PREFETCH_ROWS): up to bits / 2 rows (float32 16, bfloat16 8, int8 4,
- * int4 2) memory bounds the block on this AVX2 box; past that its arithmetic does and the prefetches cost more than
- * they save (scripts/bench_kernels_ab.py: bfloat16 at 16 rows 0.84x with them, int4 at 4-8 rows 0.78-0.95x). */
+ * int4 2) memory bounds the block on an AVX2 core; past that its arithmetic does and the prefetches cost more than
+ * they save. scripts/bench_kernels_ab.py --bits 16,4 at 4-16 rows re-checks it. */
 #define PREFETCH_ROWS(bits) ((bits) / 2)
 
 /* How far ahead of its own reads a memory-bound pass prefetches (cpu_gemm.c's one-tile blocks, into L2; cpu_amx.c's
- * one row group, into L1): 4 KB; a whole block ahead into L1 overflowed the 48 KB L1 of this AMX Xeon. */
+ * one row group, into L1): 4 KB; a whole block (32-128 KB) ahead into L1 overflows a 48 KB L1. */
 #define PREFETCH_AHEAD 4096
 
 #define THREADS num_threads(ernie_threads())

@@ -87,7 +87,7 @@ class HealthWatch:
 
     def __init__(self, server_pid: int, metrics_url: str, metrics_tries: int = 5):
         """`metrics_tries`: scrapes in a row that may fail before that counts as broken (a loaded
-        2-core box can be slow to answer one)."""
+        2-core host can be slow to answer one)."""
         self.server_pid = server_pid
         self.metrics_url = metrics_url
         self.metrics_tries = metrics_tries

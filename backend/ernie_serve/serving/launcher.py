@@ -421,7 +421,7 @@ class TritonServer:
     def stop(self, timeout: float | None = None) -> int | None:
         """Drain (see `drain`), then SIGTERM: the shim finishes its streams, tritonserver unloads.
 
-        Idle, tritonserver takes a few seconds to stop on the 2-core box (the python stubs' finalize and exit).
+        Idle, tritonserver takes a few seconds to stop on a 2-core host (the python stubs' finalize and exit).
         """
         timeout = timeout if timeout is not None else self.exit_timeout + 5
         if self.proc is not None and self.proc.poll() is None:
