@@ -22,6 +22,58 @@ def add_model(hf_home: Path, model_id: str, checkpoint: Path, revision: str = RE
     return snapshot
 
 
+def serve_mirror(repos: dict[str, Path], revision: str = REVISION):
+    """A local stand-in for the hub at HF_ENDPOINT: the routes snapshot_download calls (repo info, the file tree,
+    HEAD / GET of each file under resolve/<rev>/), serving each repo id from a directory. Returns the running
+    ThreadingHTTPServer (its server_address names the port); shut it down when done."""
+    import hashlib
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import unquote, urlparse
+
+    def files(root: Path) -> list[Path]:
+        return sorted(f for f in Path(root).rglob("*") if f.is_file())
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def reply(self, code: int, body: bytes, headers: dict[str, str]) -> None:
+            self.send_response(code)
+            for key, value in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            path = unquote(urlparse(self.path).path)
+            for repo, root in repos.items():
+                if path.startswith(f"/api/models/{repo}/revision/"):
+                    info = {"id": repo, "sha": revision,
+                            "siblings": [{"rfilename": str(f.relative_to(root))} for f in files(root)]}
+                    return self.reply(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
+                if path.startswith(f"/api/models/{repo}/tree/"):
+                    tree = [{"type": "file", "path": str(f.relative_to(root)), "size": f.stat().st_size,
+                             "oid": hashlib.sha1(f.read_bytes()).hexdigest()} for f in files(root)]
+                    return self.reply(200, json.dumps(tree).encode(), {"Content-Type": "application/json"})
+                if path.startswith(f"/{repo}/resolve/"):
+                    f = Path(root) / path[len(f"/{repo}/resolve/"):].split("/", 1)[1]
+                    if f.is_file():
+                        data = f.read_bytes()
+                        return self.reply(200, data, {"X-Repo-Commit": revision, "Content-Type": "application/octet-stream",
+                                                      "ETag": f'"{hashlib.sha1(data).hexdigest()}"'})
+            self.reply(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound",
+                                                                    "Content-Type": "application/json"})
+
+        do_HEAD = do_GET
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def write_paddle_layout(checkpoint: Path, out: Path) -> Path:
     """The same weights in the "-Paddle" layout (ernie. prefix, fused qkv / up_gate), as the seeds' -Paddle ids
     hold: written once, reused while it exists."""

@@ -38,6 +38,32 @@ def test_a_model_id_resolves_to_its_snapshot_in_the_hugging_face_cache_offline(t
     assert run.stdout.strip().splitlines()[-1] == str(snapshot)
 
 
+def test_a_model_id_downloads_through_an_hf_endpoint_mirror_into_the_shared_cache_with_a_progress_bar(
+        tmp_path, tiny_model_dir):
+    from hf_hub_cache import serve_mirror
+
+    mirror = serve_mirror({THINKING: tiny_model_dir})
+    try:
+        endpoint = f"http://127.0.0.1:{mirror.server_address[1]}"
+        env = {**_offline_env(tmp_path), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0"}
+        run = _python(f"from ernie_serve.model_source import resolve_model; print(resolve_model({THINKING!r}))", env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        snapshot = Path(run.stdout.strip().splitlines()[-1])
+        assert snapshot.parent.parent == tmp_path / "hub" / "models--baidu--ERNIE-4.5-21B-A3B-Thinking"
+        assert (snapshot / "tokenizer.model").read_bytes() == (tiny_model_dir / "tokenizer.model").read_bytes()
+        assert "Fetching" in run.stderr  # huggingface_hub's progress bar
+        missing = _python("from ernie_serve.model_source import resolve_model; resolve_model('baidu/No-Such-Model')",
+                          env)
+        assert f"could not fetch baidu/No-Such-Model (tried the Hugging Face cache {tmp_path}/hub, then {endpoint})" \
+            in missing.stderr, missing.stderr[-2000:]
+    finally:
+        mirror.shutdown()
+    # the download stays in the cache: offline, the same id resolves from it
+    again = _python(f"from ernie_serve.model_source import resolve_model; print(resolve_model({THINKING!r}))",
+                    _offline_env(tmp_path))
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == str(snapshot), again.stderr[-2000:]
+
+
 def test_the_offline_api_takes_a_model_id_as_ernie_serve_does(tmp_path, tiny_model_dir):
     add_model(tmp_path, THINKING, tiny_model_dir)
     code = (f"from ernie_serve import LLM, SamplingParams\n"
