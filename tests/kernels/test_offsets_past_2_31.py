@@ -156,3 +156,25 @@ def test_kv_pool_blocks_past_2_31_elements_are_written_and_read_in_place():
     small_k, small_v = (torch.zeros(1, bs, kvh, d) for _ in range(2))
     small_k[0, :n], small_v[0, :n] = torch.from_numpy(k), torch.from_numpy(v)
     np.testing.assert_allclose(attend(kc, vc, last), attend(small_k, small_v, 0), rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul_rows_past_2_31_elements_land_on_their_rows(monkeypatch):
+    """The dense MLP's activation reads and writes rows 2^31 elements apart (300B's dense up_gate is tokens x 57344:
+    past 2^31 from ~37k tokens)."""
+    torch = pytest.importorskip("torch")
+    import ernie_kernels.activation as act
+
+    t, inter = 3, 16
+    rng = np.random.default_rng(4)
+    gate_up = rng.standard_normal((t, 2 * inter)).astype(np.float32)
+    sparse = SparseFloats(rows=t, views=2, width=2 * inter)
+    x = sparse.view(t, 2 * inter)
+    x.copy_(torch.from_numpy(gate_up))
+    views = []
+    monkeypatch.setattr(act, "new_tensor", lambda like, shape, dtype, fill=None: views.append(sparse.view(*shape))
+                        or views[-1])
+    y = act.silu_and_mul(x)
+    assert y.stride(0) == 1 << 30
+    g, u = gate_up[:, :inter], gate_up[:, inter:]
+    np.testing.assert_allclose(y.numpy(), g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    assert (sparse.wrapped(y, 2).numpy() == 0).all()

@@ -74,11 +74,15 @@ def test_the_profiles_run_the_kernels_model_a_forward_a_decode_and_a_sampling_pa
     sampled = []
     from ernie_serve.kernels_backend.device_sampling import KernelLogits
 
-    sample = KernelLogits.sample
+    chunks = []
+    sample, top = KernelLogits.sample, KernelLogits.top_logprobs
     KernelLogits.sample = lambda self, *a: (sampled.append(int(self.logits.shape[0])), sample(self, *a))[1]
+    KernelLogits.top_logprobs = lambda self, rows, *a: (chunks.append((int(self.raw.shape[0]), len(rows))),
+                                                        top(self, rows, *a))[1]
     try:
         assert loading.profile_forward_peak(config, shard.ops, shard.model) >= 0
         assert loading.profile_decode_peak(config, shard.ops, shard.model) >= 0
     finally:
-        KernelLogits.sample = sample
+        KernelLogits.sample, KernelLogits.top_logprobs = sample, top
     assert sampled == [4, 4]  # max_num_seqs rows each: the forward's logits rows, the decode's sequences
+    assert chunks == [(96, 96)]  # prompt logprobs on: every token's logits, then one chunk of their logprobs

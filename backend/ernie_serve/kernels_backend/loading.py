@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from ..step_contract import StepInput
+from ..step_contract import LOGPROB_ROWS_AT_ONCE, StepInput
 from ..model.config import ErnieModelConfig
 from ..model.parallel import SINGLE_RANK, ParallelLayout
 from ..quantization.plan import QuantPlan
@@ -164,8 +164,9 @@ def gpu_kv_blocks(config: EngineConfig, ops: TensorOps, model: KernelModel, per_
 
 
 def profile_forward_peak(config: EngineConfig, ops: TensorOps, model: KernelModel) -> int:
-    """Peak extra device memory of one forward + logits + a sampling pass over max_num_batched_tokens tokens
-    (sequences of at most max_model_len), against a one-block cache that nothing writes to (every slot is -1)."""
+    """Peak extra device memory of one forward over max_num_batched_tokens tokens (sequences of at most
+    max_model_len) against a one-block cache that nothing writes to (every slot is -1), its logits (every token's
+    when prompt logprobs are on: --enable-logprob), a prompt-logprobs chunk and a sampling pass."""
     t, per_seq = config.max_num_batched_tokens, config.max_model_len
     return _profile_peak(config, ops, model, [min(per_seq, t - s) for s in range(0, t, per_seq)], per_seq)
 
@@ -186,11 +187,13 @@ def _profile_peak(config: EngineConfig, ops: TensorOps, model: KernelModel, q_le
     seq_lens = np.full(b, context, np.int64) if decode else np.asarray(q_lens, np.int64)
     positions = seq_lens - 1 if decode else np.concatenate([np.arange(n) for n in q_lens])
     rows = min(t, config.max_num_seqs)
+    # prompt logprobs take logits for every prompt token a step computes, then go LOGPROB_ROWS_AT_ONCE rows at once
+    logit_rows = t if config.enable_logprob and not decode else rows
     step = StepInput(
         token_ids=np.zeros(t, np.int64), positions=positions.astype(np.int64),
         query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64), seq_lens=seq_lens,
         block_tables=np.zeros((b, 1), np.int64), slot_mapping=np.full(t, -1, np.int64),
-        sample_rows=np.arange(rows, dtype=np.int64))
+        sample_rows=np.arange(logit_rows, dtype=np.int64))
     buffers = StepBuffers(ops, t, b, -(-context // config.block_size), model.num_heads // model.num_kv_heads, False,
                           model.num_kv_heads, split_kv_target=2 * ops.multiprocessor_count())
     ops.synchronize()
@@ -198,7 +201,11 @@ def _profile_peak(config: EngineConfig, ops: TensorOps, model: KernelModel, q_le
     before = ops.allocated()
     st = buffers.fill(step, config.block_size)
     logits = KernelLogits(model.compute_logits(ops.rows(model.forward(st, cache), st.logit_rows)), ops)
+    if logit_rows > rows:
+        chunk = np.arange(min(logit_rows, LOGPROB_ROWS_AT_ONCE), dtype=np.int64)
+        logits.top_logprobs(chunk, np.zeros_like(chunk), config.max_logprobs)
     # the sampler's costliest path: every row drawn under top-p, through the descending sort of its probabilities
+    logits = logits.take(np.arange(rows, dtype=np.int64))
     ones, zeros = np.ones(rows, np.float32), np.zeros(rows, np.float32)
     logits.sample(np.zeros(rows, bool), ones, np.zeros(rows, np.int64), ones * 0.9, zeros, np.full(rows, 0.5))
     ops.synchronize()
