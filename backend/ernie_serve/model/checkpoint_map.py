@@ -1,7 +1,9 @@
 """Where each tensor of an ERNIE-4.5 checkpoint goes, and the assembler that fills targets piece by piece.
 
 Framework free (NumPy only): the Paddle loader (model/loader.py) fills an ErnieForCausalLM through it, and
-the kernels backend (kernels_backend/weights.py) fills host arrays with it, on machines without Paddle too.
+the kernels backend (kernels_backend/weights.py) streams its device weights through it, on machines without Paddle
+too. Each tensor is read in part, as much of it as this tensor-parallel rank keeps (`local_part`), in its stored
+dtype (docs/loading.md).
 
 Both checkpoint dialects ("-PT": model.*, torch [out, in], separate q/k/v and gate/up; "-Paddle": ernie.*,
 [in, out], fused qkv_proj / up_gate_proj) map onto one parameter layout: Paddle's [in, out], q/k/v fused as
@@ -315,9 +317,9 @@ class Assembler:
             piece, value = local
         self._fill(tensor_name, arr.shape, target, piece, value)
 
-    def put_from(self, reader: SafetensorsReader, tensor_name: str, piece: Piece) -> int:
-        """Read only this rank's part of a checkpoint tensor, in its stored dtype, and put it; returns the bytes read
-        (0 when none of it is this rank's)."""
+    def put_from(self, reader: SafetensorsReader, tensor_name: str, piece: Piece) -> None:
+        """Read only this rank's part of a checkpoint tensor (nothing when none of it is the rank's), in its stored
+        dtype, and put it."""
         target = self._target(tensor_name, piece.param)
         shape, transpose = reader.tensors[tensor_name].shape, piece.transpose
         axis = keep = None
@@ -326,13 +328,11 @@ class Assembler:
         elif self.layout is not None and self.layout.is_parallel:
             part = local_part(piece, shape[::-1] if transpose else shape, self.layout, self.cfg)
             if part is None:
-                return 0
+                return
             piece, axis, keep = part
         if axis is not None and transpose:
             axis = len(shape) - 1 - axis  # the value's axis in the tensor as stored (transposed pieces are 2-D)
-        value = reader.read(tensor_name, axis, keep, transpose=transpose)
-        self._fill(tensor_name, shape, target, piece, value)
-        return value.nbytes
+        self._fill(tensor_name, shape, target, piece, reader.read(tensor_name, axis, keep, transpose=transpose))
 
     def _fill(self, tensor_name: str, arr_shape: tuple, target: Target, piece: Piece, value: np.ndarray) -> None:
         """Put this rank's `value` (in the parameter's layout) where `piece` says: the whole target, or a piece of

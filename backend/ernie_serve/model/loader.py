@@ -2,8 +2,8 @@
 
 Where each checkpoint tensor goes is model/checkpoint_map.py's business (framework free); this module
 builds the Paddle model and gives the assembler its parameters and quantized layers as targets. Tensors
-stream shard by shard from memory-mapped files; a fused parameter is assembled in a buffer until all its
-pieces arrived.
+stream one at a time from the checkpoint's files (model/safetensors_io.py's reader); a fused parameter is
+assembled in a buffer until all its pieces arrived.
 
 Quantized loading (a QuantPlan from `quantization=` or config.json's quantization_config): the model
 is built with empty quantized layers, so no fp32 copy of a quantized weight is ever allocated whole.
@@ -11,8 +11,8 @@ A weight is quantized the moment its last piece arrives and its buffer dropped; 
 assembled and quantized one expert at a time. Pre-quantized tensors (`<linear>.quant_weight`,
 `.weight_scale`, ...; "-Paddle" layout, experts one by one) go into those layers as they are.
 
-Tensor-parallel loading (a ParallelLayout): every rank reads the full checkpoint and keeps its slice of
-each tensor (model/parallel.py says which), so the model it builds holds only its shard. Quantized
+Tensor-parallel loading (a ParallelLayout): every rank reads only its slice of each tensor of the full
+checkpoint (model/parallel.py says which), so the model it builds holds only its shard. Quantized
 weights: online quantization quantizes the rank's slice (as FastDeploy does); a pre-quantized full
 checkpoint's tensors are split in their quantized form (formats.shard_quantized), so every rank count
 serves the same quantized weights. A checkpoint already split per rank (rank0/, rank1/, ...: FastDeploy's
