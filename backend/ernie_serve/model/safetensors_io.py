@@ -173,8 +173,8 @@ class SafetensorsReader:
 
 
 def transposed(a: np.ndarray, block: int = 256) -> np.ndarray:
-    """a.T as a new C-contiguous array, copied in tiles: a whole-matrix strided copy walks memory a column at a
-    time, and measured about twice as slow on a [8192, 8192] bf16 weight."""
+    """a.T as a new C-contiguous array, copied in tiles that stay in cache: a whole-matrix strided copy walks one
+    side a column at a time, and was the largest cost of loading a torch-layout vocabulary (scripts/bench_loading.py)."""
     rows, cols = a.shape
     out = np.empty((cols, rows), a.dtype)
     for i in range(0, rows, block):
