@@ -106,11 +106,9 @@ async def _sse(session, url: str, body: dict, count, mark=None) -> int:
 
 
 async def _http(base: str, streams: int, max_tokens: int, mark=None) -> int:
-    import aiohttp
-
     body = lambda i: {"text_input": PROMPT.format(i=i), "max_tokens": max_tokens, "temperature": 0,  # noqa: E731
                       "stream": True, "sampling_parameters": json.dumps({"ignore_eos": True})}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+    async with _session(streams) as s:
         counts = await asyncio.gather(*[_sse(s, f"http://{base}/v2/models/ernie/generate_stream", body(i),
                                              _http_tokens, _http_marker(mark, i))
                                         for i in range(streams)])
@@ -118,17 +116,24 @@ async def _http(base: str, streams: int, max_tokens: int, mark=None) -> int:
 
 
 async def _shim(base: str, streams: int, max_tokens: int, mark=None) -> int:
-    import aiohttp
-
     body = lambda i: {"model": "ernie", "prompt": PROMPT.format(i=i), "max_tokens": max_tokens,  # noqa: E731
                       "temperature": 0, "ignore_eos": True, "stream": True,
                       "stream_options": {"include_usage": True}}
     usage = lambda e: (e.get("usage") or {}).get("completion_tokens", 0)  # noqa: E731  (the last chunk's)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+    async with _session(streams) as s:
         counts = await asyncio.gather(*[_sse(s, f"{base}/v1/completions", body(i), usage,
                                              None if mark is None else lambda e, i=i: e.get("choices") and mark(i))
                                         for i in range(streams)])
     return sum(counts)
+
+
+def _session(streams: int):
+    """An aiohttp session that holds every stream's connection at once (aiohttp's default caps them at 100, which
+    would run streams beyond 100 one after another)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
+                                 connector=aiohttp.TCPConnector(limit=streams))
 
 
 def _http_tokens(event: dict) -> int:
