@@ -15,15 +15,8 @@ def simulated_server():
     settings = {"execution_backend": "simulated", "simulated_gpu": "h200", "simulated_model": "ernie-4.5-21b-a3b",
                 "simulated_time_scale": "0.1", "quantization": "wint8", "max_model_len": "1024",
                 "max_num_seqs": "4", "reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1"}
-    server = TritonServer(settings, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
-    try:
-        server.start(timeout=300)
-    except Exception:
-        server.cleanup()
-        raise
-    yield server
-    server.stop()
-    server.cleanup()
+    with TritonServer(settings, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()) as server:
+        yield server
 
 
 def test_a_simulated_server_exports_that_it_is_a_simulation_and_streams_replayed_text(simulated_server):
