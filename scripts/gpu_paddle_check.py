@@ -25,13 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = "--cpu-smoke" in sys.argv
-if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-os.environ["ERNIE_TENSOR_FRAMEWORK"] = "paddle"
-for sub in ("backend", "kernels", "scripts"):
-    sys.path.insert(0, str(ROOT / sub))
+from gpu_check_env import ROOT, prepare
+
+SMOKE = prepare("paddle")
 
 from gpu_check_common import (decode_rate, forced_sequences, log, logit_error, prefill_step,  # noqa: E402
                               write_bench_checkpoint)
