@@ -4,8 +4,10 @@ transformers but no Paddle): the engine through `LLM`, on the benchmark-size che
 For bf16 weights and each quantized format (wint8, wint4, block_wise_fp8):
   - teacher-forced logit error against HF transformers' fp32 model on the same GPU (an independent oracle),
     and top-1 agreement;
-  - decode tok/s at 1 / 16 / 64 running sequences, with and without CUDA graphs, each as a ratio to the HBM
-    roofline (resident weight bytes / step time over the peak bandwidth) and to HF `generate` in bf16.
+  - decode tok/s at 1 / 16 / 64 / 256 running sequences, with and without CUDA graphs, each as a ratio to the HBM
+    roofline (resident weight bytes / step time over the peak bandwidth) and to HF `generate` in bf16;
+  - beside them, what the simulated device's step model (docs/serving-path.md) gives this GPU for the same
+    checkpoint's decode steps at 64 and 256: how far the serving benchmark's instrument is from the GPU.
 Prints a table and writes gpu_engine_check.json to --out. A time budget (--budget-s) skips what does not fit
 and says so in the JSON. `--cpu-smoke` runs the same code on a tiny model in triton's CPU interpreter
 (what CI runs).
@@ -67,6 +69,21 @@ def hf_generate_rate(model, batch: int, prompt_len: int, steps: int, vocab: int)
     return batch * (steps - 1) / max(run(steps) - prefill, 1e-9)
 
 
+def simulated_beside(device: str, ckpt: Path, formats: list, batches: list[int], context: int) -> dict:
+    """What the simulated device's step model (docs/serving-path.md) says this GPU takes for the same checkpoint's
+    decode steps, for each format, to read beside the measured ones: how far the instrument is from the GPU."""
+    from ernie_serve.model.config import ErnieModelConfig
+    from ernie_serve.simulated_backend.__main__ import modeled_decode
+    from ernie_serve.simulated_backend.targets import GPUS, ModelShape, Target
+
+    gpu = next((name for name in GPUS if name in device.lower()), "h200" if SMOKE else None)
+    if gpu is None:
+        return {"why": f"no simulated target for {device}; known: {', '.join(GPUS)}"}
+    shape = ModelShape(ckpt.name, ErnieModelConfig.from_pretrained(ckpt))
+    return {fmt or ("fp32" if SMOKE else "bf16"): modeled_decode(Target(GPUS[gpu], shape, fmt, 1), batches, context)
+            for fmt in formats}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out")))
@@ -76,7 +93,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     formats = [None, "wint8"] if SMOKE else [None, "wint8", "wint4", "block_wise_fp8"]
-    batches = [1, 2] if SMOKE else [1, 16, 64]
+    batches = [1, 2] if SMOKE else [1, 16, 64, 256]
     steps, prompt_len, n_forced, forced_len = (2, 8, 2, 12) if SMOKE else (32, 32, 4, 64)
     graph_modes = [False] if SMOKE else [False, True]
     device = "cpu (triton interpreter)" if SMOKE else torch.cuda.get_device_name()
@@ -133,6 +150,7 @@ def main() -> None:
             except Exception as e:  # one format failing must not hide the others' figures
                 report["errors"].append(f"{name} graphs={graphs}: {type(e).__name__}: {e}")
                 log(report["errors"][-1])
+    report["simulated"] = simulated_beside(device, ckpt, formats, batches[-2:], prompt_len + steps // 2)
     report["seconds"] = time.perf_counter() - start
     (args.out / "gpu_engine_check.json").write_text(json.dumps(report, indent=2))
     print(f"\n{'format':<16}{'max err':>9}{'top1':>7}  decode tok/s by batch (graphs off / on)")

@@ -22,6 +22,8 @@ def test_gpu_check_runs_in_cpu_smoke_mode(tmp_path):
     assert wint8["forced"]["max_abs_err_rel"] < 0.1 and wint8["weight_bytes"] < fp32["weight_bytes"]
     assert [d["batch"] for d in fp32["decode"]] == [1, 2] and all(d["tok_s"] > 0 for d in fp32["decode"])
     assert fp32["sampled_decode"]["sampled"] and fp32["sampled_decode"]["tok_s"] > 0
+    modeled = report["simulated"]["wint8"]  # the simulated device's step model for the same steps, beside them
+    assert sorted(modeled["decode_steps"]) == ["1", "2"] and modeled["decode_steps"]["2"]["seconds"] > 0
     paddle_check = json.loads((tmp_path / "gpu_paddle_check.json").read_text())
     assert not paddle_check["errors"] and paddle_check["forced"]["top1_agreement"] == 1.0
     assert paddle_check["forced"]["max_abs_err_rel"] < 1e-4 and [d["batch"] for d in paddle_check["decode"]] == [1, 2]
