@@ -119,7 +119,7 @@ class EngineConfig:
         need(self.splitwise_role in SPLITWISE_ROLES, "splitwise_role", f"must be one of {', '.join(SPLITWISE_ROLES)}")
         if self.guided_decoding_backend == "xgrammar":
             raise ValueError("guided_decoding_backend='xgrammar' is not available: structured outputs run on "
-                             "llguidance here (README 'Structured outputs' says why); use 'auto' or 'guidance', "
+                             "llguidance here (docs/structured-outputs.md says why); use 'auto' or 'guidance', "
                              "or 'off'")
         need(self.guided_decoding_backend in GUIDED_DECODING_BACKENDS, "guided_decoding_backend",
              f"must be one of {', '.join(GUIDED_DECODING_BACKENDS)}")
