@@ -27,3 +27,20 @@ def scrape_once_blocks_are_held(server, timeout: float = 10.0) -> dict[str, floa
         time.sleep(0.1)
         now = scrape(server)
     return now
+
+
+def wait_for_health(url: str, timeout: float, proc=None) -> None:
+    """Until the OpenAI shim at `url` answers /health (it comes up after tritonserver); fails early if `proc`, the
+    server's process, exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, f"the server exited {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health did not answer in {timeout:.0f} s")

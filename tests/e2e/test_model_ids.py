@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 
 from ernie_serve.serving.launcher import free_port
 
+from e2e_helpers import wait_for_health
 from hf_hub_cache import add_model
 
 pytestmark = pytest.mark.e2e
@@ -23,19 +23,6 @@ THINKING = "baidu/ERNIE-4.5-21B-A3B-Thinking"
 # the seed's flags for the 21B Thinking model, but --port (a free one for 8180)
 SEED_FLAGS = ["--tensor-parallel-size", "1", "--max-model-len", "131072", "--quantization", "wint8",
               "--reasoning-parser", "ernie-x1", "--tool-call-parser", "ernie-x1", "--max-num-seqs", "32"]
-
-
-def _wait_for_health(url: str, proc: subprocess.Popen, timeout: float = 400) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"ernie-serve exited {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health did not answer in {timeout:.0f} s")
 
 
 def test_the_seeds_model_id_serves_a_chat_from_an_offline_hugging_face_cache(tmp_path, tiny_model_dir):
@@ -49,7 +36,7 @@ def test_the_seeds_model_id_serves_a_chat_from_an_offline_hugging_face_cache(tmp
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_for_health(url, proc)
+        wait_for_health(url, 400, proc)
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "ernie", "max_tokens": 48, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]})

@@ -10,6 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from ernie_client.triton_client import build_inputs, stream_generate
+from e2e_helpers import wait_for_health
 from ernie_serve import SamplingParams
 from ernie_serve.serving.launcher import TritonServer, free_port
 
@@ -123,13 +124,7 @@ def test_the_seeds_1p1d_pair_serves_a_chat_through_the_decode_servers_port(pd_se
 
     prefill, decode = pd_servers
     url = f"http://{decode.host}:{decode.openai_port}"
-    for _ in range(100):  # the shim comes up after tritonserver
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    wait_for_health(url, 20)
     r = httpx.post(f"{url}/v1/completions", json={"model": "ernie", "prompt": PROMPTS[1], "max_tokens": 12,
                                                   "temperature": 0}, timeout=120)
     assert r.status_code == 200, r.text
