@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kv_blocks import CODE_DTYPES, KVBlocks
+from ..kv_blocks import CODE_DTYPES
 from ..step_contract import KVOp
 from .kv_cache import DeviceKVCache
 
 
 class HostKVTier:
     def __init__(self, cache: DeviceKVCache, num_blocks: int):
-        self.cache = cache
+        self.cache = c = cache
         self.num_blocks = num_blocks
-        dtype = CODE_DTYPES["int8" if cache.int8 else cache.ops.act_dtype]
-        c = cache
-        self.codes = np.zeros((c.num_layers, 2, num_blocks, c.block_size, c.num_kv_heads, c.head_dim), dtype)
+        self.codes = np.zeros((c.num_layers, 2, num_blocks, c.block_size, c.num_kv_heads, c.head_dim),
+                              CODE_DTYPES[c.code_dtype])
         self.scales = (np.zeros((c.num_layers, 2, num_blocks, c.num_kv_heads), np.float32)
                        if c.dynamic is not None else None)
 
@@ -34,24 +33,19 @@ class HostKVTier:
     def bytes_per_block(cache: DeviceKVCache) -> int:
         """Host bytes a block takes here: its codes in the cache's dtype, plus dynamic C8's scales."""
         c = cache
-        itemsize = CODE_DTYPES["int8" if c.int8 else c.ops.act_dtype].itemsize
+        itemsize = CODE_DTYPES[c.code_dtype].itemsize
         scales = 2 * c.num_layers * c.num_kv_heads * 4 if c.dynamic is not None else 0
         return DeviceKVCache.bytes_per_block(c.num_layers, c.block_size, c.num_kv_heads, c.head_dim, itemsize) + scales
 
     def swap_out(self, device_ids: list[int], host_ids: list[int]) -> None:
-        blocks = self.cache.export_blocks(device_ids)
-        self.codes[:, :, host_ids] = blocks.codes
+        codes, scales = self.cache.read_stored(device_ids)
+        self.codes[:, :, host_ids] = codes
         if self.scales is not None:
-            self.scales[:, :, host_ids] = blocks.scales
+            self.scales[:, :, host_ids] = scales
 
     def swap_in(self, host_ids: list[int], device_ids: list[int]) -> None:
-        kind = self.cache.scale_kind
-        scales = None
-        if kind == "static":
-            scales = self.cache._static_scales()
-        elif kind == "dynamic":
-            scales = self.scales[:, :, host_ids]
-        self.cache.import_blocks(device_ids, KVBlocks(self.codes[:, :, host_ids], kind, scales))
+        scales = None if self.scales is None else self.scales[:, :, host_ids]
+        self.cache.write_stored(device_ids, self.codes[:, :, host_ids], scales)
 
     def apply(self, moves: list[KVOp]) -> None:
         """Carry out the recorded moves (see the module doc for the batching)."""

@@ -24,15 +24,19 @@ class DeviceKVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = [num_blocks, block_size, num_kv_heads, head_dim]
-        dtype = "int8" if int8 else ops.act_dtype
-        self.k = [ops.zeros(shape, dtype) for _ in range(num_layers)]
-        self.v = [ops.zeros(shape, dtype) for _ in range(num_layers)]
         self.int8 = int8
+        self.k = [ops.zeros(shape, self.code_dtype) for _ in range(num_layers)]
+        self.v = [ops.zeros(shape, self.code_dtype) for _ in range(num_layers)]
         self.static = static_scales
         self.dynamic = None
         if int8 and static_scales is None:
             self.dynamic = [[ops.zeros([num_blocks, num_kv_heads], "float32") for _ in range(2)]
                             for _ in range(num_layers)]
+
+    @property
+    def code_dtype(self) -> str:
+        """What a block is stored as: int8 codes for C8, else the activation dtype."""
+        return "int8" if self.int8 else self.ops.act_dtype
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -72,30 +76,36 @@ class DeviceKVCache:
         return np.stack([np.stack([self.ops.to_host(self.static[j][layer]).reshape(shape) for j in range(2)])
                          for layer in range(self.num_layers)])
 
-    def export_blocks(self, block_ids: list[int]) -> KVBlocks:
+    def read_stored(self, block_ids: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Blocks as stored: codes [layers, 2, n, block_size, kv_heads, head_dim] in code_dtype, and dynamic C8's
+        scales [layers, 2, n, kv_heads] (None for the other formats)."""
         codes = np.stack([np.stack([self._rows(store, block_ids, keep_dtype=True) for store in (self.k[i], self.v[i])])
                           for i in range(self.num_layers)])
+        if self.dynamic is None:
+            return codes, None
+        return codes, np.stack([np.stack([self._rows(s, block_ids) for s in pair]) for pair in self.dynamic])
+
+    def write_stored(self, block_ids: list[int], codes: np.ndarray, dynamic_scales: np.ndarray | None) -> None:
+        """The inverse of read_stored: codes already in this cache's format, written as they are."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for layer in range(self.num_layers):
+            for j, store in enumerate((self.k[layer], self.v[layer])):
+                self._put_rows(store, ids, codes[layer, j])
+                if self.dynamic is not None:
+                    self._put_rows(self.dynamic[layer][j], ids, dynamic_scales[layer, j])
+
+    def export_blocks(self, block_ids: list[int]) -> KVBlocks:
+        codes, scales = self.read_stored(block_ids)
         kind = self.scale_kind
-        if kind is None:
-            return KVBlocks(codes)
-        if kind == "static":
-            return KVBlocks(codes, kind, self._static_scales())
-        scales = np.stack([np.stack([self._rows(s, block_ids) for s in pair]) for pair in self.dynamic])
-        return KVBlocks(codes, kind, scales)
+        return KVBlocks(codes, kind, self._static_scales() if kind == "static" else scales)
 
     def import_blocks(self, block_ids: list[int], blocks: KVBlocks) -> None:
         """Codes stored as they came when this cache has their format, else through float32."""
         kind = self.scale_kind
-        dtype = "int8" if self.int8 else self.ops.act_dtype
         static = self._static_scales() if kind == "static" else None
-        if not blocks.stored_as_is_by(dtype, kind, static):
+        if not blocks.stored_as_is_by(self.code_dtype, kind, static):
             return self.write_blocks(block_ids, blocks.to_float32())
-        ids = np.asarray(block_ids, dtype=np.int64)
-        for layer in range(self.num_layers):
-            for j, store in enumerate((self.k[layer], self.v[layer])):
-                self._put_rows(store, ids, blocks.codes[layer, j])
-                if kind == "dynamic":
-                    self._put_rows(self.dynamic[layer][j], ids, blocks.scales[layer, j])
+        self.write_stored(block_ids, blocks.codes, blocks.scales if kind == "dynamic" else None)
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """[num_layers, 2, n, block_size, kv_heads, head_dim] float32 host copy (dequantized for C8)."""

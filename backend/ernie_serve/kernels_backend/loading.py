@@ -109,7 +109,7 @@ def load_kernels_shard(config: EngineConfig, model_dir: Path, model_cfg: ErnieMo
     log.info("kernels backend (%s on %s%s): weights %.1f MiB%s, KV pool %d blocks of %d tokens (%s, %.1f MiB)%s",
              ops.name, "GPU" if ops.on_gpu else "CPU, triton interpreter", where, weights.nbytes / 2**20,
              f" ({plan.method_name})" if plan is not None and plan.quantizes_weights else "", num_blocks,
-             config.block_size, "int8" if int8 else ops.act_dtype, num_blocks * per_block / 2**20,
+             config.block_size, cache.code_dtype, num_blocks * per_block / 2**20,
              ", CUDA graphs on" if config.use_cudagraph else "")
     if mtp is not None:
         log.info("MTP speculative decoding on the kernels backend: %d draft token(s) per step from %s",
