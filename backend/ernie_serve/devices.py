@@ -50,6 +50,15 @@ def gpu_visible() -> bool:
     return bool(paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0)
 
 
+def nvidia_device_nodes() -> list[str]:
+    """The NVIDIA driver's GPU device nodes (/dev/nvidia0, ...: one a GPU, what a container started with --gpus
+    shows), asked of no framework."""
+    try:
+        return sorted(str(p) for p in NVIDIA_DEVICE_DIR.glob("nvidia[0-9]*"))
+    except OSError:
+        return []
+
+
 def nvidia_gpus_on_machine() -> list[str]:
     """What shows that the host has NVIDIA GPUs, asking no tensor framework: the driver's device nodes, the
     GPUs `nvidia-smi -L` lists, a CUDA_VISIBLE_DEVICES naming devices. Empty where nothing does, or where
@@ -69,12 +78,9 @@ def nvidia_gpus_on_machine() -> list[str]:
         if not named:
             return []
     seen = [f"CUDA_VISIBLE_DEVICES={visible}"] if named else []
-    try:
-        nodes = sorted(p.name for p in NVIDIA_DEVICE_DIR.glob("nvidia[0-9]*"))
-    except OSError:
-        nodes = []
+    nodes = nvidia_device_nodes()
     if nodes:
-        seen.append("device nodes " + ", ".join(str(NVIDIA_DEVICE_DIR / n) for n in nodes))
+        seen.append("device nodes " + ", ".join(nodes))
     smi = shutil.which("nvidia-smi")
     if smi:
         try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ernie_serve.serving import instance_devices
+from ernie_serve import devices
 from ernie_serve.serving.instance_devices import instance_gpus, pin_instance_gpus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def _load_ernie_moe_model(monkeypatch, built: list[str]):
 def test_two_ernie_moe_instances_build_their_engines_on_different_gpus(monkeypatch):
     built: list[str] = []
     module = _load_ernie_moe_model(monkeypatch, built)
-    monkeypatch.setattr(instance_devices, "nvidia_device_nodes", lambda: EIGHT_GPUS)
+    monkeypatch.setattr(devices, "nvidia_device_nodes", lambda: EIGHT_GPUS)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "unset at the end")  # recorded first: teardown restores the original
     for k in range(2):  # each instance is its own stub process: each starts from the parent's environment
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

@@ -16,16 +16,9 @@ import json
 import os
 from typing import Mapping, MutableMapping
 
+from .. import devices
+
 VISIBLE = "CUDA_VISIBLE_DEVICES"
-
-
-def nvidia_device_nodes() -> list[str]:
-    """NVIDIA GPU device nodes on the host (what a container started with --gpus shows), asked of no framework:
-    one a GPU, so they count the GPUs a replica slices (devices.nvidia_gpus_on_machine, which also reads
-    CUDA_VISIBLE_DEVICES and nvidia-smi, says whether there are any, not how many)."""
-    from .. import devices
-
-    return sorted(str(p) for p in devices.NVIDIA_DEVICE_DIR.glob("nvidia[0-9]*"))
 
 
 def instance_ordinal(args: Mapping[str, str]) -> int:
@@ -67,9 +60,9 @@ def instance_gpus(args: Mapping[str, str], tensor_parallel_size: int, visible: l
 def pin_instance_gpus(args: Mapping[str, str], tensor_parallel_size: int,
                       environ: MutableMapping[str, str] = os.environ, gpu_nodes: list[str] | None = None) -> str | None:
     """Set this process's CUDA_VISIBLE_DEVICES to the instance's GPUs, on a machine with NVIDIA GPUs (`gpu_nodes`,
-    by default nvidia_device_nodes()), and return it; None when nothing changed. Call before anything imports a CUDA
+    by default devices.nvidia_device_nodes()), and return it; None when nothing changed. Call before anything imports a CUDA
     framework."""
-    nodes = nvidia_device_nodes() if gpu_nodes is None else gpu_nodes
+    nodes = devices.nvidia_device_nodes() if gpu_nodes is None else gpu_nodes
     if not nodes:
         return None
     raw = environ.get(VISIBLE)
