@@ -60,8 +60,8 @@ def instance_gpus(args: Mapping[str, str], tensor_parallel_size: int, visible: l
 def pin_instance_gpus(args: Mapping[str, str], tensor_parallel_size: int,
                       environ: MutableMapping[str, str] = os.environ, gpu_nodes: list[str] | None = None) -> str | None:
     """Set this process's CUDA_VISIBLE_DEVICES to the instance's GPUs, on a machine with NVIDIA GPUs (`gpu_nodes`,
-    by default devices.nvidia_device_nodes()), and return it; None when nothing changed. Call before anything imports a CUDA
-    framework."""
+    by default devices.nvidia_device_nodes()), and return it; None when nothing changed. Call before anything
+    imports a CUDA framework."""
     nodes = devices.nvidia_device_nodes() if gpu_nodes is None else gpu_nodes
     if not nodes:
         return None
