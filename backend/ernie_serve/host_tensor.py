@@ -2,7 +2,7 @@
 
 With paddle 3.3.1 every eager tensor built from host data (`paddle.to_tensor`, `paddle.Tensor(...)`,
 `paddle.utils.dlpack.from_dlpack`) leaks one Python list (its keyword names) that `gc` never frees
-(tests/model/test_host_tensor.py counts the objects). The engine builds a few hundred small index tensors a step,
+(tests/core/test_host_tensor.py counts the objects). The engine builds a few hundred small index tensors a step,
 so a server's resident memory grew steadily. Tensors that ops create (`paddle.empty`) do not leak, so host data is
 copied into one of those, through a writable NumPy view of its memory; producers that make a fresh array anyway
 (gathers, unpacking) write straight into that view and pay no extra copy. Every hot-path NumPy -> Paddle conversion goes through here.

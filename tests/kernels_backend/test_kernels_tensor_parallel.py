@@ -81,7 +81,7 @@ def test_mtp_under_tensor_parallelism_gives_plain_decodings_tokens(tmp_path):
 
 def test_prefill_on_two_ranks_hands_its_kv_to_a_decode_engine_on_two(tiny_model_dir):
     """The exported blocks hold every KV head (each rank's heads, gathered); each decode rank keeps the heads it
-    holds. (Different sizes a side run the same layout code: tests/engine/test_tensor_parallel.py.)"""
+    holds. (Different sizes a side run the same layout code: tests/tensor_parallel/test_tensor_parallel.py.)"""
     ids = prompts(4096, (45,))[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = greedy(engine(tiny_model_dir, "kernels"), [ids], params)[0]
