@@ -1,6 +1,7 @@
 """Builds the demo tokenizer once per session; these tests need no model download."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,9 +15,35 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from ernie_serve.demo.tokenizer_builder import build_tokenizer  # noqa: E402
 from ernie_serve.tokenizer import ErnieTokenizer  # noqa: E402
 
-# CI checks out the repo with shared/ as its sibling folder: <clone>/../shared
-SHARED_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared").resolve()
-REAL_THINKING_TEMPLATE = SHARED_DIR / "reference" / "ernie45_thinking_chat_template.jinja"
+CHECKOUT = Path(__file__).resolve().parents[2]
+TEMPLATE_IN_SHARED = Path("reference") / "ernie45_thinking_chat_template.jinja"
+
+
+def shared_dirs(checkout: Path = CHECKOUT) -> list[Path]:
+    """Where the shared reference folder may be, in order: beside the checkout (CI checks the repository out with
+    shared/ as its sibling), then beside the checkout this one was cloned from, when that is a local folder (the
+    clean-clone check clones the working tree into a temporary folder, whose sibling has no shared/)."""
+    dirs = [checkout.parent / "shared"]
+    try:
+        origin = subprocess.run(["git", "-C", str(checkout), "remote", "get-url", "origin"], capture_output=True,
+                                text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        origin = ""
+    if origin and Path(origin).is_dir():  # a local path; a URL names no folder here
+        dirs.append(Path(origin).resolve().parent / "shared")
+    return dirs
+
+
+def real_template_path(checkout: Path = CHECKOUT) -> Path:
+    """The model's own thinking chat template from the shared reference folder; raises FileNotFoundError naming
+    every place it looked (a skip would let a checkout without the data pass without rendering it)."""
+    places = [d / TEMPLATE_IN_SHARED for d in shared_dirs(checkout)]
+    found = next((p for p in places if p.is_file()), None)
+    if found is None:
+        raise FileNotFoundError("the real ERNIE-4.5 thinking chat template is missing: the shared reference folder "
+                                "is expected beside the repository's checkout, with the template at "
+                                + " or ".join(str(p) for p in places))
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +60,7 @@ def tok(tokenizer_dir: Path) -> ErnieTokenizer:
 
 @pytest.fixture(scope="session")
 def real_thinking_template() -> str:
-    if not REAL_THINKING_TEMPLATE.is_file():
-        pytest.skip(f"shared reference folder not found at {SHARED_DIR} (expected as a sibling of the repo)")
-    return REAL_THINKING_TEMPLATE.read_text(encoding="utf-8")
+    try:
+        return real_template_path().read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        pytest.fail(str(e), pytrace=False)
