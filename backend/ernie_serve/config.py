@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from . import kv_protocols
 
 QUANTIZATIONS = ("wint8", "wint4", "block_wise_fp8", "wint2", "w4a8")
 SPLITWISE_ROLES = ("mixed", "prefill", "decode")
@@ -56,6 +57,10 @@ class EngineConfig:
     engine_worker_queue_port: int | None = None
     innode_prefill_ports: str | None = None
     cache_queue_port: int | None = None
+    # the path the KV bytes take between P and D (kv_protocols.py): "tcp" (our framing on the sockets above) or
+    # FastDeploy's "rdma" / "ipc" (NIXL), a comma-separated preference list. FastDeploy defaults to "ipc"; here
+    # "tcp", which needs no transfer engine installed (docs/kv-transfer.md)
+    cache_transfer_protocol: str = "tcp"
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None
@@ -231,6 +236,10 @@ class EngineConfig:
         if self.cache_queue_port is not None and self.cache_queue_port == self.engine_worker_queue_port:
             raise ValueError(f"cache_queue_port and engine_worker_queue_port must differ, both are "
                              f"{self.cache_queue_port}")
+        if role == "mixed" and self.cache_transfer_protocol != kv_protocols.DEFAULT:
+            raise ValueError(f"cache_transfer_protocol={self.cache_transfer_protocol!r} is how a prefill server's KV "
+                             "reaches its decode servers; a mixed server moves no KV, got splitwise_role='mixed'")
+        kv_protocols.check(self.cache_transfer_protocol)
 
     def _refuse_unbuilt(self) -> None:
         """FastDeploy flags this build does not implement yet: refused with what is supported, never ignored. What one

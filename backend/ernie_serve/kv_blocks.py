@@ -110,13 +110,18 @@ class KVBlocks:
                 scales[..., sl] = part.scales
         return KVBlocks(codes, first.scale_kind, scales)
 
-    # ---- the wire (pyzmq frames: a JSON header, then raw arrays; no pickling)
+    # ---- the wire: a JSON header, then the raw arrays (pyzmq frames, or buffers a transfer engine reads; no pickling)
     def header(self) -> dict:
         return {"dtype": self.dtype, "shape": list(self.shape), "scale_kind": self.scale_kind}
 
-    def buffers(self) -> list[memoryview]:
+    def arrays(self) -> list[np.ndarray]:
+        """The raw bytes (codes, then scales), as contiguous uint8 arrays: views of the blocks, not copies, when
+        they are contiguous (as exported), so a transport can send them or register their memory as they are."""
         arrays = [self.codes] if self.scales is None else [self.codes, self.scales]
-        return [memoryview(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) for a in arrays]
+        return [np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in arrays]
+
+    def buffers(self) -> list[memoryview]:
+        return [memoryview(a) for a in self.arrays()]
 
     @classmethod
     def from_wire(cls, header: dict, buffers: list) -> "KVBlocks":

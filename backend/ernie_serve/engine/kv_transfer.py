@@ -3,8 +3,8 @@
 
 The prefill role computes the prompt (and the first token) with `hold_kv=True`, exports the blocks
 it filled, and ships them; the decode role imports them into its own pool and continues decoding
-as if it had computed them. On one host the payload goes over ZMQ (pyzmq); across hosts the same
-object is what an RDMA transport would move.
+as if it had computed them. The bytes take the transport the pair negotiated (engine/kv_transport.py): our
+pyzmq frames, or NIXL reading them from the prefill server's registered memory (engine/kv_transport_nixl.py).
 """
 from __future__ import annotations
 
@@ -40,16 +40,24 @@ class KVTransfer:
     block_size: int
     blocks: KVBlocks  # every KV head, in the prefill cache's own format (float32 / bfloat16 / int8 + scales)
 
-    def to_frames(self) -> list:
-        meta = {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
+    def meta(self) -> dict:
+        """Everything but the blocks' bytes (their format included): what every transport sends as it is."""
+        return {"request_id": self.request_id, "prompt_token_ids": self.prompt_token_ids,
                 "output_token_ids": self.output_token_ids, "num_computed_tokens": self.num_computed_tokens,
                 "block_size": self.block_size, "kv": self.blocks.header()}
-        return [json.dumps(meta).encode(), *self.blocks.buffers()]
+
+    @classmethod
+    def from_meta(cls, meta: dict, buffers: list) -> "KVTransfer":
+        """From meta() and the blocks' raw bytes (pyzmq frames, or arrays a transfer engine filled)."""
+        meta = dict(meta)
+        return cls(blocks=KVBlocks.from_wire(meta.pop("kv"), buffers), **meta)
+
+    def to_frames(self) -> list:
+        return [json.dumps(self.meta()).encode(), *self.blocks.buffers()]
 
     @classmethod
     def from_frames(cls, frames: list) -> "KVTransfer":
-        meta = json.loads(bytes(frames[0]))
-        return cls(blocks=KVBlocks.from_wire(meta.pop("kv"), frames[1:]), **meta)
+        return cls.from_meta(json.loads(bytes(frames[0])), frames[1:])
 
 
 def send_kv(socket, transfer: KVTransfer) -> None:

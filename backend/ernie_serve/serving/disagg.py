@@ -9,8 +9,12 @@
               AsyncEngine.add_prefilled(KVTransfer) <--[kv: KVTransfer frames]-- (prompt KV, blocks freed)
               decodes, streams as usual
 
-Messages go over pyzmq (DEALER on D, one per prefill port, round robin; ROUTER on P); the KV travels as
-KVTransfer's frames (a JSON header and the raw blocks). A prefill server started with --cache-queue-port sends
+Messages go over pyzmq (DEALER on D, one per prefill port, round robin; ROUTER on P). The KV message is
+KVTransfer's header, and its blocks' bytes take the transport the pair negotiated in the hello
+(--cache-transfer-protocol; engine/kv_transport.py): "tcp", KVTransfer's frames on these sockets, or "nixl", where
+the message carries only where P's registered blocks are, D reads them with NIXL and answers kv_done on its prompt
+connection so P lets them go. D's hello lists the transports it takes; P answers with the first of its own list
+that D takes, or refuses D's requests naming the flag when they share none. A prefill server started with --cache-queue-port sends
 the KV on a connection of its own, bound there: D says hello on each prefill port, P answers with its KV port,
 D connects a second DEALER under the same identity and says hello on it, and from then on P routes that D's
 blocks there, so pings, failures and aborts never wait behind megabytes of KV. Until the hello is through
@@ -50,6 +54,8 @@ from ..config import EngineConfig
 from ..engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError, OutputCallback,
                                    RequestFailedError)
 from ..engine.kv_transfer import KVTransfer
+from ..engine.kv_transport import KVReceiver, KVSender, make_receiver, make_sender, negotiate
+from ..kv_protocols import transports
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 
@@ -57,16 +63,19 @@ log = logging.getLogger(__name__)
 PING_SECONDS = 1.0  # while requests wait on a prefill server, it is pinged this often
 PREFILL_TIMEOUT_SECONDS = 5.0  # silence (no pong, no KV) after which a prefill server counts as dead
 POLL_MS = 200
+BUSY_POLL_MS = 1  # while a transport's reads are in flight, the socket thread polls them this often
+KV_KINDS = (b"kv", b"kv_nixl")  # the KV message, by transport: the bytes themselves, or where to read them
 
 
 def engine_front(config: EngineConfig):
     """The engine a server's ernie_moe drives: as it is for the mixed role, wrapped for prefill / decode."""
     engine = AsyncEngine(config)
+    protocols = transports(config.cache_transfer_protocol)
     if config.splitwise_role == "prefill":
-        return PrefillFront(engine, config.engine_worker_queue_port, config.cache_queue_port)
+        return PrefillFront(engine, config.engine_worker_queue_port, config.cache_queue_port, protocols)
     if config.splitwise_role == "decode":
         return DecodeFront(engine, config.prefill_ports, queue_port=config.engine_worker_queue_port,
-                           kv_port=config.cache_queue_port)
+                           kv_port=config.cache_queue_port, protocols=protocols)
     return engine
 
 
@@ -130,9 +139,10 @@ class _Front:
 class PrefillFront(_Front):
     """A prefill server's engine: prefills for decode servers on `port`, refuses direct requests."""
 
-    def __init__(self, engine: AsyncEngine, port: int, kv_port: int | None = None):
+    def __init__(self, engine: AsyncEngine, port: int, kv_port: int | None = None,
+                 protocols: list[str] | None = None):
         super().__init__(engine)
-        self.service = PrefillService(engine, port, kv_port)
+        self.service = PrefillService(engine, port, kv_port, protocols=protocols)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     callback: OutputCallback) -> None:
@@ -149,8 +159,15 @@ class PrefillService:
     """The prefill side of the protocol: a ROUTER socket on 127.0.0.1:port (and one on kv_port for the KV, when
     given), owned by one thread."""
 
-    def __init__(self, engine: AsyncEngine, port: int, kv_port: int | None = None, host: str = "127.0.0.1"):
+    def __init__(self, engine: AsyncEngine, port: int, kv_port: int | None = None, host: str = "127.0.0.1",
+                 protocols: list[str] | None = None):
         self.engine, self.port, self.kv_port, self.host = engine, port, kv_port, host
+        self.protocols = list(protocols or ["tcp"])
+        # tcp is also what a decode server gets before (or without) a hello, as before transports were negotiated
+        self._senders: dict[str, KVSender] = {name: make_sender(name, str(port)) for name in {*self.protocols, "tcp"}}
+        self._transport: dict[bytes, str] = {}  # decode server -> the transport negotiated in its hello
+        self._refused: dict[bytes, str] = {}  # decode servers sharing no transport with this one -> why
+        self.by_transport = {name: 0 for name in self._senders}  # KV messages sent per transport (tests, logs)
         self._ctx = zmq.Context()
         self._sock = self._router(host, port)
         self._kv_sock = self._router(host, kv_port) if kv_port is not None else None
@@ -187,24 +204,31 @@ class PrefillService:
                         self._kv_routes.add(owner)
             for frames in self._wake.drain():
                 self._send(frames)
+            now = time.monotonic()
+            for sender in self._senders.values():
+                sender.expire(now)
         for sock in (self._sock, self._kv_sock, *(s for push in self._push.values() for s in push.sockets())):
             if sock is not None:
                 sock.close(0)
+        for sender in self._senders.values():
+            sender.close()
         self._ctx.term()
         self._wake.close()
 
     def _send(self, frames: list) -> None:
         """Results go to the decode server's own ports where it has them; else replies go back on the prompt
         socket, and KV on the KV socket once its owner said hello there."""
+        if frames[1] == b"kv" and isinstance(frames[2], KVTransfer):
+            frames = self._kv_message(frames[0], frames[2])
         push = self._push.get(frames[0])
         sock = push.route(frames[1]) if push is not None else None
         if sock is not None:
-            if frames[1] == b"kv":
+            if frames[1] in KV_KINDS:
                 where = "decode_kv_socket" if sock is push.kv else "decode_queue_socket"
                 self.transfers[where] = self.transfers.get(where, 0) + 1
             sock.send_multipart(frames[1:], copy=False)
             return
-        if frames[1] == b"kv":
+        if frames[1] in KV_KINDS:
             on_kv = frames[0] in self._kv_routes
             self.transfers["kv_socket" if on_kv else "prompt_socket"] += 1
             if on_kv:
@@ -212,16 +236,50 @@ class PrefillService:
                 return
         self._sock.send_multipart(frames, copy=False)
 
+    def _kv_message(self, owner: bytes, transfer: KVTransfer) -> list:
+        """The KV message for `owner` on its transport (on this thread: a sender is not shared)."""
+        name = self._transport.get(owner, "tcp")
+        try:
+            body = self._senders[name].offer(transfer)
+        except Exception as e:  # noqa: BLE001 - the decode side is told; the server serves on
+            log.exception("prefill server: the %s transport could not offer request %s's KV", name, transfer.request_id)
+            return [owner, b"failed", _failure(transfer.request_id, f"the {name} KV transport failed: "
+                                                                   f"{type(e).__name__}: {e}")]
+        self.by_transport[name] += 1
+        return [owner, b"kv" if name == "tcp" else b"kv_" + name.encode(), *body]
+
+    def _hello(self, owner: bytes, msg: dict) -> dict:
+        """The answer to a decode server's hello: this server's KV port and the transport the pair uses."""
+        accepted = msg.get("kv_transports") or ["tcp"]
+        name = negotiate(self.protocols, accepted)
+        answer = {"kv_port": self.kv_port, "kv_transport": name}
+        if name is None:
+            why = (f"prefill server on port {self.port} sends KV over {', '.join(self.protocols)} and this decode "
+                   f"server takes {', '.join(accepted)}: give both the same --cache-transfer-protocol")
+            self._refused[owner] = answer["error"] = why
+            log.error("%s", why)
+            return answer
+        self._refused.pop(owner, None)
+        self._transport[owner] = name
+        answer[name] = self._senders[name].hello()
+        return answer
+
     def _on_message(self, frames) -> None:
         owner, kind, body = frames[0].bytes, frames[1].bytes, [f.bytes for f in frames[2:]]
         if kind == b"ping":
             self._sock.send_multipart([owner, b"pong"])
         elif kind == b"hello":
-            self._connect_back(owner, json.loads(body[0]) if body else {})
-            self._sock.send_multipart([owner, b"hello", json.dumps({"kv_port": self.kv_port}).encode()])
+            msg = json.loads(body[0]) if body else {}
+            self._connect_back(owner, msg)
+            self._sock.send_multipart([owner, b"hello", json.dumps(self._hello(owner, msg)).encode()])
+        elif kind == b"kv_done":
+            self._senders[self._transport.get(owner, "tcp")].release(body[0].decode())
         elif kind == b"prefill":
             msg = json.loads(body[0])
             rid = msg["request_id"]
+            if owner in self._refused:
+                self._send([owner, b"failed", _failure(rid, self._refused[owner])])
+                return
             self._owners[rid] = owner
             try:
                 self.engine.add_prefill(rid, msg["prompt_token_ids"], lambda t, why, rid=rid: self._done(rid, t, why))
@@ -254,7 +312,7 @@ class PrefillService:
         if owner is None or self._stop.is_set():
             return
         if transfer is not None:
-            self._wake.put([owner, b"kv", *transfer.to_frames()])
+            self._wake.put([owner, b"kv", transfer])  # the socket thread makes the message (_kv_message)
         else:
             self._wake.put([owner, b"failed", _failure(rid, why or "the prefill server ended it")])
 
@@ -271,7 +329,7 @@ class _Push:
     kv: zmq.Socket | None
 
     def route(self, kind: bytes) -> zmq.Socket | None:
-        return (self.kv or self.results) if kind == b"kv" else self.results
+        return (self.kv or self.results) if kind in KV_KINDS else self.results
 
     def sockets(self) -> tuple:
         return self.results, self.kv
@@ -306,25 +364,31 @@ class _PrefillServer:
     waiting: set[str] = field(default_factory=set)
     last_heard: float = 0.0
     last_ping: float = 0.0
+    refusal: str | None = None  # it shares no KV transport with this server: why (its answer to the hello)
 
 
 class DecodeFront(_Front):
     """A decode server's engine: prompts go to the prefill servers, their KV comes back and is decoded here."""
 
     def __init__(self, engine: AsyncEngine, prefill_ports: list[int], host: str = "127.0.0.1",
-                 queue_port: int | None = None, kv_port: int | None = None):
+                 queue_port: int | None = None, kv_port: int | None = None, protocols: list[str] | None = None):
         super().__init__(engine)
         self._lock = threading.Lock()
         self._waiting: dict[str, _Waiting] = {}
         self._ctx = zmq.Context()
         self._host = host
         self.queue_port, self.kv_port = queue_port, kv_port
+        self.protocols = list(protocols or ["tcp"])
+        me = uuid.uuid4().hex[:12]
+        # tcp frames are read whatever was negotiated: a prefill server that missed the hello sends them
+        self._receivers: dict[str, KVReceiver] = {name: make_receiver(name, me) for name in {*self.protocols, "tcp"}}
+        self._reading: dict[str, _PrefillServer] = {}  # request id -> the server its KV is being read from
+        self.received = {name: 0 for name in self._receivers}  # KV received per transport (tests, logs)
         # this server's own ports (bound before any hello names them): prefill servers send results there
         self._own = [self._bind(port) for port in (queue_port, kv_port) if port is not None]
-        hello = json.dumps({"queue_port": queue_port, "kv_port": kv_port}).encode()
+        hello = json.dumps({"queue_port": queue_port, "kv_port": kv_port, "kv_transports": self.protocols}).encode()
         self._servers = []
         self._by_identity: dict[bytes, _PrefillServer] = {}
-        me = uuid.uuid4().hex[:12]
         for i, port in enumerate(prefill_ports):
             identity = f"decode-{me}-{i}".encode()
             server = _PrefillServer(f"{host}:{port}", self._dealer(identity, port), identity)
@@ -399,35 +463,69 @@ class DecodeFront(_Front):
         poller.register(self._wake.read_fd, zmq.POLLIN)
         by_sock = {s.sock: s for s in self._servers}
         while not self._stop.is_set():
-            for sock, _ in poller.poll(POLL_MS):
+            busy = any(receiver.busy for receiver in self._receivers.values())
+            for sock, _ in poller.poll(BUSY_POLL_MS if busy else POLL_MS):
                 if sock in self._own:
-                    self._on_own_port(sock.recv_multipart())
+                    self._on_own_port(sock.recv_multipart(copy=False))
                 elif sock in by_sock:
                     server = by_sock[sock]
                     server.last_heard = time.monotonic()
-                    frames = sock.recv_multipart()
-                    if frames[0] == b"hello":
-                        self._connect_kv(server, json.loads(frames[1]).get("kv_port"), poller, by_sock)
+                    frames = sock.recv_multipart(copy=False)
+                    if frames[0].bytes == b"hello":
+                        self._on_hello(server, json.loads(frames[1].bytes), poller, by_sock)
                     else:
                         self._on_message(server, frames)
             for server, frames, rid in self._wake.drain():
                 if rid is not None:
+                    if server.refusal is not None:
+                        self._refuse(rid, server)
+                        continue
                     if not server.waiting:
                         server.last_heard = time.monotonic()  # the silence clock starts with the first request
                     server.waiting.add(rid)
                 server.sock.send_multipart(frames)
+            self._take_received()
             self._watch_servers()
         for sock in (*self._own, *(s for server in self._servers for s in (server.sock, server.kv_sock))):
             if sock is not None:
                 sock.close(0)
+        for receiver in self._receivers.values():
+            receiver.close()
         self._ctx.term()
         self._wake.close()
 
-    def _on_own_port(self, frames: list[bytes]) -> None:
+    def _on_hello(self, server: _PrefillServer, answer: dict, poller: zmq.Poller, by_sock: dict) -> None:
+        """A prefill server's answer to the hello: the KV transport the pair uses (or why none), its KV port."""
+        name = answer.get("kv_transport", "tcp")
+        if answer.get("error") or name not in self._receivers:
+            server.refusal = (answer.get("error") or f"prefill server {server.address} sends KV over {name!r}, which "
+                              f"this decode server does not take ({', '.join(self.protocols)}): give both the same "
+                              f"--cache-transfer-protocol")
+            log.error("decode server: %s", server.refusal)
+            for rid in list(server.waiting):
+                self._refuse(rid, server)
+            return
+        try:
+            self._receivers[name].connect(answer.get(name) or {})
+        except Exception as e:  # noqa: BLE001 - that server's requests fail with why; the others are served
+            server.refusal = f"prefill server {server.address}: could not connect its {name} KV transport: {e}"
+            log.exception("decode server: %s", server.refusal)
+            return
+        log.info("decode server: KV from prefill server %s comes over %s", server.address, name)
+        self._connect_kv(server, answer.get("kv_port"), poller, by_sock)
+
+    def _refuse(self, rid: str, server: _PrefillServer) -> None:
+        server.waiting.discard(rid)
+        with self._lock:
+            waiting = self._waiting.pop(rid, None)
+        if waiting is not None:
+            self._fail(rid, waiting, server.refusal)
+
+    def _on_own_port(self, frames: list) -> None:
         """A prefill server's result on one of this server's own ports, signed with its identity."""
-        server = self._by_identity.get(frames[0])
+        server = self._by_identity.get(frames[0].bytes)
         if server is None:
-            log.warning("decode server: a message from %r, which is not one of its prefill servers", frames[0])
+            log.warning("decode server: a message from %r, which is not one of its prefill servers", frames[0].bytes)
             return
         server.last_heard = time.monotonic()
         self._on_message(server, frames[1:])
@@ -443,19 +541,45 @@ class DecodeFront(_Front):
         by_sock[server.kv_sock] = server
         log.info("decode server: KV from prefill server %s comes on port %s", server.address, kv_port)
 
-    def _on_message(self, server: _PrefillServer, frames: list[bytes]) -> None:
-        kind = frames[0]
-        if kind == b"kv":
-            transfer = KVTransfer.from_frames(frames[1:])
-            server.waiting.discard(transfer.request_id)
-            self._continue(transfer)
+    def _on_message(self, server: _PrefillServer, frames: list) -> None:
+        """frames: zmq Frames (the KV's bytes are read from them without a copy)."""
+        kind = frames[0].bytes
+        if kind in KV_KINDS:
+            name = "tcp" if kind == b"kv" else kind[3:].decode()
+            receiver = self._receivers.get(name)
+            if receiver is None:
+                log.error("decode server: prefill server %s sent KV over %r, which it does not take", server.address,
+                          name)
+                return
+            self._reading[receiver.receive(frames[1:])] = server
+            self.received[name] += 1
         elif kind == b"failed":
-            msg = json.loads(frames[1])
+            msg = json.loads(frames[1].bytes)
             server.waiting.discard(msg["request_id"])
             with self._lock:
                 waiting = self._waiting.pop(msg["request_id"], None)
             if waiting is not None:
                 self._fail(msg["request_id"], waiting, f"prefill server {server.address}: {msg['error']}")
+
+    def _take_received(self) -> None:
+        """Receives that ended: the prefill server may let the bytes go (kv_done), the request decodes or fails."""
+        for receiver in self._receivers.values():
+            for got in receiver.poll():
+                server = self._reading.pop(got.request_id, None)
+                if server is None:
+                    continue
+                server.waiting.discard(got.request_id)
+                if receiver.acknowledges:
+                    server.sock.send_multipart([b"kv_done", got.request_id.encode()])
+                log.debug("decode server: request %s's KV, %d bytes over %s in %.1f ms", got.request_id, got.nbytes,
+                          receiver.name, got.seconds * 1e3)
+                if got.transfer is not None:
+                    self._continue(got.transfer)
+                    continue
+                with self._lock:
+                    waiting = self._waiting.pop(got.request_id, None)
+                if waiting is not None:
+                    self._fail(got.request_id, waiting, f"prefill server {server.address}: {got.error}")
 
     def _continue(self, transfer: KVTransfer) -> None:
         """The prompt's KV is here: decode it. The last prompt token is left to compute (see the module doc)."""
