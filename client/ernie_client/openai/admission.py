@@ -18,6 +18,11 @@ class ConcurrencySlots:
         self.active = 0
         self._queue: collections.deque[asyncio.Future] = collections.deque()
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot (--max-waiting-time)."""
+        return len(self._queue)
+
     async def acquire(self) -> None:
         if self.active < self.limit and not self._queue:
             self.active += 1

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from .admission import ConcurrencySlots
 from .errors import OpenAIError
 from .metrics import Metrics
+from .replica import ReplicaState, replica_router
 from .request_body import validation_error
 from .serving import OpenAIServing, OpenAIServingChat, OpenAIServingCompletion
 from .tokenization import Tokenization, tokenization_router
@@ -32,6 +33,7 @@ class ServerConfig:
     tokenizer: str | None = None
     max_model_len: int | None = None
     chat_template: str | None = None
+    triton_metrics_url: str | None = None   # Triton's /metrics, for the engines' load in /get_load
 
     @property
     def public_name(self) -> str:
@@ -50,6 +52,7 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
 
     app = FastAPI(title="ERNIE OpenAI-compatible server", lifespan=lifespan)
     app.state.config, app.state.backend, app.state.metrics, app.state.slots = config, backend, metrics, slots
+    replica = app.state.replica = ReplicaState(config, backend, slots)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError):
@@ -76,11 +79,7 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
     completion = OpenAIServingCompletion(serving, tokenization.decode_prompt if tokenization is not None else None)
 
     # ------------------------------------------------------------------ plain endpoints
-    @app.get("/health")
-    async def health():
-        if await backend.ready():
-            return {"status": "ok"}
-        raise OpenAIError(503, f"Triton at {config.triton_url} or its model {config.model_name!r} is not ready")
+    app.include_router(replica_router(replica, check_auth))  # /health and what routers discover
 
     @app.get("/metrics")
     async def prometheus():
@@ -94,11 +93,11 @@ def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> Fa
 
     app.include_router(tokenization_router(tokenization, check_auth, serving.check_model))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth), Depends(replica.refuse_when_draining)])
     async def chat_completions(request: Request) -> Response:
         return await chat.create(request)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/completions", dependencies=[Depends(check_auth), Depends(replica.refuse_when_draining)])
     async def completions(request: Request) -> Response:
         return await completion.create(request)
 

@@ -235,6 +235,10 @@ class TritonBackend:
                     self._spec = EnsembleSpec.from_config(cfg)
         return self._spec
 
+    async def model_config(self, model: str) -> dict:
+        """Any model's config as Triton serves it (get_model_config's JSON), e.g. the engine step's parameters."""
+        return await self._get_client().get_model_config(model, as_json=True, client_timeout=5, **self._auth)
+
     async def encode(self, fields: dict[str, Any]) -> list:
         from tritonclient.grpc import InferInput
 
