@@ -1,5 +1,6 @@
 """cpu_attention.c against a plain NumPy softmax attention over the same paged cache, on shapes the demo
-model does not have (one KV head, head_dim 64 / 80 / 96, block sizes 1-64, several query rows a sequence)."""
+model does not have (one KV head, head_dim 64 / 80 / 96, block sizes 1-64, several query rows a sequence), on every
+instruction-set tier this CPU has (the `isa` fixture)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -35,7 +36,7 @@ def reference(q, k_cache, v_cache, tables, qsl, lens, scale):
 @pytest.mark.parametrize("q_lens", [[1], [1, 1, 1, 1], [3, 1, 2], [8], [40], [17, 33], [1] * 9,
                                     [3, 1, 2, 1, 1, 5, 1, 1, 2, 1]])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def test_matches_numpy_attention_over_the_paged_cache(nh, nkv, hd, bs, q_lens, cache_dtype):
+def test_matches_numpy_attention_over_the_paged_cache(isa, nh, nkv, hd, bs, q_lens, cache_dtype):
     """A bfloat16 cache (--dtype bfloat16) gives the float32 kernel's result on its values bit for bit. Chunks of 17-40
     rows span blocks whose leading rows see none of them (the kernel skips those rows there). From 8 sequences (on 2
     threads) a task takes every KV head of its sequence."""

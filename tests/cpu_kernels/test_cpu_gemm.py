@@ -1,5 +1,6 @@
 """The CPU GEMMs (cpu_gemm.c float32 / bfloat16, cpu_qgemm.c int8 / int4) against the dequantized reference, and
-QuantLinear's use of them."""
+QuantLinear's use of them. The kernel tests take the `isa` fixture (conftest.py): each runs on every instruction-set
+tier this CPU has, the float64 / NumPy reference the same for all."""
 from __future__ import annotations
 
 import os
@@ -11,18 +12,22 @@ import numpy as np
 import paddle
 import pytest
 
-from ernie_serve.cpu_kernels import cpu_gemm
-from ernie_serve.devices import cpu_flags
+from ernie_serve.cpu_kernels import build, cpu_gemm
+from ernie_serve.devices import cpu_flags_line
 from ernie_serve.quantization import formats as fmt
 from ernie_serve.model.quantized_layers import QuantLinear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="no C compiler to build cpu_gemm.c")
+# cpu_qgemm.c's tiers whose int8 / int4 codes meet float activations as they are (the widening blocks: AVX2 + FMA
+# without AVX-512 VNNI); the others quantize the activations to two int8 levels
+WIDENING = [t for t in build.isas() if t in ("avx2", "avx512")]
+AMX = [t for t in build.isas() if t == "amx"]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (3, 64, 96), (8, 128, 40), (9, 256, 64), (16, 1024, 1408),
                                    (17, 32, 33), (32, 96, 7), (5, 58, 65), (70, 136, 64)])
-def test_matches_the_dequantized_matmul(bits, m, k, n):
+def test_matches_the_dequantized_matmul(isa, bits, m, k, n):
     """Activations enter cpu_qgemm.c at 16-bit precision (two int8 levels a row): within max|x| / 64516 an
     element, so the product is within ~1e-4 of its row's scale; K not a multiple of the 4 / 8-row groups too."""
     rng = np.random.default_rng(m * 1000 + n + bits)
@@ -36,14 +41,14 @@ def test_matches_the_dequantized_matmul(bits, m, k, n):
     assert np.all(np.abs(got - ref) <= 1e-4 * row_scale)
 
 
-@pytest.mark.skipif("avx512_vnni" in cpu_flags() or not {"avx2", "fma"} <= cpu_flags(),
-                    reason="the widening path serves AVX2 + FMA CPUs without AVX-512 VNNI")
+@pytest.mark.parametrize("isa", WIDENING, indirect=True)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (4, 70, 96), (5, 1024, 1408), (9, 14, 33), (66, 136, 64)])
-def test_without_vnni_the_codes_are_widened_and_x_enters_as_it_is(bits, m, k, n):
-    """On such a CPU float activations are not quantized: the product is the float32 one of the dequantized weight
-    (to float32 rounding, well inside the 16-bit activation path's bound above), for one GEMM and the batched experts,
-    K not a multiple of a group too (the SwiGLU-fused form: test_swiglu_fused_... below)."""
+def test_without_vnni_the_codes_are_widened_and_x_enters_as_it_is(isa, bits, m, k, n):
+    """On AVX2 + FMA without AVX-512 VNNI (a Zen 3; a newer CPU capped at avx2 or avx512) float activations are not
+    quantized: the product is the float32 one of the dequantized weight (to float32 rounding, well inside the 16-bit
+    activation path's bound above), for one GEMM and the batched experts, K not a multiple of a group too (the
+    SwiGLU-fused form: test_swiglu_fused_... below)."""
     rng = np.random.default_rng(m * 7 + k + bits)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -57,7 +62,7 @@ def test_without_vnni_the_codes_are_widened_and_x_enters_as_it_is(bits, m, k, n)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_integer_valued_activations_are_exact(bits):
+def test_integer_valued_activations_are_exact(isa, bits):
     """w4a8's activations are int8 already (int_x): one exact level, so the product is the integer one."""
     rng = np.random.default_rng(bits)
     q, s = fmt.quantize_weight_only(rng.standard_normal((64, 48)).astype(np.float32), bits)
@@ -68,7 +73,7 @@ def test_integer_valued_activations_are_exact(bits):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_zero_rows_give_zeros_and_non_finite_rows_do_not_pass_as_numbers():
+def test_zero_rows_give_zeros_and_non_finite_rows_do_not_pass_as_numbers(isa):
     q, s = fmt.quantize_weight_only(np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32), 8)
     x = np.zeros((3, 32), np.float32)
     x[1, 3], x[2, 5] = np.inf, np.nan
@@ -77,7 +82,7 @@ def test_zero_rows_give_zeros_and_non_finite_rows_do_not_pass_as_numbers():
 
 
 @pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])
-def test_quant_linear_gives_the_same_result_on_both_paths(method, monkeypatch):
+def test_quant_linear_gives_the_same_result_on_both_paths(isa, method, monkeypatch):
     rng = np.random.default_rng(3)
     w = rng.standard_normal((256, 160)).astype(np.float32)
     x = paddle.to_tensor(rng.standard_normal((5, 256)).astype(np.float32))
@@ -138,7 +143,7 @@ def test_without_a_compiler_it_is_not_built_and_says_why(tmp_path):
 
 @pytest.mark.parametrize("method", ["wint8", "wint4", "w4a8"])
 @pytest.mark.parametrize("offset", [None, 4])
-def test_quantized_experts_batched_in_one_call_equal_the_per_expert_path(method, offset):
+def test_quantized_experts_batched_in_one_call_equal_the_per_expert_path(isa, method, offset):
     """Every routed expert runs in one cpu_qgemm.c call per matrix (QuantMoEExperts.packed_forward); it must give the
     per-expert loop's result exactly (the same rows quantize the same way), under expert parallelism too."""
     from ernie_serve.model.quantized_layers import QuantMoEExperts
@@ -172,7 +177,7 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 32), (3, 64, 96), (8, 128, 40), (9, 256, 64), (17, 32, 33),
                                    (32, 96, 7), (70, 136, 64), (40, 256, 96), (33, 1056, 64)])
-def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k, n):
+def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(isa, m, k, n):
     """bits 16: the weight rounded to bfloat16 once (nearest even), then float32 arithmetic on x: bit for bit the
     float32 kernel's product on the rounded weight, every row count and a last narrow block too. On AMX (from 16 rows,
     K % 32 == 0) x is rounded to bfloat16 as well and the tile unit accumulates in float32: then the float64 product of
@@ -198,18 +203,16 @@ def test_a_bfloat16_weight_gives_the_float32_product_of_its_rounded_values(m, k,
     np.testing.assert_array_equal(best, got.max(axis=1))
 
 
-def test_bfloat16_runs_on_amx_from_16_rows_where_the_cpu_has_it():
-    """AMX takes a bfloat16 GEMM from 16 rows when K is a multiple of 32 (a tile's k); a CPU without AMX-BF16 keeps
-    every bfloat16 GEMM on float32 x."""
-    from ernie_serve.devices import cpu_flags_line
-
-    has_amx = "amx_bf16" in cpu_flags_line().split()
+def test_bfloat16_runs_on_amx_from_16_rows_where_the_cpu_has_it(isa):
+    """AMX takes a bfloat16 GEMM from 16 rows when K is a multiple of 32 (a tile's k); a CPU without AMX-BF16, or
+    capped below amx, keeps every bfloat16 GEMM on float32 x."""
+    has_amx = isa == "amx" and "amx_bf16" in cpu_flags_line().split()
     assert cpu_gemm.bf16_on_amx(16, 64) == has_amx and cpu_gemm.bf16_on_amx(1000, 1024) == has_amx
     assert not cpu_gemm.bf16_on_amx(15, 64) and not cpu_gemm.bf16_on_amx(16, 72)
 
 
 @pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 100, 260, 272, 300])
-def test_every_row_count_on_the_amx_shapes_gives_the_product_of_the_rounded_operands(m):
+def test_every_row_count_on_the_amx_shapes_gives_the_product_of_the_rounded_operands(isa, m):
     """K a multiple of 32 over two of cpu_amx.c's panels (1056 = 1024 + 32) and a narrow last block: below 16 rows the
     widening tiles' product of float32 x; from 16 (on AMX) the float64 product of bfloat16-rounded x, whatever the row
     groups of 16 and a partial one; the SwiGLU fused pass (gate and up blocks sharing each x tile on AMX, 256 rows at a
@@ -232,7 +235,7 @@ def test_every_row_count_on_the_amx_shapes_gives_the_product_of_the_rounded_oper
 
 
 @pytest.mark.parametrize("m", range(1, 22))
-def test_every_row_count_gives_the_product_in_both_float_widths(m):
+def test_every_row_count_gives_the_product_in_both_float_widths(isa, m):
     """cpu_gemm.c picks its register tiles by the row count and width (whole 32-column blocks for float32 up to 16
     rows and bfloat16 up to 2, 16-column halves of up to 6 rows beyond): every count past both cuts, with a narrow
     last block, equals the float64 product, and bfloat16 equals float32 on the rounded weight."""
@@ -257,7 +260,7 @@ def test_a_weight_held_in_another_float_width_is_refused():
 
 @pytest.mark.parametrize("bits", [32, 16, 8, 4])
 @pytest.mark.parametrize("m", [1, 5, 8, 19, 53])
-def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(bits, m):
+def test_swiglu_fused_into_the_gate_up_matmul_equals_silu_after_it(isa, bits, m):
     """gemm / moe_gemm with swiglu=True give silu(gate) * up of the plain product, for every weight format."""
     from ernie_serve.model.layers import silu_and_mul
 
@@ -306,8 +309,6 @@ def test_the_threads_task_runs_tile_the_tasks_in_order_at_equal_cost():
     task order, and each costs (16 + rows a task with rows, those past flat_from a quarter each, 0 without) the
     total's share to within one task, on random expert counts, row counts (zeros, one expert holding most, none at
     all), thread counts and flat_from (0, or AMX-INT8's 5)."""
-    from ernie_serve.cpu_kernels import build
-
     lib, rng = build.library(), np.random.default_rng(0)
     for case in range(500):
         threads, e, nb = int(rng.integers(1, 9)), int(rng.integers(1, 20)), int(rng.integers(1, 12))
@@ -333,8 +334,6 @@ def test_next_task_is_the_next_one_of_the_run_with_rows():
     rows, or none at the run's end. Checked against the runs laid out in Python."""
     import ctypes
 
-    from ernie_serve.cpu_kernels import build
-
     lib, rng = build.library(), np.random.default_rng(1)
     for _ in range(300):
         threads, e, nb = int(rng.integers(1, 5)), int(rng.integers(1, 7)), int(rng.integers(1, 6))
@@ -348,7 +347,7 @@ def test_next_task_is_the_next_one_of_the_run_with_rows():
 
 @pytest.mark.parametrize("bits,k", [(32, 136), (16, 136), (16, 128), (8, 136), (4, 136)])
 @pytest.mark.parametrize("rows", [[4, 0, 4, 4, 0, 4], [1, 0, 0, 30, 2, 0], [0, 7, 5, 0, 0, 9], [20, 3, 0, 17, 0, 1]])
-def test_experts_with_and_without_rows_in_one_call_equal_each_experts_own_product(bits, k, rows):
+def test_experts_with_and_without_rows_in_one_call_equal_each_experts_own_product(isa, bits, k, rows):
     """moe_gemm's threads take runs of (expert, column block) tasks (ernie_task_run) and prefetch the next task's
     block, skipping experts without rows: every expert's rows equal its own gemm, with even rows and with one expert
     holding most, for every weight format; bfloat16 at K 128 too, where the experts
@@ -378,8 +377,6 @@ def test_the_kernels_thread_count_holds_in_every_calling_thread():
     from its own thread, so the kernels take theirs from the process-wide setting instead."""
     import threading
 
-    from ernie_serve.cpu_kernels import build
-
     build.set_threads(3)
     seen = []
     t = threading.Thread(target=lambda: seen.append(build.threads()))
@@ -394,9 +391,15 @@ def test_the_kernels_thread_count_holds_in_every_calling_thread():
     ({"ERNIE_CPU_KERNELS": "yes"}, "build.available()", "ERNIE_CPU_KERNELS='yes'"),
     ({"ERNIE_CPU_AMX": "0"}, "cpu_gemm.bf16_on_amx(64, 1024)", "= False"),
     ({"ERNIE_CPU_AMX": "no"}, "cpu_gemm.bf16_on_amx(64, 1024)", "ERNIE_CPU_AMX='no'"),
+    ({"ERNIE_CPU_ISA": "avx2"}, "(build.isa(), build.isas())", "= ('avx2', ['scalar', 'avx2'])"),
+    ({"ERNIE_CPU_ISA": "sse"}, "build.isa()", "ERNIE_CPU_ISA='sse': expected one of scalar, avx2, avx512"),
+    ({"ERNIE_CPU_ISA": "amx", "ERNIE_CPU_AMX": "0"}, "build.isa()", "ERNIE_CPU_ISA=amx with ERNIE_CPU_AMX=0"),
 ])
 def test_the_kernel_switches_turn_them_off_or_are_refused(switch, probe, expect):
-    """ERNIE_CPU_KERNELS=0: the Paddle path; ERNIE_CPU_AMX=0: bfloat16 off the tile unit; any other value refused."""
+    """ERNIE_CPU_KERNELS=0: the Paddle path; ERNIE_CPU_AMX=0: bfloat16 off the tile unit; ERNIE_CPU_ISA caps the
+    kernels at a tier (the library built for it says which it runs); any other value refused."""
+    if "ERNIE_CPU_ISA" in switch and "avx2" not in build.cpu_isas():
+        pytest.skip("no AVX2 + FMA on this CPU")
     code = ("from ernie_serve.cpu_kernels import build, cpu_gemm\n"
             f"try:\n    print('=', {probe})\nexcept ValueError as e:\n    print(e)")
     r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **switch), capture_output=True, text=True,
@@ -406,8 +409,6 @@ def test_the_kernel_switches_turn_them_off_or_are_refused(switch, probe, expect)
 
 def test_without_amx_a_bfloat16_gemm_is_the_float32_one_on_the_rounded_weight_at_every_size():
     """ernie_set_amx(0) (ERNIE_CPU_AMX=0) in a running process: the widening tiles take every row count again."""
-    from ernie_serve.cpu_kernels import build
-
     rng = np.random.default_rng(3)
     w = rng.standard_normal((256, 96)).astype(np.float32)
     x = rng.standard_normal((40, 256)).astype(np.float32)
@@ -423,7 +424,7 @@ def test_without_amx_a_bfloat16_gemm_is_the_float32_one_on_the_rounded_weight_at
 
 @pytest.mark.parametrize("m,k,n,n_valid", [(1, 64, 32, 32), (3, 64, 4096, 4096), (9, 128, 4096, 4000),
                                            (17, 32, 100, 100), (33, 96, 320, 317), (256, 128, 1024, 1024)])
-def test_gemm_argmax_equals_numpys_argmax_over_the_stored_product(m, k, n, n_valid):
+def test_gemm_argmax_equals_numpys_argmax_over_the_stored_product(isa, m, k, n, n_valid):
     """ernie_gemm_argmax never stores x @ W; what it returns must equal NumPy's argmax / max over the first n_valid
     columns of cpu_gemm.gemm's product (the same arithmetic): ties to the lowest column, also when the tied columns
     fall to different threads, and columns past n_valid never chosen."""
@@ -442,7 +443,7 @@ def test_gemm_argmax_equals_numpys_argmax_over_the_stored_product(m, k, n, n_val
     assert idx[0] == 0
 
 
-def test_gemm_argmax_ranks_a_nan_above_everything_as_numpy_does():
+def test_gemm_argmax_ranks_a_nan_above_everything_as_numpy_does(isa):
     """A NaN logit makes the row's max NaN (the sampler fails such a row) and its first NaN the argmax."""
     rng = np.random.default_rng(1)
     w = rng.standard_normal((64, 2048)).astype(np.float32)
@@ -465,28 +466,25 @@ def test_gemm_argmax_refuses_what_does_not_fit():
         cpu_gemm.gemm_argmax(np.ones((2, 8), np.float32), blocked, 64, 64)
 
 
-def test_int8_runs_on_amx_from_5_rows_where_the_cpu_has_it():
+def test_int8_runs_on_amx_from_5_rows_where_the_cpu_has_it(isa):
     """AMX-INT8 takes int8 codes from 5 rows (amx.h's AMX_INT8_ROWS, where the two-level VNNI passes run out of
-    cycles) when K is a multiple of 64 (a tile's 16 groups of 4)."""
-    from ernie_serve.devices import cpu_flags_line
-
-    has_amx = {"amx_int8", "amx_tile"} <= set(cpu_flags_line().split()) and os.environ.get("ERNIE_CPU_AMX") != "0"
+    cycles) when K is a multiple of 64 (a tile's 16 groups of 4); never below the amx tier."""
+    has_amx = isa == "amx" and "amx_int8" in cpu_flags_line().split()
     assert cpu_gemm.int8_on_amx(5, 1024) == has_amx and cpu_gemm.int8_on_amx(16, 704) == has_amx
     assert cpu_gemm.int8_on_amx(300, 64) == has_amx
     assert not cpu_gemm.int8_on_amx(4, 1024) and not cpu_gemm.int8_on_amx(16, 96)
 
 
-@pytest.mark.skipif(not cpu_gemm.int8_on_amx(16, 64), reason="no AMX-INT8 on this CPU (or ERNIE_CPU_AMX=0)")
+@pytest.mark.skipif("amx_int8" not in cpu_flags_line().split(), reason="no AMX-INT8 on this CPU")
+@pytest.mark.parametrize("isa", AMX, indirect=True)
 @pytest.mark.parametrize("int_x", [False, True])
 @pytest.mark.parametrize("m,k,n", [(16, 64, 32), (17, 128, 40), (37, 1024, 96), (300, 192, 64), (20, 96, 64),
                                    (5, 704, 64), (7, 64, 40)])
-def test_int8_on_amx_gives_the_vnni_paths_floats_bit_for_bit(m, k, n, int_x):
+def test_int8_on_amx_gives_the_vnni_paths_floats_bit_for_bit(isa, m, k, n, int_x):
     """TDPBSUD sums the same integer products vpdpbusd does, and both end in one epilogue: with AMX on and off
     (ernie_set_amx) a GEMM, its SwiGLU form and experts on both sides of the 5-row rule in one call give the same
     floats; a group of fewer than 16 rows, row groups of 16 and a short last one, a narrow last block, K off the tile's
     64 (falls back), one level (integer-valued x) and two."""
-    from ernie_serve.cpu_kernels import build
-
     rng = np.random.default_rng(m + k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     if int_x:

@@ -1,5 +1,6 @@
 """cpu_ops.c against the Paddle ops it stands in for (the model's definition), at decode and prefill row counts
-and widths that are not multiples of the vector width; the model layers take the C path only under no_grad."""
+and widths that are not multiples of the vector width, on every instruction-set tier this CPU has (the `isa`
+fixture); the model layers take the C path only under no_grad."""
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,7 @@ def _paddle_path(fn, *args):
 
 
 @pytest.mark.parametrize("t,h", [(1, 16), (5, 1024), (300, 37)])
-def test_rms_norm(t, h):
+def test_rms_norm(isa, t, h):
     rng = np.random.default_rng(t + h)
     norm = RMSNorm(h, 1e-5)
     norm.weight.set_value(rng.standard_normal(h).astype(np.float32))
@@ -34,7 +35,7 @@ def test_rms_norm(t, h):
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(8, 2, 128), (4, 1, 64), (3, 3, 10)])
-def test_split_rope_equals_split_then_rotate(nh, nkv, hd):
+def test_split_rope_equals_split_then_rotate(isa, nh, nkv, hd):
     rng = np.random.default_rng(nh * hd)
     t = 7
     rope = RotaryEmbedding(hd, 500000.0, 4096)
@@ -55,7 +56,7 @@ def test_split_rope_refuses_a_position_past_the_table():
 
 
 @pytest.mark.parametrize("t,inter", [(1, 16), (16, 704), (33, 23)])
-def test_silu_and_mul_including_saturated_gates(t, inter):
+def test_silu_and_mul_including_saturated_gates(isa, t, inter):
     rng = np.random.default_rng(inter)
     gu = rng.standard_normal((t, 2 * inter)).astype(np.float32) * 4
     gu[0, :4] = [-200.0, 200.0, 0.0, -90.0]  # exp over- and underflow, silu(0) = 0
@@ -66,7 +67,7 @@ def test_silu_and_mul_including_saturated_gates(t, inter):
     np.testing.assert_allclose(got, _paddle_path(silu_and_mul, x), rtol=2e-6, atol=1e-6)
 
 
-def test_gather_rows_with_zero_padding():
+def test_gather_rows_with_zero_padding(isa):
     x = paddle.to_tensor(np.arange(12, dtype=np.float32).reshape(4, 3))
     got = cpu_ops.gather_rows(x, np.array([2, -1, 0, 2])).numpy()
     np.testing.assert_array_equal(got, [[6, 7, 8], [0, 0, 0], [0, 1, 2], [6, 7, 8]])
@@ -74,7 +75,7 @@ def test_gather_rows_with_zero_padding():
         cpu_ops.gather_rows(x, np.array([4]))
 
 
-def test_weighted_combine_skips_other_ranks_choices():
+def test_weighted_combine_skips_other_ranks_choices(isa):
     rng = np.random.default_rng(0)
     ys = rng.standard_normal((5, 19)).astype(np.float32)
     src = np.array([[0, 3], [-1, 4], [-1, -1]])
@@ -94,7 +95,7 @@ def test_layers_keep_paddle_ops_when_gradients_are_on():
 
 
 @pytest.mark.parametrize("t,h,e,k", [(1, 16, 8, 2), (16, 1024, 16, 4), (9, 40, 64, 8)])
-def test_route_equals_the_paddle_router(t, h, e, k):
+def test_route_equals_the_paddle_router(isa, t, h, e, k):
     from ernie_serve.model.moe import TopKRouter
 
     rng = np.random.default_rng(e + k)
