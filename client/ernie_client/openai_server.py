@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
+import sys
 
 from .openai import ServerConfig, create_app
 
@@ -19,6 +21,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--triton-url", default="localhost:8001", help="Triton gRPC endpoint (host:port)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--fd", type=int, default=None,
+                   help="serve on this inherited listening socket instead of binding --host/--port (ernie-serve "
+                        "binds it before starting the shim, so the port cannot be taken in between)")
     p.add_argument("--model-name", default="ernie", help="the Triton ensemble to call")
     p.add_argument("--served-model-name", default=None, help="the name clients use in 'model' (default: --model-name)")
     p.add_argument("--api-key", default=os.environ.get("ERNIE_OPENAI_API_KEY"),
@@ -62,8 +67,15 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(config_from_args(args)), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.graceful_shutdown_seconds)
+    server = uvicorn.Server(uvicorn.Config(create_app(config_from_args(args)), host=args.host, port=args.port,
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.graceful_shutdown_seconds))
+    try:
+        server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(3)  # uvicorn.run's status for a server that never started
 
 
 if __name__ == "__main__":

@@ -1,10 +1,39 @@
-"""free_port: listening ports outside the kernel's ephemeral range, never the same twice in a process."""
+"""Ports (ernie_serve/ports.py): a server's port is its own before anyone is told it. Handed over (a bound socket the
+server serves on), reported (the server binds port 0), or picked and verified (the server fails on a taken port and
+is started again elsewhere; /proc says whose listener answers). free_port: listening ports outside the kernel's
+ephemeral range, never the same twice in a process, reserved across processes."""
 from __future__ import annotations
 
+import errno
 import itertools
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from ernie_serve import ports
+
+ROOT = Path(__file__).resolve().parents[2]
+# A process of its own that listens on the port it is given (SO_REUSEPORT when asked), prints its pid, and waits.
+STRANGER = """
+import socket, sys, os
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if sys.argv[2] == "reuseport":
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+    s.listen()
+    print(os.getpid(), flush=True)
+except OSError as e:
+    print("bind", e.errno, flush=True)
+sys.stdin.read()
+"""
 
 
 def _a_free_port() -> int:
@@ -19,6 +48,24 @@ def _draw_from(monkeypatch, ports_in_order) -> None:
     """free_port's random draws replaced by these ports, in order."""
     monkeypatch.setattr(ports.secrets, "SystemRandom",
                         lambda: type("R", (), {"randint": lambda s, a, b: next(ports_in_order)})())
+
+
+class _Stranger:
+    """Another process trying to listen on `port`: `.pid` once it does, `.bind_errno` when its bind failed."""
+
+    def __init__(self, port: int, reuseport: bool = False):
+        self.proc = subprocess.Popen([sys.executable, "-c", STRANGER, str(port), "reuseport" if reuseport else "-"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        words = self.proc.stdout.readline().split()
+        self.pid = int(words[0]) if words and words[0] != "bind" else None
+        self.bind_errno = int(words[1]) if words and words[0] == "bind" else None
+
+    def __enter__(self) -> "_Stranger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def test_ports_are_distinct_bindable_and_not_ephemeral():
@@ -48,9 +95,6 @@ def test_a_port_something_listens_on_is_never_picked(monkeypatch):
 def test_a_port_another_process_reserved_is_never_picked(monkeypatch, tmp_path):
     """Two processes pick ports side by side: what one holds the other skips, though nothing listens on it yet (the
     window between a test's pick and its server's bind)."""
-    import subprocess
-    import sys
-
     monkeypatch.setattr(ports, "RESERVATIONS", tmp_path)
     child = subprocess.Popen([sys.executable, "-c", (
         "import sys\nfrom pathlib import Path\nfrom ernie_serve import ports\n"
@@ -72,3 +116,89 @@ def test_a_port_another_process_reserved_is_never_picked(monkeypatch, tmp_path):
     _draw_from(monkeypatch, again)
     ports._HANDED_OUT.difference_update(held)
     assert ports.free_port() == held[0]
+
+
+def test_a_handed_over_port_cannot_be_taken_by_a_stranger():
+    with ports.listening_socket() as sock:
+        port = sock.getsockname()[1]
+        with _Stranger(port) as stranger, _Stranger(port, reuseport=True) as sharer:
+            assert stranger.bind_errno == errno.EADDRINUSE and sharer.bind_errno == errno.EADDRINUSE
+        assert ports.listeners_owned_by(port, [os.getpid()])
+
+
+def test_a_refusing_socket_refuses_connections_and_keeps_strangers_off_its_port():
+    with ports.refusing_socket() as held:
+        port = held.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        with _Stranger(port) as stranger:
+            assert stranger.bind_errno == errno.EADDRINUSE
+
+
+def test_a_listener_is_owned_only_by_the_process_holding_it():
+    port = _a_free_port()
+    with _Stranger(port, reuseport=True) as stranger:
+        assert stranger.pid is not None
+        assert ports.listeners_owned_by(port, [stranger.pid]) and not ports.listeners_owned_by(port, [os.getpid()])
+        # a server of ours sharing the port with it by SO_REUSEPORT is not the port's owner either
+        with socket.socket() as ours:
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            ours.bind(("127.0.0.1", port))
+            ours.listen()
+            assert not ports.listeners_owned_by(port, [os.getpid()])
+            assert ports.listeners_owned_by(port, [os.getpid(), stranger.pid])
+    assert not ports.listeners_owned_by(port, [os.getpid()])  # nothing listens: nobody's
+
+
+def test_session_pids_are_a_server_and_what_it_forked():
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                             "print(child.pid, flush=True)\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        child = int(proc.stdout.readline())
+        assert set(ports.session_pids(proc.pid)) == {proc.pid, child}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("text,taken", [
+    ("E1207 main.cc:257] \"failed to start HTTP service: Unavailable - Socket '127.0.0.1:39701' already in use \"",
+     True),
+    ("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:20411')", True),
+    ("model 'ernie_moe': engine failed to start: tensor_parallel_size=8 does not divide", False),
+])
+def test_a_bind_failure_is_told_from_other_start_up_failures(text, taken):
+    assert ports.address_in_use(text) is taken
+
+
+def test_the_shim_serves_on_the_socket_it_was_handed(tmp_path):
+    """`ernie-openai --fd`: the socket bound before the shim starts is the one it answers on, with no bind of its
+    own (the --port it is given is held by a stranger, which it never reaches)."""
+    import httpx
+
+    sock = ports.listening_socket()
+    port = sock.getsockname()[1]
+    with ports.listening_socket() as decoy:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / d) for d in ("client", "backend")))
+        with sock:
+            proc = subprocess.Popen([sys.executable, "-m", "ernie_client.openai_server", "--triton-url",
+                                     "127.0.0.1:1", "--port", str(decoy.getsockname()[1]), "--fd", str(sock.fileno()),
+                                     "--log-level", "warning"], env=env, pass_fds=(sock.fileno(),))
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, f"the shim exited {proc.returncode}"
+                try:
+                    r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline, "the shim did not answer on its handed-over socket"
+                    time.sleep(0.2)
+            assert r.status_code == 503  # the shim's own answer: no Triton behind it
+            assert ports.listeners_owned_by(port, [proc.pid])
+        finally:
+            proc.terminate()
+            proc.wait(30)

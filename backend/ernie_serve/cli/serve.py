@@ -43,12 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--http-port", type=int, default=None,
-                   help="Triton's HTTP port (default 8000; with --port: a free port, printed at start-up)")
+                   help="Triton's HTTP port (default 8000; with --port: a free port; 0: a free port; a free port "
+                        "is printed at start-up)")
     g.add_argument("--grpc-port", type=int, default=None,
-                   help="Triton's gRPC port (default 8001; with --port: a free port, printed at start-up)")
+                   help="Triton's gRPC port (default 8001; with --port or 0: a free port, printed at start-up)")
     g.add_argument("--metrics-port", type=int, default=None,
-                   help="Triton's metrics port, ernie:* (default 8002; with --port: a free port)")
-    g.add_argument("--openai-port", type=int, default=None, help="also start the OpenAI shim on this port")
+                   help="Triton's metrics port, ernie:* (default 8002; with --port or 0: a free port)")
+    g.add_argument("--openai-port", type=int, default=None,
+                   help="also start the OpenAI shim on this port (0: a free port, printed at start-up)")
     g.add_argument("--port", type=int, default=None,
                    help="FastDeploy's API server port: the OpenAI shim's, as --openai-port (then Triton's own "
                         "ports default to free ones, so two servers started as FastDeploy's are do not collide)")
@@ -119,10 +121,9 @@ def resolve_model_arg(args: argparse.Namespace) -> None:
 
 def resolve_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--port is FastDeploy's API server port, i.e. the shim's. A FastDeploy-style launch names only its own
-    ports (--port, --metrics-port), so Triton's HTTP and gRPC ports it leaves out are picked free rather than
-    8000/8001, which a second server on the host would collide on; a plain launch keeps Triton's defaults."""
-    from ..serving.launcher import free_port
-
+    ports (--port, --metrics-port), so Triton's HTTP and gRPC ports it leaves out are free ones rather than
+    8000/8001, which a second server on the host would collide on; a plain launch keeps Triton's defaults. A free
+    port is a 0 here: the launcher chooses it at start-up, where nothing can take it before the server does."""
     if args.port is not None and args.openai_port is not None and args.port != args.openai_port:
         parser.error(f"--port {args.port} and --openai-port {args.openai_port}: both are the OpenAI API's port; "
                      "give one")
@@ -131,14 +132,16 @@ def resolve_ports(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for name, default in (("http_port", 8000), ("grpc_port", 8001), ("metrics_port", 8002)):
         port = getattr(args, name)
         if port is None:
-            port = free_port(args.host) if fastdeploy_style else default
-        if not 0 < port < 65536:
+            port = 0 if fastdeploy_style else default
+        if not 0 <= port < 65536:
             parser.error(f"--{name.replace('_', '-')} {port} is not a TCP port")
         setattr(args, name, port)
+    if args.openai_port is not None and not 0 <= args.openai_port < 65536:
+        parser.error(f"--{'port' if fastdeploy_style else 'openai-port'} {args.openai_port} is not a TCP port")
     given = [("--http-port", args.http_port), ("--grpc-port", args.grpc_port), ("--metrics-port", args.metrics_port)]
     if args.openai_port is not None:
         given.append(("--port" if fastdeploy_style else "--openai-port", args.openai_port))
-    ports = [port for _, port in given]
+    ports = [port for _, port in given if port]  # 0s are chosen apart at start-up
     if len(set(ports)) != len(ports):
         parser.error("two of " + ", ".join(f"{flag} {port}" for flag, port in given) + " are the same port")
 
@@ -201,14 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"[ernie-serve] failed to start: {e}", file=sys.stderr)
         return 1
-    print(f"[ernie-serve] ready in {server.startup_seconds:.1f}s\n"
-          f"  HTTP     http://{server.http_url}  (POST /v2/models/ernie/generate, /generate_stream)\n"
-          f"  gRPC     {server.grpc_url}  (model 'ernie', or 'ernie_bls')\n"
-          f"  metrics  {server.metrics_url}  (ernie:*)\n"
-          + (f"  OpenAI   http://{args.host}:{args.openai_port}/v1\n" if server.openai_proc else "")
-          + f"  log      {server.log_path}\n"
-          + (f"  shim log {server.openai_log_path}\n" if server.openai_proc and server.openai_log_path else "")
-          + "  Ctrl-C to stop.", flush=True)
+    print(ready_banner(server), flush=True)
     code = supervise(server, stopping, args.restart_on_failure, args.startup_timeout)
     if stopping:
         print("[ernie-serve] stopping: in-flight requests finish or are cancelled, then the server exits",
@@ -219,6 +215,32 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0:
         server.cleanup()
     return code
+
+
+def ready_banner(server) -> str:
+    """What a started server prints: where each of its endpoints is (a port given as 0 shows the one chosen)."""
+    return (f"[ernie-serve] ready in {server.startup_seconds:.1f}s\n"
+            f"  HTTP     http://{server.http_url}  (POST /v2/models/ernie/generate, /generate_stream)\n"
+            f"  gRPC     {server.grpc_url}  (model 'ernie', or 'ernie_bls')\n"
+            f"  metrics  {server.metrics_url}  (ernie:*)\n"
+            + (f"  OpenAI   http://{server.host}:{server.openai_port}/v1\n" if server.openai_proc else "")
+            + f"  log      {server.log_path}\n"
+            + (f"  shim log {server.openai_log_path}\n" if server.openai_proc and server.openai_log_path else "")
+            + "  Ctrl-C to stop.")
+
+
+_BANNER_PORTS = {"http": r"^  HTTP +http://[^ ]*:(\d+)", "grpc": r"^  gRPC +[^ ]*:(\d+)",
+                 "metrics": r"^  metrics +http://[^ ]*:(\d+)/", "openai": r"^  OpenAI +http://[^ ]*:(\d+)/"}
+
+
+def banner_ports(output: str) -> dict[str, int]:
+    """The ports in the last ready banner of `output` (http, grpc, metrics, and openai when the shim runs): how a
+    caller that started `ernie-serve` with ports of 0 learns the ones it got."""
+    import re
+
+    last = output[output.rindex("] ready in"):] if "] ready in" in output else ""
+    found = {name: re.search(pattern, last, re.M) for name, pattern in _BANNER_PORTS.items()}
+    return {name: int(m.group(1)) for name, m in found.items() if m}
 
 
 def supervise(server, stopping: list, restart: bool, startup_timeout: float) -> int:

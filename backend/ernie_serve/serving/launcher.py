@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import repo_root
-from ..ports import free_port, port_in_use  # noqa: F401  (callers import them from here)
+from ..ports import free_port, port_in_use  # noqa: F401  (scripts import them from here)
+from ..ports import address_in_use, listeners_owned_by, listening_socket, session_pids
 from .control import listener_addresses, send_drain
 from .health import STUB_BINARY, HealthWatch, ernie_samples, requests_in_engines
 from .repository import render_repository
@@ -220,11 +221,25 @@ def replicas(settings: dict[str, str], engine_instances: int | None) -> int | No
     return n
 
 
+PORT_ATTEMPTS = 4  # starts of tritonserver on fresh ports when the ports chosen for it were taken first
+SIDE_CHANNEL_SETTINGS = ("engine_worker_queue_port", "cache_queue_port")  # a P/D server's own ports (config.py)
+
+
+class PortTakenError(OSError):
+    """tritonserver could not have a port it was started on: another process listens there."""
+
+
 class TritonServer:
     """A tritonserver process on a rendered copy of the repository (and the OpenAI shim); a context manager.
 
     It owns its children: they die with the launcher, however it dies (_Child), and `stop` drains
     before it stops.
+
+    A port given as 0 (Triton's three, the shim's, and the engine_worker_queue_port / cache_queue_port settings of a
+    P/D server) is chosen at `start` so that nothing else can answer on it (ports.py): the shim serves on a socket
+    bound here and handed over; tritonserver takes a port number only, so the launcher picks the others, starts it,
+    starts again on fresh picks when it failed because one was taken (up to PORT_ATTEMPTS), and accepts it only once
+    every socket listening on them is the server's own. The attributes then hold the ports in use.
     """
 
     def __init__(self, settings: dict[str, str] | None = None, http_port: int = 8000, grpc_port: int = 8001,
@@ -237,6 +252,10 @@ class TritonServer:
         self.settings = {key.replace("-", "_"): value for key, value in (settings or {}).items()}  # one spelling
         engine_instances = replicas(self.settings, engine_instances)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        # what `start` chooses: Triton's ports given as 0, and the P/D servers' own ports (settings) given as 0
+        self._chosen = [name for name in ("http_port", "grpc_port", "metrics_port") if getattr(self, name) == 0]
+        self._chosen_settings = [key for key in SIDE_CHANNEL_SETTINGS if str(self.settings.get(key)) == "0"]
+        self._openai_socket = None  # bound by `start`, handed over to the shim
         self.host = host
         self.repository = Path(repository) if repository else default_repository()
         self._own_run_dir = run_dir is None
@@ -285,10 +304,15 @@ class TritonServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def ports(self) -> dict[str, int]:
+        """The ports by flag; 0 for one `start` chooses and has not yet."""
         named = {"--http-port": self.http_port, "--grpc-port": self.grpc_port, "--metrics-port": self.metrics_port}
         if self.openai_port is not None:
             named["--openai-port"] = self.openai_port
         return named
+
+    def side_channel_ports(self) -> dict[str, int]:
+        """A P/D server's own ports (engine_worker_queue_port, cache_queue_port) by setting, where it has them."""
+        return {key: int(self.settings[key]) for key in SIDE_CHANNEL_SETTINGS if self.settings.get(key) is not None}
 
     def command(self, install: TritonInstall, repo: Path, backends: Path | None) -> list[str]:
         cmd = [str(install.binary), "--model-repository", str(repo), "--id", self.server_id,
@@ -304,16 +328,45 @@ class TritonServer:
         return cmd + list(self.extra_args)
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
-        taken = [f"{flag} {port}" for flag, port in self.ports().items() if port_in_use(self.host, port)]
+        given = {**self.ports(), **{f"--{k.replace('_', '-')}": p for k, p in self.side_channel_ports().items()}}
+        taken = [f"{flag} {port}" for flag, port in given.items() if port and port_in_use(self.host, port)]
         if taken:
             raise OSError(f"already in use on {self.host}: {', '.join(taken)} (another server?); "
                           "stop it or choose other ports")
-        self._start_triton(timeout)
+        if self.openai_port is not None and importlib.util.find_spec("ernie_client.openai_server") is not None:
+            try:
+                self._openai_socket = listening_socket(self.host, self.openai_port)
+            except OSError as e:
+                raise OSError(f"--openai-port {self.openai_port} on {self.host}: {e.strerror}") from None
+            self.openai_port = self._openai_socket.getsockname()[1]
+        try:
+            self._start_triton(timeout, choose_ports=True)
+        except BaseException:
+            self._close_openai_socket()
+            raise
         if self.openai_port is not None:
             self._start_openai()
         return self
 
-    def _start_triton(self, timeout: float) -> None:
+    def _start_triton(self, timeout: float, choose_ports: bool = False) -> None:
+        """Start tritonserver and wait until it is ready on ports that are its own. With `choose_ports`, the ports
+        given as 0 are picked afresh for each try, and a try that found one taken is followed by another."""
+        t0 = time.monotonic()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if choose_ports:
+                for name in self._chosen:
+                    setattr(self, name, free_port(self.host))
+                for key in self._chosen_settings:
+                    self.settings[key] = str(free_port(self.host))
+            try:
+                self._launch_triton(timeout - (time.monotonic() - t0))
+                return
+            except PortTakenError as e:
+                if not (choose_ports and (self._chosen or self._chosen_settings)) or attempt == PORT_ATTEMPTS:
+                    raise
+                print(f"[ernie-serve] {e}; starting again on other ports", file=sys.stderr, flush=True)
+
+    def _launch_triton(self, timeout: float) -> None:
         t0 = time.monotonic()
         install = self._install = find_tritonserver()
         repo = render_repository(self.repository, self.run_dir / "model_repository", self.settings,
@@ -328,29 +381,58 @@ class TritonServer:
             out.close()
         try:
             self.wait_ready(timeout - (time.monotonic() - t0))
+            self._check_own_ports()
+        except RuntimeError as e:
+            self.kill()
+            if address_in_use(str(e)):
+                why = next(line.strip() for line in str(e).splitlines() if address_in_use(line))
+                raise PortTakenError(f"tritonserver could not have a port it was given: {why}") from None
+            raise
         except BaseException:
             self.kill()
             raise
         self.watch = HealthWatch(self.proc.pid, self.metrics_url)
         self.startup_seconds = time.monotonic() - t0
 
+    def _check_own_ports(self) -> None:
+        """Every socket listening on Triton's ports is tritonserver's, and on the P/D ports one of its stubs':
+        a port shared with a stranger (SO_REUSEPORT) would send some connections there."""
+        owners = {self.http_port: [self.proc.pid], self.grpc_port: [self.proc.pid],
+                  self.metrics_port: [self.proc.pid]}
+        for port in self.side_channel_ports().values():
+            owners[port] = session_pids(self.proc.pid)  # the engine's stub binds them, in the server's session
+        strange = [port for port, pids in owners.items() if not listeners_owned_by(port, pids)]
+        if strange:
+            raise PortTakenError(f"ports {strange} on {self.host} are not (only) this tritonserver's own: "
+                                 f"already in use by another process")
+
+    def _close_openai_socket(self) -> None:
+        if self._openai_socket is not None:
+            self._openai_socket.close()
+            self._openai_socket = None
+
     def _start_openai(self) -> None:
-        if importlib.util.find_spec("ernie_client.openai_server") is None:
+        if self._openai_socket is None:
             print("[ernie-serve] --openai-port given but ernie_client.openai_server is not available; skipped",
                   file=sys.stderr)
             return
+        fd = self._openai_socket.fileno()
         cmd = [sys.executable, "-m", "ernie_client.openai_server", "--triton-url", self.grpc_url,
-               "--host", self.host, "--port", str(self.openai_port),
+               "--host", self.host, "--port", str(self.openai_port), "--fd", str(fd),
                "--graceful-shutdown-seconds", str(self.drain_timeout + 5), *self._shim_tokenizer_args(),
                *self.openai_args]
         env = server_env(self._install)
         if self.api_key:
             env["ERNIE_OPENAI_API_KEY"] = self.api_key  # not on the command line, where `ps` shows it
-        if self.openai_log_path is None:
-            self._openai = _Child(cmd, env=env)
-            return
-        with open(self.openai_log_path, "wb") as out:
-            self._openai = _Child(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            if self.openai_log_path is None:
+                self._openai = _Child(cmd, env=env, pass_fds=(fd,))
+                return
+            with open(self.openai_log_path, "wb") as out:
+                self._openai = _Child(cmd, env=env, pass_fds=(fd,), stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            # the shim holds the socket now; with it gone, connections are refused rather than left queued here
+            self._close_openai_socket()
 
     def _shim_tokenizer_args(self) -> list[str]:
         """The served model's tokenizer, max_model_len and chat template, for the shim's /tokenize & co."""
@@ -456,9 +538,10 @@ class TritonServer:
                 raise OSError("the old tritonserver's ports are still taken")
             time.sleep(0.2)
         self.server_id = f"ernie-serve-{uuid.uuid4().hex[:12]}"
-        self._start_triton(timeout)
+        self._start_triton(timeout)  # on the same ports: the shim reaches Triton on its gRPC port
 
     def cleanup(self) -> None:
+        self._close_openai_socket()
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
