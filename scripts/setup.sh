@@ -2,14 +2,14 @@
 # Create .venv/ at the repo root with everything the project needs, and build the embedded tiny
 # model. Idempotent: a second run with an unchanged pyproject.toml only checks and exits.
 #   scripts/setup.sh            # runtime + Paddle's CPU build + tritonserver (nvidia-pytriton) + kernels + tests
-#                               # + NIXL (the P/D KV transfer engine)
+#                               # + NIXL (the P/D KV transfer engine) + sglang-router (replicas)
 # The tensor framework is an extra (pyproject.toml): `cpu` here; a GPU machine installs `gpu` (docs/gpu-images.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="${PYTHON:-python3}"
 venv="$root/.venv"
-extras="cpu,server,kernels,test,nixl"
+extras="cpu,server,kernels,test,nixl,router"
 stamp="$venv/.ernie-setup"
 want="$( (cat pyproject.toml; echo "$extras"; "$py" --version) | sha256sum | cut -d' ' -f1)"
 
