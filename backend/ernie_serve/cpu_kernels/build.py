@@ -153,8 +153,9 @@ def _tier_library(tier: str) -> ctypes.CDLL:
 def _check_tier(lib: ctypes.CDLL, tier: str) -> None:
     got = _isa.ISAS[lib.ernie_isa()]
     if got != tier:
-        raise RuntimeError(f"ERNIE_CPU_ISA={tier}: the library built for it runs {got} (the compiler's -march=native "
-                           "target or Linux's AMX permission differs from /proc/cpuinfo); set a tier it reaches")
+        raise RuntimeError(f"instruction-set tier {tier} (ERNIE_CPU_ISA): the library built for it runs {got} (the "
+                           "compiler's -march=native target or Linux's AMX permission differs from /proc/cpuinfo); "
+                           "ask for a tier it reaches")
 
 
 def cpu_isas() -> list[str]:
