@@ -3,7 +3,7 @@
     ernie-openai --triton-url localhost:8001 --port 9000 [--host 127.0.0.1] [--model-name ernie]
                  [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--max-waiting-time S]
                  [--request-timeout S] [--tokenizer DIR [--max-model-len N] [--chat-template T]]
-                 [--graceful-shutdown-seconds S]
+                 [--graceful-shutdown-seconds S] [--triton-metrics-url URL]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import socket
 import sys
 
 from .openai import ServerConfig, create_app
+from .openai.replica import draining_server
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the served model's directory (its tokenizer) for /tokenize, /detokenize, /tokenizer_info")
     p.add_argument("--max-model-len", type=int, default=None, help="the server's, reported by /tokenize")
     p.add_argument("--chat-template", default=None, help="the server's --chat-template, if it has one")
+    p.add_argument("--triton-metrics-url", default=None,
+                   help="Triton's metrics page (http://host:8002/metrics): the engines' load in /get_load")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_concurrency < 1:
@@ -59,7 +62,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         served_model_name=args.served_model_name, api_key=args.api_key,
                         max_concurrency=args.max_concurrency, request_timeout=args.request_timeout,
                         max_waiting_time=args.max_waiting_time, tokenizer=args.tokenizer,
-                        max_model_len=args.max_model_len, chat_template=args.chat_template)
+                        max_model_len=args.max_model_len, chat_template=args.chat_template,
+                        triton_metrics_url=args.triton_metrics_url)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,9 +71,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = uvicorn.Server(uvicorn.Config(create_app(config_from_args(args)), host=args.host, port=args.port,
-                                           log_level=args.log_level,
-                                           timeout_graceful_shutdown=args.graceful_shutdown_seconds))
+    # the first SIGTERM drains: /health 503 and new requests refused while running ones finish (openai/replica.py)
+    server = draining_server(uvicorn.Config(create_app(config_from_args(args)), host=args.host, port=args.port,
+                                            log_level=args.log_level,
+                                            timeout_graceful_shutdown=args.graceful_shutdown_seconds))
     try:
         server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
     except KeyboardInterrupt:
