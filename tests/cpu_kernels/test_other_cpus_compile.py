@@ -1,6 +1,6 @@
-"""The C kernels compile for x86 CPUs other than this one: they have AVX-512 (with and without VNNI / BF16), AVX2
-and scalar paths, chosen by the compiler's target, and build.py only compiles for the machine it runs on, so a path
-the test machine cannot run would otherwise not even be compiled before a user's machine does."""
+"""The C kernels compile for x86 CPUs other than this one: they have AMX, AVX-512 (with and without VNNI), AVX2
+and scalar paths, chosen by the compiler's target. The tiers this CPU has are built and run by the `isa` fixture
+(conftest.py); one above it would otherwise not even be compiled before a user's machine does."""
 from __future__ import annotations
 
 import subprocess
