@@ -27,7 +27,11 @@ class _StubRank0:
     def __init__(self, rank, spec):
         pass
 
-    def make_group(self):
+    @staticmethod
+    def host_store(backend, framework, world_size):
+        return SimpleNamespace(port=0, store=lambda still_starting: None)
+
+    def make_group(self, store=None):
         return None, None
 
     def load(self, group):

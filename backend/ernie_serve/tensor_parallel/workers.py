@@ -37,7 +37,8 @@ between processes: the lm_head's all-gather delivers them to rank 0, where the s
 A shard is either backend's: the reference backend's ModelShard (Paddle on the CPU, model/parallel.py's
 collectives) or the kernels backend's KernelShard (triton-lang kernels on one GPU a rank, or in triton's CPU
 interpreter; kernels_backend/collectives.py over Paddle or torch). The process group is this engine's own
-(process_groups.py: a TCPStore on a free port, gloo on the CPU, NCCL on GPUs), never a framework's global one.
+(process_groups.py: a TCPStore that rank 0 hosts on a port of its own before the workers start, gloo on the CPU,
+NCCL on GPUs), never a framework's global one.
 
 Start-up. Each worker reports "hello", then progress while it loads (load_progress.py's ticks: the checkpoint bytes
 it has read, about once a second), then "ready". The driver fails start-up only when a worker has been silent for the
@@ -73,8 +74,8 @@ from .. import load_progress
 from .._env import setup_model_process
 from ..kv_blocks import KVBlocks
 from ..model.parallel import ParallelLayout
-from ..ports import free_port
-from ..process_groups import STARTUP_TIMEOUT_SECONDS, paddle_group, torch_group
+from ..process_groups import (STARTUP_TIMEOUT_SECONDS, Rendezvous, host_store, join_store, paddle_group,
+                              torch_group)
 from .persistent_batch import PersistentBatch, StepDeltaEncoder
 from ..step_contract import StepExecutor, StepInput
 
@@ -120,6 +121,11 @@ def paddle_on_cpu(backend: str, framework: str, on_gpu: bool) -> bool:
     return backend == "reference" or (framework == "paddle" and not on_gpu)
 
 
+def _store_framework(backend: str, framework: str) -> str:
+    """The framework whose process group (and store) the ranks use: torch only for the kernels backend on torch."""
+    return "torch" if backend == "kernels" and framework == "torch" else "paddle"
+
+
 def threads_per_rank(world_size: int) -> int:
     """The CPU threads one rank's kernels get: the cores shared evenly between the ranks."""
     return max(1, len(os.sched_getaffinity(0)) // world_size)
@@ -137,12 +143,20 @@ class RankShard:
 
             self.ops = make_tensor_ops(spec.framework, device_index=rank)
 
-    def make_group(self):
-        """This engine's own process group (rank 0 hosts its TCPStore): (group, store)."""
+    @staticmethod
+    def host_store(backend: str, framework: str, world_size: int) -> Rendezvous:
+        """Rank 0's TCPStore, listening on a port of its own before any worker is told the port."""
+        return host_store(_store_framework(backend, framework), world_size)
+
+    def make_group(self, store=None):
+        """This engine's own process group: (group, store). Rank 0 passes the store it hosts; a worker joins it."""
         s = self.spec
-        if s.backend == "kernels" and s.framework == "torch":
-            return torch_group(self.rank, s.world_size, s.store_port, s.on_gpu)
-        return paddle_group(self.rank, s.world_size, s.store_port, s.group_id, s.on_gpu)
+        framework = _store_framework(s.backend, s.framework)
+        if store is None:
+            store = join_store(framework, s.store_port, s.world_size)
+        if framework == "torch":
+            return torch_group(self.rank, s.world_size, store, s.on_gpu), store
+        return paddle_group(self.rank, s.world_size, store, s.group_id, s.on_gpu), store
 
     def load(self, group) -> StepExecutor:
         s = self.spec
@@ -171,7 +185,9 @@ class TensorParallelExecutor:
         """`spec_fields`: ShardSpec's fields but the store port and group id, which are chosen here.
         `startup_timeout`: how long a worker may go without reporting anything (hello, loading progress, ready)
         before start-up fails; there is no limit on the whole start-up, which grows with the checkpoint."""
-        self.spec = ShardSpec(**spec_fields, store_port=free_port(), group_id=next(_group_ids))
+        rendezvous = RankShard.host_store(spec_fields.get("backend", "reference"),
+                                          spec_fields.get("framework", "paddle"), spec_fields["world_size"])
+        self.spec = ShardSpec(**spec_fields, store_port=rendezvous.port, group_id=next(_group_ids))
         self.failure: str | None = None
         self._zmq = zmq.Context()
         self._control = self._zmq.socket(zmq.PULL)  # hello / progress / ready / error reports from the workers
@@ -193,7 +209,7 @@ class TensorParallelExecutor:
         try:
             self._await("hello", startup_timeout)  # every worker is up and about to join the group
             rank0 = RankShard(0, self.spec)
-            self.group, self._store = rank0.make_group()
+            self.group, self._store = rank0.make_group(rendezvous.store(still_starting=self._check_alive))
             self.shard = rank0.load(self.group)  # the workers' reports queue meanwhile; _await reads them all first
             self._kv = AllRanksKV(self)
             self.draft_head = None if self.shard.draft_head is None else MirroredDraftHead(self, self.shard.draft_head)
