@@ -1,4 +1,5 @@
-"""One tritonserver for every e2e test, started through the launcher's Python API on free ports."""
+"""One tritonserver for every e2e test, started through the launcher's Python API on ports of its own (0: the
+launcher chooses them so that nothing else can answer there)."""
 from __future__ import annotations
 
 import time
@@ -12,9 +13,9 @@ SERVER_SETTINGS = {"max_model_len": "512", "max_num_seqs": "16", "block_size": "
 
 @pytest.fixture(scope="session")
 def triton_server():
-    from ernie_serve.serving.launcher import TritonServer, free_port
+    from ernie_serve.serving.launcher import TritonServer
 
-    server = TritonServer(SERVER_SETTINGS, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+    server = TritonServer(SERVER_SETTINGS, http_port=0, grpc_port=0, metrics_port=0)
     try:
         server.start(timeout=300)
     except Exception:

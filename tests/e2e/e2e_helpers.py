@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 
 def scrape(server) -> dict[str, float]:
@@ -44,3 +45,18 @@ def wait_for_health(url: str, timeout: float, proc=None) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url}/health did not answer in {timeout:.0f} s")
+
+
+def wait_for_banner(log, timeout: float, proc) -> dict[str, int]:
+    """The ports an `ernie-serve` process started with ports of 0 got (cli/serve.py's banner_ports), read from its
+    output file `log` once it printed them; fails early if `proc` exits first."""
+    from ernie_serve.cli.serve import banner_ports
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ports = banner_ports(Path(log).read_text(errors="replace"))
+        if ports:
+            return ports
+        assert proc.poll() is None, f"ernie-serve exited {proc.returncode}:\n{Path(log).read_text()[-3000:]}"
+        time.sleep(0.2)
+    raise TimeoutError(f"ernie-serve printed no ready banner in {timeout:.0f} s")

@@ -1,28 +1,30 @@
-"""Helpers shared by the shim tests: free ports and the shim under a real uvicorn in a thread."""
+"""Helpers shared by the shim tests: the shim under a real uvicorn in a thread, on a socket bound before it starts
+(ports.py: nothing else can take the port in between)."""
 from __future__ import annotations
 
 import threading
 import time
 
-
-from ernie_serve.serving.launcher import free_port  # noqa: E402  (ports outside the ephemeral range)
+from ernie_serve.ports import listening_socket, refusing_socket  # noqa: F401  (the shim tests take them from here)
 
 
 class RunningShim:
-    """uvicorn serving `app` on 127.0.0.1:<free port> until stop()."""
+    """uvicorn serving `app` on 127.0.0.1:<a port of its own> until stop()."""
 
     def __init__(self, app):
         import uvicorn
 
-        self.port = free_port()
+        sock = listening_socket()
+        self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
+                sock.close()
                 raise RuntimeError("the shim did not start")
             time.sleep(0.02)
 

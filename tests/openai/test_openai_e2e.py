@@ -23,7 +23,7 @@ import openai
 import numpy as np
 import pytest
 
-from openai_shim_helpers import free_port
+from openai_shim_helpers import listening_socket, refusing_socket
 from ernie_client.openai import ServerConfig, create_app
 
 pytestmark = pytest.mark.e2e
@@ -48,7 +48,7 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.1):
 def triton():
     launcher = pytest.importorskip("ernie_serve.serving.launcher", reason="the Triton launcher is not available")
     server = launcher.TritonServer({"reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1"},
-                                   http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+                                   http_port=0, grpc_port=0, metrics_port=0)  # 0: ports of its own
     try:
         server.start(timeout=300)
     except (FileNotFoundError, RuntimeError, TimeoutError) as e:
@@ -68,13 +68,15 @@ def triton():
 
 @pytest.fixture(scope="module")
 def shim(triton):
-    """`ernie-openai` as a process (the console script's module), on a free port."""
-    port = free_port()
+    """`ernie-openai` as a process (the console script's module), on a socket bound here and handed over (--fd)."""
+    sock = listening_socket()
+    port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "backend"),
                                                       os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "ernie_client.openai_server", "--triton-url", triton.grpc_url,
-                             "--port", str(port), "--served-model-name", "ernie-tiny", "--log-level", "warning"],
-                            env=env, start_new_session=True)
+    with sock:
+        proc = subprocess.Popen([sys.executable, "-m", "ernie_client.openai_server", "--triton-url", triton.grpc_url,
+                                 "--port", str(port), "--fd", str(sock.fileno()), "--served-model-name", "ernie-tiny",
+                                 "--log-level", "warning"], env=env, start_new_session=True, pass_fds=(sock.fileno(),))
     url = f"http://127.0.0.1:{port}"
 
     def healthy():
@@ -427,11 +429,12 @@ def test_over_max_concurrency_is_429(other_shim, triton):
 
 
 def test_triton_unavailable_is_503(other_shim):
-    running, c = other_shim(triton_url=f"127.0.0.1:{free_port()}")
-    with pytest.raises(openai.InternalServerError) as e:
-        c.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1)
-    assert e.value.status_code == 503 and _err(e.value)["type"] == "service_unavailable"
-    assert httpx.get(running.url + "/health").status_code == 503
+    with refusing_socket() as nobody:  # no Triton can answer there while it is held
+        running, c = other_shim(triton_url=f"127.0.0.1:{nobody.getsockname()[1]}")
+        with pytest.raises(openai.InternalServerError) as e:
+            c.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1)
+        assert e.value.status_code == 503 and _err(e.value)["type"] == "service_unavailable"
+        assert httpx.get(running.url + "/health").status_code == 503
 
 
 def test_request_timeout_is_504_and_frees_the_request(other_shim, triton):

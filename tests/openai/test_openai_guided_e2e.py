@@ -31,12 +31,11 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris to
 
 @pytest.fixture(scope="module")
 def served():
-    from ernie_serve.serving.launcher import TritonServer, free_port
+    from ernie_serve.serving.launcher import TritonServer
 
     server = TritonServer({"reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1", "max_model_len": "1024",
                            "max_num_seqs": "8", "block_size": "16", "num_gpu_blocks_override": "256"},
-                          http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          openai_port=free_port())
+                          http_port=0, grpc_port=0, metrics_port=0, openai_port=0)  # 0: ports of its own
     try:
         server.start(timeout=300)
         url = f"http://{server.host}:{server.openai_port}"

@@ -24,15 +24,14 @@ def _shim_healthy(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def served():
-    """A TritonServer (ernie_serve.serving.launcher) on free ports with `ernie-openai` on its openai_port.
+    """A TritonServer (ernie_serve.serving.launcher) on ports of its own with `ernie-openai` on its openai_port.
 
     Stopped at the end of the module, which must not wait out the exit timeout: a bad request that left
     something in flight would show there.
     """
-    from ernie_serve.serving.launcher import TritonServer, free_port
+    from ernie_serve.serving.launcher import TritonServer
 
-    server = TritonServer(SERVER_SETTINGS, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          openai_port=free_port())
+    server = TritonServer(SERVER_SETTINGS, http_port=0, grpc_port=0, metrics_port=0, openai_port=0)
     try:
         server.start(timeout=300)
         deadline = time.monotonic() + 60
@@ -61,13 +60,13 @@ def openai_url(served) -> str:
 
 
 def start_served(settings: dict[str, str] | None = None, **kwargs):
-    """A started TritonServer (with its shim when openai_port=True) on free ports; stop it with `stop_served`."""
-    from ernie_serve.serving.launcher import TritonServer, free_port
+    """A started TritonServer (with its shim when openai_port=True) on ports of its own; stop with `stop_served`."""
+    from ernie_serve.serving.launcher import TritonServer
 
     if kwargs.get("openai_port") is True:
-        kwargs["openai_port"] = free_port()
-    server = TritonServer({**SERVER_SETTINGS, **(settings or {})}, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port(), **kwargs)
+        kwargs["openai_port"] = 0
+    server = TritonServer({**SERVER_SETTINGS, **(settings or {})}, http_port=0, grpc_port=0, metrics_port=0,
+                          **kwargs)
     try:
         server.start(timeout=300)
         deadline = time.monotonic() + 60

@@ -25,22 +25,24 @@ import pytest
 
 from conftest import SERVER_SETTINGS, start_served, stop_served
 from ernie_serve.serving.health import python_stubs
-from ernie_serve.serving.launcher import TritonServer, default_repository, free_port
+from ernie_serve.cli.serve import banner_ports
+from ernie_serve.serving.launcher import TritonServer, default_repository
 
 WAIT = 90
 SETTING_FLAGS = [a for k, v in SERVER_SETTINGS.items() for a in ("--" + k.replace("_", "-"), v)]
 
 
 class Launcher:
-    """`ernie-serve` in a subprocess on free ports with its own run dir; output collected on a thread."""
+    """`ernie-serve` in a subprocess on ports of its own (given as 0: it chooses them, and `ready` reads them from
+    its banner) with its own run dir; output collected on a thread."""
 
     def __init__(self, run_dir: Path, *flags: str, openai: bool = False):
         self.run_dir = run_dir
-        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
-        self.openai = free_port() if openai else None
-        cmd = [sys.executable, "-m", "ernie_serve.cli.serve", "--http-port", str(self.http), "--grpc-port",
-               str(self.grpc), "--metrics-port", str(self.metrics), "--run-dir", str(run_dir), *SETTING_FLAGS,
-               *flags] + (["--openai-port", str(self.openai)] if openai else [])
+        self.http = self.grpc = self.metrics = self.openai = None  # known once ready
+        cmd = [sys.executable, "-m", "ernie_serve.cli.serve", "--http-port", "0", "--grpc-port", "0",
+               "--metrics-port", "0", "--run-dir", str(run_dir), *SETTING_FLAGS,
+               *flags] + (["--openai-port", "0"] if openai else [])
+        self.with_openai = openai
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -63,6 +65,9 @@ class Launcher:
 
     def ready(self) -> "Launcher":
         self.wait_for("ready in")
+        ports = banner_ports(self.output)
+        self.http, self.grpc, self.metrics, self.openai = (ports.get(k) for k in ("http", "grpc", "metrics", "openai"))
+        assert self.http and self.grpc and self.metrics and bool(self.openai) == self.with_openai, self.output
         if self.openai is not None:
             wait_until(lambda: shim_health(self) == 200, "the shim to be healthy")
         return self
@@ -328,18 +333,27 @@ def test_an_engine_that_refuses_its_config_ends_the_output_with_the_reason(launc
     assert "] ready in" not in server.output and not server.leftovers()
 
 
+class Impostor(http.server.BaseHTTPRequestHandler):
+    """A ready tritonserver that is not ours (and refuses what it does not serve, as a stranger's server once
+    answered a CI run's shim tests with 405s)."""
+
+    def do_GET(self):
+        body = b'{"name":"triton","version":"2.51.0"}' if self.path == "/v2" else b""
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.send_response(405)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
 def test_another_server_answering_on_the_port_is_not_taken_for_this_one():
-    class Impostor(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # a ready tritonserver that is not ours
-            body = b'{"name":"triton","version":"2.51.0"}' if self.path == "/v2" else b""
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
     impostor = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
     threading.Thread(target=impostor.serve_forever, daemon=True).start()
     try:
@@ -348,6 +362,37 @@ def test_another_server_answering_on_the_port_is_not_taken_for_this_one():
     finally:
         impostor.shutdown()
         server.cleanup()
+
+
+def test_a_stranger_on_a_port_picked_for_tritonserver_makes_it_start_again_elsewhere(monkeypatch, capfd):
+    """The window the launcher cannot close (tritonserver takes a port number, and binds it only after loading its
+    models): a stranger listens on the port picked for Triton's HTTP before Triton binds it. Triton fails on it, and
+    the start goes on on fresh ports; every port the test is given is then the server's own."""
+    from ernie_serve import ports
+    from ernie_serve.serving import launcher
+
+    impostor = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    taken = impostor.server_address[1]
+    picks = iter([taken])  # the first pick (the HTTP port) is the stranger's, then free_port's own
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    try:
+        server = start_served(openai_port=True)
+        try:
+            assert taken not in server.ports().values()
+            assert server.is_ready()  # its own id on its HTTP port
+            assert all(ports.listeners_owned_by(p, [server.proc.pid])
+                       for p in (server.http_port, server.grpc_port, server.metrics_port))
+            assert ports.listeners_owned_by(server.openai_port, [server.openai_proc.pid])
+            r = httpx.post(f"http://{server.host}:{server.openai_port}/v1/completions", timeout=WAIT,
+                           json={"model": "ernie", "prompt": "hello", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        finally:
+            stop_served(server)
+    finally:
+        impostor.shutdown()
+    assert f"'127.0.0.1:{taken}' already in use" in capfd.readouterr().err  # the first start's reason, reported
 
 
 @pytest.fixture

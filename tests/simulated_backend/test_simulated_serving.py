@@ -10,12 +10,12 @@ import pytest
 
 @pytest.fixture(scope="module")
 def simulated_server():
-    from ernie_serve.serving.launcher import TritonServer, free_port
+    from ernie_serve.serving.launcher import TritonServer
 
     settings = {"execution_backend": "simulated", "simulated_gpu": "h200", "simulated_model": "ernie-4.5-21b-a3b",
                 "simulated_time_scale": "0.1", "quantization": "wint8", "max_model_len": "1024",
                 "max_num_seqs": "4", "reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1"}
-    with TritonServer(settings, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()) as server:
+    with TritonServer(settings, http_port=0, grpc_port=0, metrics_port=0) as server:
         yield server
 
 
