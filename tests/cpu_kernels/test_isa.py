@@ -44,6 +44,10 @@ def test_a_tier_above_the_cpus_is_refused_naming_the_variable_and_what_the_cpu_r
         cap_from_env({"ERNIE_CPU_ISA": "amx"}, cpu_isas(ZEN4))
     with pytest.raises(ValueError, match="ERNIE_CPU_ISA='AVX2': expected one of"):
         cap_from_env({"ERNIE_CPU_ISA": "AVX2"}, ISAS)
+    with pytest.raises(ValueError, match="ERNIE_CPU_ISA=amx with ERNIE_CPU_AMX=0"):  # on any CPU
+        cap_from_env({"ERNIE_CPU_ISA": "amx", "ERNIE_CPU_AMX": "0"}, cpu_isas(ZEN3))
+    with pytest.raises(ValueError, match="ERNIE_CPU_AMX='off'"):
+        cap_from_env({"ERNIE_CPU_AMX": "off"}, ISAS)
 
 
 def test_a_capped_library_switches_off_only_the_higher_tiers_the_cpu_has():

@@ -49,11 +49,11 @@ def cap_from_env(env: Mapping[str, str], cpu: Sequence[str]) -> str:
         return cpu[-2] if amx == "0" and cpu[-1] == "amx" else cpu[-1]
     if asked not in _TIERS:
         raise ValueError(f"ERNIE_CPU_ISA={asked!r}: expected one of {', '.join(ISAS)} (unset: the CPU's highest)")
+    if asked == "amx" and amx == "0":
+        raise ValueError("ERNIE_CPU_ISA=amx with ERNIE_CPU_AMX=0: the two disagree; unset one of them")
     if asked not in cpu:
         raise ValueError(f"ERNIE_CPU_ISA={asked}: this CPU runs only {', '.join(cpu)} (its flags lack "
                          f"{', '.join(_TIERS[asked][0])} or a lower tier's)")
-    if asked == "amx" and amx == "0":
-        raise ValueError("ERNIE_CPU_ISA=amx with ERNIE_CPU_AMX=0: the two disagree; unset one of them")
     return asked
 
 
