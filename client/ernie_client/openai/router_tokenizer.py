@@ -154,21 +154,3 @@ def _check_normalizer(sp) -> None:
         if sp.decode(sp.encode(text)) != text:
             raise RouterTokenizerError(f"tokenizer.model uses {setting}; not translated")
 
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m ernie_client.openai.router_tokenizer MODEL_DIR`: print the directory to give a router on another
-    host as --tokenizer-path (replicas report a path on their own host)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m ernie_client.openai.router_tokenizer", description=main.__doc__)
-    p.add_argument("model_dir", help="the served model's directory (its tokenizer.model and tokenizer_config.json)")
-    p.add_argument("--out", type=Path, default=None, help="the folder to write under (default: the build folder)")
-    args = p.parse_args(argv)
-    try:
-        print(router_tokenizer_dir(args.model_dir, args.out))
-    except RouterTokenizerError as e:
-        p.error(str(e))
-
-
-if __name__ == "__main__":
-    main()
