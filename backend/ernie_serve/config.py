@@ -73,6 +73,11 @@ class EngineConfig:
     # SGLang's --stream-interval: a stream's responses carry at least this many new tokens (the first token and
     # the last response go out at once); a consumer that lags gets several steps' tokens in one response anyway
     stream_interval: int = 1
+    # Time-based coalescing (serving/stream_pacing.py): a stream's next response waits until this many ms have
+    # passed since its previous one, so at a GPU's step rate a response carries a few tokens instead of one and every
+    # hop after the engine costs less a token. The first token and the final response never wait; a token waits at
+    # most this long plus one engine step. 0: a response per step.
+    stream_coalesce_ms: float = 0.0
     disable_progress_bar: bool = False
     # "reference": the Paddle CPU path (the oracle); "kernels": the triton-lang kernels (kernels_backend/) on a GPU,
     # or on the CPU under TRITON_INTERPRET=1; "auto": kernels when a GPU is visible, else reference;
@@ -138,6 +143,8 @@ class EngineConfig:
         need(self.max_logprobs <= 20, "max_logprobs", "must be <= 20")
         need(isinstance(self.stream_interval, int) and self.stream_interval >= 1, "stream_interval",
              "must be an integer >= 1 (tokens a streamed response carries at least)")
+        need(isinstance(self.stream_coalesce_ms, (int, float)) and 0 <= self.stream_coalesce_ms <= 1000,
+             "stream_coalesce_ms", "must be a number of milliseconds from 0 to 1000")
         self._check_speculative()
         self._refuse_unbuilt()
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import threading
 import time
+import zlib
 
 import numpy as np
 
 from ernie_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from ernie_serve.serving.engine_response import EngineResponse, Failure, RequestMeta
 
 
 def s(value: str) -> np.ndarray:
@@ -18,12 +20,25 @@ def i32(value: int) -> np.ndarray:
     return np.array([[value]], dtype=np.int32)
 
 
-def moe_response(key: str, index: int, text: str, finish: str = "", meta: dict | None = None) -> dict:
-    return {"request_key": s(key), "response_index": i32(index), "token_ids": np.array([[1, 2]], np.int32),
-            "text_delta": s(text), "engine_finish_reason": s(finish), "num_input_tokens": i32(3),
-            "num_output_tokens": i32(2 * (index + 1)), "num_cached_tokens": i32(0),
-            "request_meta": s(json.dumps(meta or {"max_tokens": 100}) if index == 0 else ""),
-            "prompt_ids": np.array([[5, 6, 7]] if index == 0 else [[]], np.int32).reshape(1, -1)}
+def stream_id_of(key: str) -> int:
+    """The stream id a test's named stream travels under."""
+    return zlib.crc32(key.encode())
+
+
+def moe_response(key: str, index: int, text: str, finish: str = "", meta: dict | None = None,
+                 failure: Failure | None = None, logprobs: list | None = None) -> dict:
+    """ernie_moe's tensors for response `index` of the stream named `key` (also its RequestMeta.key): two tokens
+    whose engine text is `text`; final with `finish` (a finish reason) or `failure`."""
+    final = bool(finish) or failure is not None
+    return EngineResponse(stream_id_of(key), index, [1, 2], 3, 2 * (index + 1), 0, final=final,
+                          finish_reason=finish or None if failure is None else None, failure=failure, text=text,
+                          meta=RequestMeta(**{"max_tokens": 100, "key": key, **(meta or {})}) if index == 0 else None,
+                          prompt_ids=[5, 6, 7] if index == 0 else None, logprobs=logprobs).to_tensors()
+
+
+def sent_responses(sink) -> list[EngineResponse]:
+    """What a sink was sent, as the stage after ernie_moe reads it."""
+    return [EngineResponse.from_tensors(outputs) for outputs, _ in sink.sent]
 
 
 class FakeEngine:

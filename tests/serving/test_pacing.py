@@ -9,24 +9,30 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from ernie_serve.serving import engine_model
 from ernie_serve.serving.control import ControlListener, ProgressReporter
 from ernie_serve.serving.engine_model import PACE_WINDOW, SHUT_DOWN, EngineModel
+from ernie_serve.serving.engine_response import EngineResponse
 from ernie_serve.serving.errors import InBandError
 from ernie_serve.serving.postprocess import Postprocessor
 from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.request import parse_request
-from serving_fakes import FakeEngine, Sink, engine_inputs, moe_response, s
+from serving_fakes import FakeEngine, Sink, engine_inputs, moe_response, s, sent_responses
 
 PACED = {"progress_reports": True}
 
 
 def _ids(sink: Sink) -> list[list[int]]:
     return [[int(t) for t in o["token_ids"][0]] for o, _ in sink.sent if o is not None]
+
+
+def _max_hold(model, seconds: float) -> None:
+    """The longest a held response waits for a report, for this model."""
+    model.responses.policy = replace(model.responses.policy, max_hold_seconds=seconds)
 
 
 def _wait(cond, seconds: float = 5.0) -> None:
@@ -54,7 +60,7 @@ def _submit(model, meta=PACED) -> tuple[str, Sink]:
 
 
 def test_a_stream_the_detokenizer_has_not_caught_up_with_is_held_then_sent_as_one_response(model, monkeypatch):
-    monkeypatch.setattr(engine_model, "PACE_MAX_HOLD_SECONDS", 30.0)  # only the report can release it
+    _max_hold(model, 30.0)  # only the report can release it
     key, sink = _submit(model)
     for step in range(PACE_WINDOW):  # as many responses as the window lets out unprocessed
         model.fake.emit(key, "x", token_ids=(step,))
@@ -73,11 +79,11 @@ def test_a_stream_the_detokenizer_has_not_caught_up_with_is_held_then_sent_as_on
     model.fake.emit(key, "x", finished=True, reason="length", token_ids=(6,))  # a FINAL is never held
     assert sink.done.wait(5)
     assert _ids(sink) == [[0], [1], [2, 3, 4], [5, 6]] and [f for _, f in sink.sent] == [False] * 3 + [True]
-    assert [int(o["response_index"][0, 0]) for o, _ in sink.sent] == [0, 1, 2, 3]
+    assert [r.index for r in sent_responses(sink)] == [0, 1, 2, 3]
 
 
 def test_a_hold_ends_after_the_longest_hold_when_no_report_comes(model, monkeypatch):
-    monkeypatch.setattr(engine_model, "PACE_MAX_HOLD_SECONDS", 0.2)
+    _max_hold(model, 0.2)
     key, sink = _submit(model)
     for step in range(PACE_WINDOW + 2):
         model.fake.emit(key, "x", token_ids=(step,))
@@ -105,7 +111,7 @@ def test_streams_that_ask_for_no_reports_and_non_streaming_requests_are_never_he
 def test_an_error_ends_a_held_stream_after_its_held_tokens_in_band(model, tokenizer, monkeypatch):
     """The tokenizer's meta asks for reports and in-band errors; the detokenizer sees every response in order, the
     held tokens, then the error."""
-    monkeypatch.setattr(engine_model, "PACE_MAX_HOLD_SECONDS", 30.0)
+    _max_hold(model, 30.0)
     ids, payload = Preprocessor(tokenizer, 512).encode(parse_request({"text_input": s("hi"),
                                                                       "stream": np.array([[True]])}))
     assert payload["meta"]["progress_reports"] is True
@@ -128,15 +134,15 @@ def test_an_error_ends_a_held_stream_after_its_held_tokens_in_band(model, tokeni
     assert raised.value.code == SHUT_DOWN.code
 
 
-def test_random_steps_reports_and_ends_keep_every_token_in_order_with_one_final(monkeypatch):
+def test_random_steps_reports_and_ends_keep_every_token_in_order_with_one_final():
     """Random interleavings of steps, detokenizer progress, finishes, aborts and a drain over many streams: each
     stream's responses carry exactly its tokens in order (a prefix for an aborted one), indexed 0, 1, ..., with
     one FINAL, last; a paced stream never has more than PACE_WINDOW non-final responses unprocessed."""
-    monkeypatch.setattr(engine_model, "PACE_MAX_HOLD_SECONDS", 30.0)
     for seed in range(6):
         rng = random.Random(seed)
         engine = FakeEngine()
         model = EngineModel(None, engine=engine)
+        _max_hold(model, 30.0)
         reported: dict[str, int] = {}
         overruns: list[str] = []
 
@@ -144,7 +150,7 @@ def test_random_steps_reports_and_ends_keep_every_token_in_order_with_one_final(
             key = ""
 
             def send(self, outputs, final):
-                index = int(outputs["response_index"][0, 0])
+                index = EngineResponse.from_tensors(outputs).index
                 if self.key in reported and not final and index - reported[self.key] >= PACE_WINDOW:
                     overruns.append(f"{self.key}: response {index} with {reported[self.key]} processed")
                 super().send(outputs, final)
@@ -177,7 +183,7 @@ def test_random_steps_reports_and_ends_keep_every_token_in_order_with_one_final(
                 sent = len(sink.sent)
                 if sent > reported[key]:
                     reported[key] = rng.randint(reported[key], sent)
-                    model._on_progress([(key, reported[key])])
+                    model.responses.put_progress([(key, reported[key])])
             elif roll < 0.95:
                 engine.emit(key, "t", finished=True, reason="length", token_ids=(token,))
                 emitted.append(token)
@@ -206,7 +212,7 @@ def test_random_steps_reports_and_ends_keep_every_token_in_order_with_one_final(
             else:
                 assert finals.count(True) == 1 and finals[-1] is True and not sink.errors, (seed, key, finals)
                 assert got == emitted, (seed, key, got, emitted)
-                indices = [int(o["response_index"][0, 0]) for o, _ in sink.sent]
+                indices = [r.index for r in sent_responses(sink)]
                 assert indices == list(range(len(indices))), (seed, key, indices)
 
 

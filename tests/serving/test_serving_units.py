@@ -12,12 +12,13 @@ from ernie_serve.engine.async_engine import EngineDeadError, EngineOverloadedErr
 from ernie_serve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ernie_serve.serving.control import ControlListener, send_abort
 from ernie_serve.serving.engine_model import SHUT_DOWN, EngineModel
-from ernie_serve.serving.errors import InBandError, InvalidInput, in_band_error
+from ernie_serve.serving.engine_response import Failure
+from ernie_serve.serving.errors import InBandError, InvalidInput
 from ernie_serve.serving.postprocess import OUTPUT_NAMES, OrderError, Postprocessor, TokenTexts
 from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.repository import get_parameter, render_repository
 from ernie_serve.serving.request import parse_request
-from serving_fakes import FakeEngine, Sink, engine_inputs, i32, moe_response, s
+from serving_fakes import FakeEngine, Sink, engine_inputs, i32, moe_response, s, sent_responses
 
 
 # ------------------------------------------------------------------ request parsing
@@ -189,7 +190,7 @@ def test_cancelled_response_sends_one_abort_to_the_engine_instance(tokenizer):
         post.process(moe_response("k", 0, "a", meta=meta))
         # answered with empty outputs, not an error: a failed ensemble step while ernie_moe still streams
         # would leak the ensemble request in tritonserver 2.51
-        out = post.process(moe_response("k", 1, "b"), cancelled=True)
+        out = post.process(moe_response("k", 1, "b"), is_cancelled=True)
         assert text_of(out) == "" and out["output_ids"].shape == (1, 0)
         out = post.process(moe_response("k", 2, "c"))  # a later response of the aborted request: no OrderError
         assert text_of(out) == "" and out["finish_reason"][0, 0] == b"" and set(out) == set(OUTPUT_NAMES)
@@ -225,7 +226,7 @@ def test_logprobs_get_token_strings_and_bytes(tokenizer):
                 "top_logprobs": [{"token_id": t, "logprob": -0.5}, {"token_id": ids[0], "logprob": -1.5}]}
                for t in ids]
     post = Postprocessor(tokenizer)
-    out = post.process(dict(moe_response("k", 0, " world", finish="stop"), logprobs=s(json.dumps(entries))))
+    out = post.process(moe_response("k", 0, " world", finish="stop", logprobs=entries))
     got = json.loads(out["logprobs"][0, 0])
     # the pieces' spaces are kept, so the tokens add up to the text
     assert "".join(e["token"] for e in got).lstrip() == tokenizer.decode(ids) == "hello world"
@@ -281,9 +282,9 @@ def test_without_stop_strings_the_engine_sends_ids_and_the_detokenizer_decodes_t
         engine.emit(p, "ignored", finished=last, reason="length" if last else None, token_ids=[tok])
         plain.wait_sent(k + 1)
     assert plain.done.wait(2)
-    first = plain.sent[0][0]
-    assert json.loads(first["request_meta"][0, 0])["decode_ids"] == {"skip_special_tokens": True}
-    assert all(o["text_delta"][0, 0] == b"" for o, _ in plain.sent)
+    first = sent_responses(plain)[0]
+    assert first.meta.decode_ids and first.meta.skip_special_tokens
+    assert all(r.text == "" for r in sent_responses(plain))
     post = Postprocessor(tokenizer)
     text = "".join(text_of(post.process(o)) for o, _ in plain.sent)
     assert text == tokenizer.decode(words)
@@ -316,10 +317,10 @@ def test_stream_sends_per_step_and_non_stream_sends_once():
     engine.emit(b, "y", finished=True, reason="length")
     assert streaming.done.wait(2) and whole.done.wait(2)
     assert [f for _, f in streaming.sent] == [False, True]
-    assert len(whole.sent) == 1 and whole.sent[0][0]["text_delta"][0, 0] == b"xy"
-    first = streaming.sent[0][0]
-    assert json.loads(first["request_meta"][0, 0])["abort_address"].startswith("@")
-    assert streaming.sent[1][0]["request_meta"][0, 0] == b"" and streaming.sent[1][0]["response_index"][0, 0] == 1
+    assert len(whole.sent) == 1 and sent_responses(whole)[0].text == "xy"
+    first, second = sent_responses(streaming)
+    assert first.meta.abort_address.startswith("@")
+    assert second.meta is None and second.index == 1
     model.shutdown()
 
 
@@ -355,7 +356,7 @@ def test_engine_sends_the_new_tokens_logprobs_each_step_best_k_alternatives():
     model.submit(logprob_inputs(True, 2), sink, "lp")
     emit_with_logprobs(engine, next(iter(engine.callbacks)), STEPS, sink)
     assert sink.done.wait(2)
-    per_step = [json.loads(o["logprobs"][0, 0]) for o, _ in sink.sent]
+    per_step = [r.logprobs for r in sent_responses(sink)]
     assert [[e["token_id"] for e in step] for step in per_step] == [[7], [8, 9]]
     assert [t["token_id"] for t in per_step[0][0]["top_logprobs"]] == [7, 8]
     last = per_step[1][1]  # the sampled token is not among the best 2: its logprob and rank still come
@@ -370,14 +371,13 @@ def test_non_streaming_gets_every_tokens_logprobs_once():
     model.submit(logprob_inputs(False, 0), sink, "lp")
     emit_with_logprobs(engine, next(iter(engine.callbacks)), STEPS)
     assert sink.done.wait(2) and len(sink.sent) == 1
-    entries = json.loads(sink.sent[0][0]["logprobs"][0, 0])
+    entries = sent_responses(sink)[0].logprobs
     assert [e["token_id"] for e in entries] == [7, 8, 9] and all(e["top_logprobs"] == [] for e in entries)
     model.shutdown()
 
 
 def _tokens_and_text(sink: Sink) -> tuple[list[int], str]:
-    return ([int(t) for o, _ in sink.sent for t in o["token_ids"][0]],
-            "".join(o["text_delta"][0, 0].decode() for o, _ in sink.sent))
+    return ([t for r in sent_responses(sink) for t in r.token_ids], "".join(r.text for r in sent_responses(sink)))
 
 
 def test_a_lagging_consumer_gets_several_steps_in_one_response_same_tokens_same_order():
@@ -398,7 +398,7 @@ def test_a_lagging_consumer_gets_several_steps_in_one_response_same_tokens_same_
     assert sink.done.wait(2)
     assert _tokens_and_text(sink) == ([10, 11, 12, 13, 14, 15], "<0><1><2><3><4><5>")
     assert len(sink.sent) == 2 and [f for _, f in sink.sent] == [False, True]  # the first, then the rest at once
-    assert [o["response_index"][0, 0] for o, _ in sink.sent] == [0, 1]
+    assert [r.index for r in sent_responses(sink)] == [0, 1]
     model.shutdown()
 
 
@@ -416,7 +416,7 @@ def test_stream_interval_sends_the_first_token_then_chunks_of_at_least_that_many
         time.sleep(0.01)  # the consumer keeps up: only the interval groups tokens
     assert sink.done.wait(2)
     assert _tokens_and_text(sink) == (list(range(8)), "01234567")
-    sizes = [len(o["token_ids"][0]) for o, _ in sink.sent]
+    sizes = [len(r.token_ids) for r in sent_responses(sink)]
     assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]) and sum(sizes) == 8, sizes
     model.shutdown()
 
@@ -426,13 +426,13 @@ def test_stream_interval_below_one_is_refused_naming_the_flag():
         EngineConfig(stream_interval=0)
 
 
-def test_no_logprobs_asked_for_sends_an_empty_string():
+def test_no_logprobs_asked_for_sends_none():
     engine = FakeEngine()
     model = EngineModel(None, engine=engine)
     sink = Sink()
     model.submit(engine_inputs(True), sink, "x")
     engine.emit(next(iter(engine.callbacks)), "y", finished=True, reason="length")
-    assert sink.done.wait(2) and sink.sent[0][0]["logprobs"][0, 0] == b""
+    assert sink.done.wait(2) and sent_responses(sink)[0].logprobs is None
     model.shutdown()
 
 
@@ -504,7 +504,7 @@ def test_an_in_band_error_follows_the_responses_queued_before_it_in_index_order(
     time.sleep(0.1)
     sink.gate.set()
     assert sink.done.wait(2) and not sink.errors
-    assert [int(o["response_index"][0, 0]) for o, _ in sink.sent] == [0, 1, 2]
+    assert [r.index for r in sent_responses(sink)] == [0, 1, 2]
     post = Postprocessor(tokenizer)
     texts = [post.process(o)["text_output"][0, 0].decode() for o, _ in sink.sent[:2]]
     assert "".join(texts) == "xx"
@@ -518,7 +518,7 @@ def test_an_engine_failure_reaches_the_ensemble_client_with_its_code(tokenizer):
     post = Postprocessor(tokenizer)
     post.process(moe_response("k", 0, "a"))
     with pytest.raises(InBandError) as raised:
-        post.process(moe_response("k", 1, "", finish=in_band_error("INTERNAL", "request failed: no token: left")))
+        post.process(moe_response("k", 1, "", failure=Failure("INTERNAL", "request failed: no token: left")))
     assert raised.value.code == "INTERNAL" and str(raised.value) == "request failed: no token: left"
     assert post.num_states == 0
 
@@ -733,15 +733,14 @@ def test_prompt_logprobs_go_out_on_the_first_response_only_with_their_token_text
                          prompt_logprobs=prompt_lps if n == 0 else None), None)
         sink.wait_sent(n + 1)
     assert sink.done.wait(2)
-    first = json.loads(sink.sent[0][0]["prompt_logprobs"][0, 0])
+    first = sent_responses(sink)[0].prompt_logprobs
     assert first == [{"token_id": 1, "logprob": None, "rank": None, "top_logprobs": []},
                      {"token_id": 2, "logprob": -1.5, "rank": 3, "top_logprobs": [{"token_id": 9, "logprob": -0.2}]},
                      {"token_id": 3, "logprob": -0.4, "rank": 1, "top_logprobs": [{"token_id": 3, "logprob": -0.4}]}]
-    assert sink.sent[1][0]["prompt_logprobs"][0, 0] == b""
+    assert sent_responses(sink)[1].prompt_logprobs is None
     model.shutdown()
     post = Postprocessor(tokenizer)
-    out = post.process(dict(moe_response("k", 0, "x", finish="stop"),
-                            prompt_logprobs=sink.sent[0][0]["prompt_logprobs"]))
+    out = post.process(sink.sent[0][0])
     got = json.loads(out["prompt_logprobs"][0, 0])
     assert [e["token"] for e in got] == [TokenTexts(tokenizer)(i)[0] for i in (1, 2, 3)]
     assert got[1]["top_logprobs"][0]["token"] == TokenTexts(tokenizer)(9)[0]

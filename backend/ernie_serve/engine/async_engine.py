@@ -75,6 +75,9 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._transfers: dict[str, KVTransfer] = {}  # exported KV of finished prefill requests, for their callback
         self.step_listeners: list[Callable[[dict], None]] = []  # metrics hooks, called after each step
+        # Set by a consumer that wants a step's outputs in one call, [(callback, output, error)], instead of one
+        # callback each (ernie_moe's response loop: one hand-off per step, per-request work off this thread).
+        self.output_sink: Callable[[list], None] | None = None
         self.log_interval_s = 10.0
         self._last_log = (time.monotonic(), 0, 0)  # time, prompt tokens, generation tokens
         self._thread = threading.Thread(target=self._loop, name="ernie-engine", daemon=True)
@@ -244,8 +247,12 @@ class AsyncEngine:
                 if out.finished:
                     del self._pending[out.request_id]
                 deliver.append((p.callback, out))
-        for cb, out in deliver:
-            _safe_call(cb, out, RequestFailedError(out.error) if out.error is not None else None)
+        if self.output_sink is not None:
+            _safe_call(self.output_sink, [(cb, out, RequestFailedError(out.error) if out.error is not None else None)
+                                          for cb, out in deliver])
+        else:
+            for cb, out in deliver:
+                _safe_call(cb, out, RequestFailedError(out.error) if out.error is not None else None)
         for listener in self.step_listeners:
             _safe_call(listener, dict(stats))
 

@@ -11,13 +11,13 @@ import logging
 from typing import Any
 
 from . import pb as pbx
+from .engine_response import FINAL, HEADER
+from .engine_response import OUTPUT_NAMES as ENGINE_OUTPUT_NAMES
 from .errors import ServingError
 
 log = logging.getLogger(__name__)
 TOKENIZER_OUTPUTS = ["input_ids", "request_json"]
-ENGINE_OUTPUTS = ["request_key", "response_index", "token_ids", "text_delta", "engine_finish_reason",
-                  "num_input_tokens", "num_output_tokens", "num_cached_tokens", "request_meta", "prompt_ids", "logprobs",
-                  "prompt_logprobs"]
+ENGINE_OUTPUTS = list(ENGINE_OUTPUT_NAMES)
 
 
 class BlsPipeline:
@@ -49,11 +49,11 @@ class BlsPipeline:
                     continue
                 inputs = {t.name(): t.as_numpy() for t in resp.output_tensors()}
                 if request.is_cancelled():
-                    self.post.process(inputs, cancelled=True)  # drops the state, tells the engine
+                    self.post.process(inputs, is_cancelled=True)  # drops the state, tells the engine
                     sender.send(pbx.error_response(pb, "CANCELLED", "request cancelled"), flags=final)
                     return
                 outputs = self.post.process(inputs)
-                done = pbx_str(inputs, "engine_finish_reason") != ""
+                done = is_final(inputs)
                 sender.send(pb.InferenceResponse(output_tensors=pbx.tensors(pb, outputs)),
                             flags=final if done else 0)
                 if done:
@@ -66,7 +66,6 @@ class BlsPipeline:
             sender.send(pbx.error_response(pb, "INTERNAL", f"{type(e).__name__}: {e}"), flags=final)
 
 
-def pbx_str(inputs: dict, name: str) -> str:
-    from .postprocess import _str
-
-    return _str(inputs, name)
+def is_final(inputs: dict) -> bool:
+    """Whether an ernie_moe response is its request's last (engine_response's header flags)."""
+    return bool(int(inputs["engine_header"].reshape(-1)[HEADER.index("flags")]) & FINAL)

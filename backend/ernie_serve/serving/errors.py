@@ -39,24 +39,9 @@ def error_code(exc: BaseException) -> str:
     return "INTERNAL"
 
 
-IN_BAND_ERROR_PREFIX = "error:"
-
-
 class InBandError(ServingError):
-    """An error ernie_moe sent inside its FINAL response (engine_model's docstring says why)."""
+    """An error ernie_moe sent inside its final response (engine_response.Failure; docs/serving.md says why)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
-
-
-def in_band_error(code: str, message: str) -> str:
-    """The engine_finish_reason that carries an error to the detokenizer: "error:<CODE>:<message>"."""
-    return f"{IN_BAND_ERROR_PREFIX}{code}:{message}"
-
-
-def raise_in_band_error(finish_reason: str) -> None:
-    """Raise the error an engine_finish_reason carries; a normal finish reason passes."""
-    if finish_reason.startswith(IN_BAND_ERROR_PREFIX):
-        code, _, message = finish_reason[len(IN_BAND_ERROR_PREFIX):].partition(":")
-        raise InBandError(code or "INTERNAL", message)

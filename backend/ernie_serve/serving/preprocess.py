@@ -15,6 +15,7 @@ from ..engine.guided_grammar import GrammarError, answer_constraint, tool_call_c
 from ..engine.reasoning_budget import resolve_reasoning_budget
 from ..parsers import ChatOutputParser, get_reasoning_parser, get_tool_parser
 from ..sampling_params import SamplingParams
+from .engine_response import RequestMeta
 from .errors import InvalidInput
 from .request import GenerateRequest
 
@@ -92,24 +93,18 @@ class Preprocessor:
         enable_thinking = enable_thinking if isinstance(enable_thinking, bool) else None
         params = self._budgeted(self._constrained(req, ids, reasoning, tool, enable_thinking), req, ids, reasoning,
                                 tool, enable_thinking)
-        meta = {
-            "stream": req.stream,
-            "is_chat": req.is_chat,
+        meta = RequestMeta(
+            stream=req.stream, is_chat=req.is_chat,
             # vLLM backend semantics: a non-streaming text request echoes its prompt unless excluded
-            "echo": None if (req.stream or req.is_chat or req.exclude_input_in_output) else self._prompt_text(req),
-            "reasoning_parser": reasoning,
-            "tool_call_parser": tool if req.tools else None,
-            "tools": req.tools,
-            "enable_thinking": enable_thinking,
-            "max_tokens": params.max_tokens,
-            "skip_special_tokens": params.skip_special_tokens,
-            "logprobs": params.logprobs,
-            # ernie_moe ends this request's errors inside its FINAL response (see engine_model.py)
-            "errors_in_band": True,
+            echo=None if (req.stream or req.is_chat or req.exclude_input_in_output) else self._prompt_text(req),
+            reasoning_parser=reasoning, tool_call_parser=tool if req.tools else None, tools=req.tools,
+            enable_thinking=enable_thinking, max_tokens=params.max_tokens,
+            skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs,
+            # ernie_moe ends this request's errors inside its final response (engine_response.Failure)
+            errors_in_band=True,
             # the Postprocessor after ernie_moe reports this stream's progress, and ernie_moe paces it by them
-            "progress_reports": True,
-        }
-        return ids, {"sampling": asdict(params), "stream": req.stream, "meta": meta}
+            progress_reports=True)
+        return ids, {"sampling": asdict(params), "stream": req.stream, "meta": meta.to_dict()}
 
     def _prompt_text(self, req: GenerateRequest) -> str:
         if req.prompt_token_ids is None:

@@ -14,7 +14,7 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                outputs = self.post.process(pb.inputs_of(pb_utils, request), cancelled=request.is_cancelled())
+                outputs = self.post.process(pb.inputs_of(pb_utils, request), is_cancelled=request.is_cancelled)
                 responses.append(pb_utils.InferenceResponse(output_tensors=pb.tensors(pb_utils, outputs)))
             except ServingError as e:
                 responses.append(pb.error_response(pb_utils, e.code, str(e)))
