@@ -16,13 +16,16 @@ processes never pick the same port. The lock files are never removed: an unlocke
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
 import socket
 import tempfile
 from pathlib import Path
+from typing import Callable, TypeVar
 
+T = TypeVar("T")
 _HANDED_OUT: set[int] = set()
 RESERVATIONS = Path(os.environ.get("ERNIE_PORT_RESERVATIONS") or Path(tempfile.gettempdir()) / "ernie-serve-ports")
 _HELD: dict[int, int] = {}  # port -> the descriptor holding its lock, for the life of this process
@@ -129,6 +132,21 @@ def address_in_use(text: str) -> bool:
     """Whether a server's output says it could not bind a port something else holds (tritonserver's "Socket
     '127.0.0.1:N' already in use", the OS's "Address already in use" as ZMQ, gRPC and Paddle report it)."""
     return "already in use" in text.lower()
+
+
+def start_on_free_ports(start: Callable[..., T], count: int = 1, host: str = "127.0.0.1",
+                        attempts: int = 8) -> T:
+    """`start(*ports)` on `count` ports from free_port, and again on fresh ones while it fails because one was
+    taken in between (an error with errno EADDRINUSE, or one saying "already in use"): for a server that takes port
+    numbers and binds them before it returns (a ZMQ socket's bind), whose ports are then its own. What `start`
+    returns; an error of another kind, or the last try's, is raised."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return start(*(free_port(host) for _ in range(count)))
+        except Exception as e:  # noqa: BLE001 - OSError, zmq.ZMQError (not an OSError) and the like: by errno
+            if attempt == attempts or not (getattr(e, "errno", None) == errno.EADDRINUSE or address_in_use(str(e))):
+                raise
+    raise AssertionError("unreachable")
 
 
 def _listening_inodes(port: int) -> set[int] | None:

@@ -174,6 +174,41 @@ def test_a_bind_failure_is_told_from_other_start_up_failures(text, taken):
     assert ports.address_in_use(text) is taken
 
 
+def test_a_server_binding_a_taken_port_is_started_again_on_free_ones(monkeypatch):
+    """start_on_free_ports: a stranger took the first port picked; the ZMQ bind fails on it and the server is started
+    again on another, which it then owns. Errors of other kinds are not retried."""
+    import zmq
+
+    ctx = zmq.Context()
+    taken = _a_free_port()
+    with _Stranger(taken) as stranger:
+        assert stranger.pid is not None
+        picks = iter([taken])
+        real = ports.free_port
+        monkeypatch.setattr(ports, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+        tried = []
+
+        def start(port):
+            tried.append(port)
+            sock = ctx.socket(zmq.ROUTER)
+            try:
+                sock.bind(f"tcp://127.0.0.1:{port}")
+            except zmq.ZMQError:
+                sock.close(0)
+                raise
+            return sock
+
+        sock = ports.start_on_free_ports(start)
+        try:
+            assert tried[0] == taken and len(tried) == 2
+            assert ports.listeners_owned_by(tried[1], [os.getpid()])
+        finally:
+            sock.close(0)
+    with pytest.raises(ValueError):
+        ports.start_on_free_ports(lambda port: int("not a port"))
+    ctx.term()
+
+
 def test_the_shim_serves_on_the_socket_it_was_handed(tmp_path):
     """`ernie-openai --fd`: the socket bound before the shim starts is the one it answers on, with no bind of its
     own (the --port it is given is held by a stranger, which it never reaches)."""
