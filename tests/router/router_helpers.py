@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from ernie_serve.serving.launcher import free_port
+from ernie_serve.ports import free_port  # the router binds its own ports: these stay reserved for this process
 
 # Health checks each second, so a dead or draining replica leaves the rotation within seconds (two failed checks: one
 # slow answer on a loaded host does not move a conversation), and workers are found as soon as they answer.

@@ -22,8 +22,8 @@ import pytest
 
 from ernie_client.openai import ServerConfig, create_app
 from e2e_helpers import wait_for_health
-from ernie_serve.serving.launcher import TritonServer, free_port
-from openai_shim_helpers import RunningShim
+from ernie_serve.serving.launcher import TritonServer
+from openai_shim_helpers import RunningShim, listening_socket
 from router_helpers import FAST_HEALTH, RouterProcess, shim_counters
 
 pytestmark = pytest.mark.e2e
@@ -37,8 +37,7 @@ TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 
 
 def _start_replica() -> TritonServer:
-    server = TritonServer(SETTINGS, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          openai_port=free_port())
+    server = TritonServer(SETTINGS, http_port=0, grpc_port=0, metrics_port=0, openai_port=0)  # 0: ports of its own
     try:
         server.start(timeout=300)
     except BaseException:
@@ -254,10 +253,13 @@ def test_a_full_replica_says_so_on_health_and_in_its_load(replicas):
 def test_a_draining_replica_leaves_the_rotation_and_finishes_its_requests(replicas, tmp_path):
     """SIGTERM to a shim with a request in flight: /health 503 and new requests 503 at once, the router marks it
     unhealthy and serves from the other replica, the running request completes, then the shim exits."""
-    port = free_port()
-    shim = subprocess.Popen([sys.executable, "-m", "ernie_client.openai_server", "--triton-url", replicas[1].grpc_url,
-                             "--port", str(port), "--log-level", "warning", "--graceful-shutdown-seconds", "60"],
-                            start_new_session=True)
+    sock = listening_socket()  # handed over (--fd): nothing else can take the port in between
+    port = sock.getsockname()[1]
+    with sock:
+        shim = subprocess.Popen([sys.executable, "-m", "ernie_client.openai_server", "--triton-url",
+                                 replicas[1].grpc_url, "--port", str(port), "--fd", str(sock.fileno()),
+                                 "--log-level", "warning", "--graceful-shutdown-seconds", "60"],
+                                start_new_session=True, pass_fds=(sock.fileno(),))
     url = f"http://127.0.0.1:{port}"
     r = None
     try:
@@ -270,7 +272,9 @@ def test_a_draining_replica_leaves_the_rotation_and_finishes_its_requests(replic
         running = threading.Thread(target=lambda: result.update(r=httpx.post(url + "/v1/completions", json=body,
                                                                              timeout=TIMEOUT)))
         running.start()
-        _wait(lambda: httpx.get(url + "/get_load", timeout=5).json()[0]["num_reqs"] == 1, 30, "the request to start")
+        _wait(lambda: httpx.get(url + "/get_load", timeout=5).json()[0]["num_reqs"] == 1 or result, 30,
+              "the request to start")
+        assert not result, result["r"].text
         shim.send_signal(signal.SIGTERM)
         health = _wait(lambda: (lambda h: h if h.status_code == 503 else None)(httpx.get(url + "/health", timeout=5)),
                        10, "/health 503 while draining")
