@@ -6,9 +6,10 @@ So every server here gets its port in one of three ways, safest first:
 - handed over: `listening_socket` binds (port 0: the kernel's pick) and the server serves on that socket (uvicorn's
   `sockets=`, or the fd inherited by a child such as `ernie-openai --fd`); nothing can come between;
 - reported: the server binds port 0 itself and says which port it got (a ZMQ `bind_to_random_port`, torch's TCPStore);
-- verified: a server that takes only a number (tritonserver, Paddle's TCPStore) gets one from `free_port` and fails
-  at once when the port is taken ("already in use"), and the caller retries with another; once it is up,
-  `listeners_owned_by` confirms from /proc that every socket listening on the port is one of the server's own.
+- verified: a server that takes only a number (tritonserver, Paddle's TCPStore, a ZMQ bind) gets one from
+  `free_port` and fails at once when the port is taken ("already in use"), and the caller starts it again on another
+  (the launcher, process_groups, `start_on_free_ports`); once it is up, `listeners_owned_by` can confirm from /proc
+  that every socket listening on the port is one of the server's own.
 
 `free_port` also reserves what it hands out across processes, for as long as the taker lives: an exclusive flock on
 RESERVATIONS/<port>.lock (released by the kernel when the process exits, however it exits), so two of this package's
