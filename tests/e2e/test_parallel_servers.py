@@ -87,8 +87,9 @@ def test_a_tensor_parallel_server_streams_the_tokens_of_one_rank(tp2_server, off
 # ---------------------------------------------------------------- prefill / decode disaggregation
 def _from_seed_flags(flags: list[str]) -> TritonServer:
     """A server from an ernie-serve command line, as the seed's 1P1D commands write it (free ports in place of
-    8180-8183 / 8184-8187, two ranks a side in place of four on a 2-core host); Triton's own ports are the
-    CLI's choice, as they are for a FastDeploy user."""
+    8180-8183 / 8184-8187, two ranks a side in place of four on a 2-core host), with FastDeploy's
+    --cache-transfer-protocol "rdma,ipc" (the KV crosses through NIXL); Triton's own ports are the CLI's choice, as
+    they are for a FastDeploy user."""
     from ernie_serve.cli.serve import server_from_args
 
     engine = [a for k, v in SERVER_SETTINGS.items() for a in (f"--{k.replace('_', '-')}", v)]
@@ -106,12 +107,13 @@ def pd_servers():
     queue_port = free_port()
     prefill = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
                                 "--engine-worker-queue-port", str(queue_port), "--cache-queue-port", str(free_port()),
-                                "--tensor-parallel-size", "2", "--splitwise-role", "prefill"])
+                                "--tensor-parallel-size", "2", "--splitwise-role", "prefill",
+                                "--cache-transfer-protocol", "rdma,ipc"])
     try:
         decode = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
                                    "--engine-worker-queue-port", str(free_port()), "--cache-queue-port", str(free_port()),
                                    "--tensor-parallel-size", "2", "--innode-prefill-ports", str(queue_port),
-                                   "--splitwise-role", "decode"])
+                                   "--splitwise-role", "decode", "--cache-transfer-protocol", "rdma,ipc"])
     except Exception:
         _stop(prefill)
         raise

@@ -45,9 +45,11 @@ def _pair(transport: str, nixl_pair):
     return nixl_pair if transport == "nixl" else (make_sender("tcp", "t"), make_receiver("tcp", "t"))
 
 
-def _received(receiver, rounds: int = 2000) -> Received:
+def _received(receiver, sender, rounds: int = 2000) -> Received:
+    """Poll as the decode server's socket thread does, the sender's side moved along as the prefill server's is."""
     ev = threading.Event()
     for _ in range(rounds):
+        sender.progress()
         done = receiver.poll()
         if done:
             (got,) = done
@@ -66,7 +68,7 @@ def test_every_kv_format_crosses_each_transport_bit_for_bit(nixl_pair, transport
     if transport == "nixl":  # only where to read them travels in the message
         assert sum(map(len, frames)) < blocks.nbytes and blocks.codes.tobytes() not in b"".join(frames)
     assert receiver.receive(frames) == transfer.request_id
-    got = _received(receiver)
+    got = _received(receiver, sender)
     assert got.error is None and got.nbytes == blocks.nbytes
     back = got.transfer
     assert (back.request_id, back.prompt_token_ids, back.output_token_ids, back.num_computed_tokens) == \
@@ -84,7 +86,7 @@ def test_nixl_holds_the_offered_blocks_registered_until_the_decode_side_is_done(
     frames = sender.offer(KVTransfer("held", [1, 2, 3], [], 3, BLOCK, blocks))
     assert sender.held_bytes == blocks.nbytes
     receiver.receive(frames)
-    assert _received(receiver).error is None
+    assert _received(receiver, sender).error is None
     assert sender.held_bytes == blocks.nbytes  # until kv_done says so
     sender.release("held")
     assert sender.held_bytes == 0
@@ -106,7 +108,7 @@ def test_a_read_from_an_agent_the_receiver_never_met_fails_naming_it(nixl_pair):
         blocks = _exported("float32", [1])
         frames = stranger.offer(KVTransfer("lost", [1, 2], [], 2, BLOCK, blocks))
         receiver.receive(frames)
-        got = _received(receiver)
+        got = _received(receiver, stranger)
         assert got.transfer is None and stranger.agent.name in got.error
     finally:
         stranger.close()

@@ -216,3 +216,72 @@ def test_a_transfer_that_does_not_fit_the_decode_cache_is_refused_naming_why(ser
                                 lambda out, err: q.put((out, err)))
     out, err = _final(q)
     assert isinstance(err, RequestFailedError) and "must serve the same model" in str(err)
+
+
+# ---------------------------------------------------------------- the KV over NIXL (--cache-transfer-protocol rdma)
+SMALL = {"architectures": ["Ernie4_5_MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, "moe_layer_start_index": 1,
+         "tie_word_embeddings": True, "max_position_embeddings": 512}
+KV_FORMATS = {"float32": ({}, {}), "bfloat16": ({}, {"dtype": "bfloat16"}),
+              "c8": ({"quantization_config": {"kv_cache_quant_type": "int8"}}, {})}
+
+
+@pytest.fixture(scope="module")
+def small_checkpoints(tmp_path_factory):
+    from ernie_serve.demo.tiny_model import random_weights
+    from ernie_serve.model.checkpoint_writer import write_checkpoint
+
+    out = {}
+    for name, extra in (("plain", {}), ("c8", KV_FORMATS["c8"][0])):
+        out[name] = tmp_path_factory.mktemp(name)
+        write_checkpoint(out[name], dict(SMALL, **extra), random_weights(SMALL, seed=3))
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(KV_FORMATS))
+def test_over_nixl_every_kv_format_gives_the_tokens_of_the_tcp_path(small_checkpoints, fmt):
+    """One prefill server taking both transports (--cache-transfer-protocol rdma,tcp) and two decode servers, one
+    on each: the NIXL one reads each prompt's KV in the cache's own format (float32, bfloat16, C8 codes and scales)
+    and decodes the very tokens the TCP one does; the prefill server lets every registered export go."""
+    port = free_port()
+    base = dict(ENGINE, model=str(small_checkpoints["c8" if fmt == "c8" else "plain"]), skip_tokenizer_init=True,
+                **KV_FORMATS[fmt][1])
+    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port,
+                                               cache_transfer_protocol="rdma,tcp"))
+    decodes = {name: disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port),
+                                                      cache_transfer_protocol=name)) for name in ("rdma", "tcp")}
+    try:
+        cache = decodes["rdma"].engine.engine.runner.cache
+        assert cache.export_blocks([0]).dtype == {"float32": "float32", "bfloat16": "bfloat16", "c8": "int8"}[fmt]
+        prompts = [[3 + t % 250 for t in p] for p in PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        got = {name: [_final(_collect(front, f"{fmt}-{name}-{i}", p, params)) for i, p in enumerate(prompts)]
+               for name, front in decodes.items()}
+        for (a, a_err), (b, b_err) in zip(got["rdma"], got["tcp"]):
+            assert a_err is None and b_err is None
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids and len(a.outputs[0].token_ids) == 8
+        assert prefill.service.by_transport == {"nixl": len(prompts), "tcp": len(prompts)}
+        assert decodes["rdma"].received["nixl"] == len(prompts) and decodes["tcp"].received == {"tcp": len(prompts)}
+        _wait_for(lambda: prefill.service._senders["nixl"].held_bytes == 0)  # every kv_done came back
+        for front in (prefill, *decodes.values()):
+            _wait_for(lambda: _all_free(front))
+    finally:
+        for front in (*decodes.values(), prefill):
+            front.shutdown(drain=False)
+
+
+def test_a_decode_server_sharing_no_transport_with_its_prefill_server_fails_requests_naming_the_flag(tiny_model_dir,
+                                                                                                     servers):
+    prefill, _, _ = servers  # takes tcp only (the default)
+    decode = disagg.engine_front(EngineConfig(**ENGINE, model=str(tiny_model_dir), splitwise_role="decode",
+                                              innode_prefill_ports=str(prefill.service.port),
+                                              cache_transfer_protocol="rdma"))
+    try:
+        out, err = _final(_collect(decode, "no-common-transport", PROMPTS[1], SamplingParams(max_tokens=3)), 60)
+        assert isinstance(err, RequestFailedError) and out.outputs[0].finish_reason == "error"
+        assert "sends KV over tcp and this decode server takes nixl" in str(err)
+        assert "--cache-transfer-protocol" in str(err)
+        assert decode.is_healthy
+    finally:
+        decode.shutdown(drain=False)

@@ -47,6 +47,13 @@ class KVSender(Protocol):
     def expire(self, now: float) -> list[str]:
         """Let go of offers nobody collected within their time; returns their request ids."""
 
+    @property
+    def busy(self) -> bool:
+        """Offers are out (the socket thread then calls progress often)."""
+
+    def progress(self) -> None:
+        """Move transfers from this side along, where the transport needs the target to."""
+
     def close(self) -> None: ...
 
 
@@ -86,6 +93,11 @@ class TcpSender:
 
     def expire(self, now: float) -> list[str]:
         return []
+
+    busy = False
+
+    def progress(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

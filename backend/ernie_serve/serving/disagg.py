@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 PING_SECONDS = 1.0  # while requests wait on a prefill server, it is pinged this often
 PREFILL_TIMEOUT_SECONDS = 5.0  # silence (no pong, no KV) after which a prefill server counts as dead
 POLL_MS = 200
-BUSY_POLL_MS = 1  # while a transport's reads are in flight, the socket thread polls them this often
+BUSY_POLL_MS = 1  # while a transport's transfers are in flight, the socket thread moves them along this often
 KV_KINDS = (b"kv", b"kv_nixl")  # the KV message, by transport: the bytes themselves, or where to read them
 
 
@@ -195,7 +195,8 @@ class PrefillService:
             poller.register(self._kv_sock, zmq.POLLIN)
         poller.register(self._wake.read_fd, zmq.POLLIN)
         while not self._stop.is_set():
-            for sock, _ in poller.poll(POLL_MS):
+            busy = any(sender.busy for sender in self._senders.values())
+            for sock, _ in poller.poll(BUSY_POLL_MS if busy else POLL_MS):
                 if sock is self._sock:
                     self._on_message(self._sock.recv_multipart(copy=False))
                 elif sock is self._kv_sock:
@@ -206,6 +207,7 @@ class PrefillService:
                 self._send(frames)
             now = time.monotonic()
             for sender in self._senders.values():
+                sender.progress()
                 sender.expire(now)
         for sock in (self._sock, self._kv_sock, *(s for push in self._push.values() for s in push.sockets())):
             if sock is not None:
