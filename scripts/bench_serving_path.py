@@ -147,6 +147,7 @@ class PathResult:
     target_tok_per_s: float = 0.0
     serving_cores_at_modeled_rate: float = 0.0
     load_average: list[float] = field(default_factory=lambda: list(os.getloadavg()))
+    coalesce_ms: float = 0.0  # the server's --stream-coalesce-ms (served runs)
 
     def finish(self, target_tok_per_s: float | None = None) -> "PathResult":
         d = self.device
@@ -235,14 +236,16 @@ def measure_scale(args: argparse.Namespace, q: str, scale: float) -> list[PathRe
         llm.engine.close()
         del llm
     served_paths = [p for p in args.paths if p != "offline"]
-    if served_paths:
-        with make_server(flags) as server:
+    for coalesce in args.coalesce_ms if served_paths else []:
+        with make_server({**flags, "stream_coalesce_ms": coalesce}) as server:
             wait_for_shim(server)
             for path in served_paths:  # warm-up: each path's first connection and imports
                 served(server, path, 2, 4)
             for n in args.streams:
                 for path in served_paths:
-                    results.append(report(run_served(server, path, q, n, scale, args.max_tokens)))
+                    r = run_served(server, path, q, n, scale, args.max_tokens)
+                    r.coalesce_ms = coalesce
+                    results.append(report(r))
     offline_runs = {r.streams: r for r in results if r.path == "offline"}
     for r in results:
         if r.streams in offline_runs:
@@ -257,7 +260,8 @@ def carried(results: list[PathResult], streams: int, limit: float) -> bool:
 
 
 def report(r: PathResult) -> PathResult:
-    print(f"  {r.quantization} {r.streams} streams x{r.time_scale:g} {r.path}: {r.tok_per_s:.0f} tok/s, stretch "
+    print(f"  {r.quantization} {r.streams} streams x{r.time_scale:g} {r.path} (coalesce {r.coalesce_ms:g} ms): "
+          f"{r.tok_per_s:.0f} tok/s, stretch "
           f"{100 * r.step_stretch:.1f}%", flush=True)
     return r
 
@@ -265,7 +269,7 @@ def report(r: PathResult) -> PathResult:
 # ---------------------------------------------------------------- table and file
 
 def table(results: list[PathResult], scales: dict[str, float | None]) -> str:
-    head = (f"{'quant':6} {'strm':>4} {'s':>3} {'path':7} {'tok/s':>7} {'x off':>6} {'tok/resp':>8} {'ITL p50':>8} "
+    head = (f"{'quant':6} {'strm':>4} {'s':>3} {'path':7} {'coal':>4} {'tok/s':>7} {'x off':>6} {'tok/resp':>8} {'ITL p50':>8} "
             f"{'p99':>7} {'stretch':>8} {'busiest process ms/tok':>26} {'serving ms/tok':>14} "
             f"{'busiest thread':>24} {'cores@rate':>10} {'client ms/tok':>13}")
     lines = [head, "-" * len(head)] + [_row(r) for r in results]
@@ -281,7 +285,8 @@ def _row(r: PathResult) -> str:
     owner, busy = max(procs.items(), key=lambda kv: kv[1]["busiest_thread_utilisation"])
     thread = f"{(owner[:10] + '/' + busy['busiest_thread'][:8])[:17]} {busy['busiest_thread_utilisation']:.0%}"
     itl = r.itl_ms or {}
-    return (f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {r.tok_per_s:>7.0f} "
+    coal = "-" if r.path == "offline" else format(r.coalesce_ms, "g")
+    return (f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {coal:>4} {r.tok_per_s:>7.0f} "
             f"{_num(r.vs_offline, '.2f'):>6} {_num(r.tokens / r.responses if r.responses else None, '.2f'):>8} "
             f"{_num(itl.get('p50'), '.1f'):>8} {_num(itl.get('p99'), '.1f'):>7} {100 * r.step_stretch:>7.1f}% "
             f"{name[:17] + ' ' + format(top['cpu_ms_per_token'], '.3f'):>26} "
@@ -319,6 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time scales: 1 always, then the others in order until one is carried")
     p.add_argument("--carry-stretch", type=float, default=0.05, help="the step stretch a carried scale stays within")
     p.add_argument("--paths", type=csv(str), default=list(PATHS))
+    p.add_argument("--coalesce-ms", type=csv(float), default=[0.0],
+                   help="the servers' --stream-coalesce-ms values, one server each (e.g. 0,20: side by side)")
     p.add_argument("--no-parsers", dest="parsers", action="store_false",
                    help="leave out the reasoning and tool-call parsers (on by default: ernie-x1)")
     p.add_argument("--label", default="", help="a note for the JSON, e.g. 'taken under load'")

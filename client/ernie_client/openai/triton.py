@@ -239,6 +239,18 @@ class TritonBackend:
         """Any model's config as Triton serves it (get_model_config's JSON), e.g. the engine step's parameters."""
         return await self._get_client().get_model_config(model, as_json=True, client_timeout=5, **self._auth)
 
+    async def requested_outputs(self, fields: dict[str, Any]) -> list | None:
+        """The outputs this request reads (None: all). Every output tritonserver returns is serialized on each
+        response, so logprobs outputs are asked for only by a request that wants them."""
+        from tritonclient.grpc import InferRequestedOutput
+
+        spec = await self.spec()
+        if not spec.outputs:
+            return None
+        sp = {**(fields.get("sampling_parameters") or {}), **{k: v for k, v in fields.items() if k in _FOLDABLE}}
+        skip = {name for name in ("logprobs", "prompt_logprobs") if sp.get(name) is None}
+        return [InferRequestedOutput(name) for name in sorted(spec.outputs - skip)]
+
     async def encode(self, fields: dict[str, Any]) -> list:
         from tritonclient.grpc import InferInput
 
@@ -287,10 +299,11 @@ class TritonBackend:
     async def generate(self, fields: dict[str, Any], request_id: str) -> AsyncIterator[StepOutput]:
         """Stream one request's outputs; leaving early (break, cancel, close) cancels it in Triton."""
         inputs = await self.encode(fields)
+        outputs = await self.requested_outputs(fields)
         done = asyncio.Event()
 
         async def requests():
-            yield {"model_name": self.model_name, "inputs": inputs, "request_id": request_id}
+            yield {"model_name": self.model_name, "inputs": inputs, "outputs": outputs, "request_id": request_id}
             # Keep the request side open until the final response: half-closing a stream is not a
             # cancellation, but some servers end the stream early on it.
             await done.wait()
