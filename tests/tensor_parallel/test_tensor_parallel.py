@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -260,7 +261,20 @@ def test_a_quantized_split_that_breaks_the_format_s_groups_is_refused_at_start_u
         LLMEngine(EngineConfig(model=str(tmp_path / "fp8"), tensor_parallel_size=2, **ENGINE))
 
 
-def test_a_rank_that_dies_ends_every_request_once_with_an_error_and_the_engine_is_unhealthy(tiny_model_dir):
+def _causes(err: BaseException) -> list[BaseException]:
+    chain = [err]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 10:
+        chain.append(nxt)
+    return chain
+
+
+@pytest.mark.parametrize("stopped_first", [False, True], ids=["between_steps", "inside_a_collective"])
+def test_a_rank_that_dies_ends_every_request_once_with_an_error_and_the_engine_is_unhealthy(tiny_model_dir, caplog,
+                                                                                           stopped_first):
+    """The driver learns of the death in one of two ways, which the timing of a loaded machine picks: its liveness
+    check before the next step sees the rank gone, or, when the rank was still alive at that check, the step's
+    collective fails on rank 0 (gloo: the connection was reset). A rank stopped before the step passes the check
+    and dies while rank 0 waits on it inside the step's all-reduce: the second way, every time."""
     config = EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, **dict(ENGINE, max_model_len=512))
     front = AsyncEngine(config)
     finals: dict[str, list] = {}
@@ -287,8 +301,14 @@ def test_a_rank_that_dies_ends_every_request_once_with_an_error_and_the_engine_i
         front.add_request(f"r{i}", PROMPTS[i % 3][:20], params, callback(f"r{i}"))
     assert all_streaming.wait(timeout=120)
     (pid,) = front.engine.runner.executor.worker_pids
-    os.kill(pid, signal.SIGKILL)
-    killed.set()
+    if stopped_first:
+        os.kill(pid, signal.SIGSTOP)
+        killed.set()  # the next step starts: the stopped rank passes the liveness check and never joins the step
+        time.sleep(0.5)  # rank 0 is then waiting on it in a collective, or about to; either way the step fails there
+        os.kill(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        killed.set()
     assert ended.wait(timeout=120), "requests did not end after a rank died"
     assert sorted(finals) == ["r0", "r1", "r2"] and all(len(v) == 1 for v in finals.values())
     for out, err in (v[0] for v in finals.values()):
@@ -296,6 +316,9 @@ def test_a_rank_that_dies_ends_every_request_once_with_an_error_and_the_engine_i
         assert "killed by signal 9" in str(err)
         assert out.finished and out.outputs[0].finish_reason not in (None, "length", "stop")
     assert not front.is_healthy
+    if stopped_first:  # the failed collective came first; the rank's exit then named it
+        (failed,) = [r for r in caplog.records if r.exc_info and r.getMessage().startswith("engine step failed")]
+        assert any("gloo" in str(e).lower() for e in _causes(failed.exc_info[1])), _causes(failed.exc_info[1])
     with pytest.raises(EngineDeadError):
         front.add_request("late", [5, 6], params, lambda out, err: None)
     front.shutdown(drain=False)
