@@ -158,7 +158,8 @@ def cpu() -> str:
 
 
 def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    git = ["git", "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, capture_output=True, text=True, cwd=ROOT).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,15 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     args = a.parse_args(argv)
     cases = [(int(t), f) for t in args.tokens.split(",") for f in args.formats.split(",")
              if blocks_nbytes(int(t), f) <= args.max_bytes * (1 << 30)]
+    load = [os.getloadavg()[0]]
     results = {name: run(name, cases, args.repeats) for name in ("tcp", "nixl")}
+    load.append(os.getloadavg()[0])
     columns = ["prompt tokens", "KV format", "KV MiB", "tcp (ours) ms", "NIXL ms", "tcp GB/s", "NIXL GB/s",
-               "NIXL / tcp time"]
+               "NIXL / tcp time", "tcp best ms", "NIXL best ms"]
     rows = []
     for tcp, nixl in zip(results["tcp"], results["nixl"]):
         mib = tcp["bytes"] / (1 << 20)
         rows.append([tcp["tokens"], tcp["format"], round(mib, 1), round(tcp["seconds"] * 1e3, 1),
                      round(nixl["seconds"] * 1e3, 1), round(tcp["bytes"] / tcp["seconds"] / 1e9, 2),
-                     round(nixl["bytes"] / nixl["seconds"] / 1e9, 2), round(nixl["seconds"] / tcp["seconds"], 2)])
+                     round(nixl["bytes"] / nixl["seconds"] / 1e9, 2), round(nixl["seconds"] / tcp["seconds"], 2),
+                     round(min(tcp["all"]) * 1e3, 1), round(min(nixl["all"]) * 1e3, 1)])
     widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(columns)]
     print("  ".join(str(c).rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
@@ -198,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                 "Time from the prefill side's offer to the decode side holding the blocks, median of "
                 f"{args.repeats} hand-offs after one warm-up, two processes on one host; the decode side checks a "
                 "CRC of every hand-off's bytes. Exporting from and importing into the caches is not timed (the same "
-                "for both).",
+                "for both). Best: the fastest of the hand-offs.",
+                f"Load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on a host shared with other "
+                "jobs: single hand-offs scatter widely, so compare within a row, and the medians more than the best.",
                 "KV of 28 layers x 4 KV heads x head dim 128 (ERNIE-4.5-21B-A3B) in blocks of 64 tokens: bfloat16 "
                 "is the GPU cache's format, C8 int8 codes with one float32 scale per block and head, float32 the "
                 "CPU cache's.",

@@ -2,8 +2,8 @@
 that imports NIXL (the transfer engine behind the rdma / ipc protocols).
 
     tcp   our own framing: KVTransfer's frames over the pyzmq sockets (engine/kv_transport.py); needs nothing more
-    rdma  NIXL, UCX backend: RDMA (InfiniBand / RoCE) between hosts where the fabric has it (engine/kv_transport_nixl.py)
-    ipc   NIXL, UCX backend: UCX's shared-memory transports between processes of one host
+    rdma  NIXL, UCX backend: RDMA (InfiniBand / RoCE) between hosts with the NICs (engine/kv_transport_nixl.py)
+    ipc   NIXL, UCX backend: cross-memory attach (one kernel copy) between processes of one host
     nixl  NIXL, named directly
 
 One NIXL agent serves both rdma and ipc: UCX picks the transport per peer (shared memory on one host, the fabric

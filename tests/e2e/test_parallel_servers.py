@@ -135,6 +135,9 @@ def test_the_seeds_1p1d_pair_serves_a_chat_through_the_decode_servers_port(pd_se
                                                           "messages": [{"role": "user", "content": "Hi"}]}, timeout=120)
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"], chat.text
     assert {prefill.http_port, prefill.grpc_port} .isdisjoint({decode.http_port, decode.grpc_port})
+    for server in pd_servers:  # the flag reached both engines (tests/serving/test_disagg.py checks NIXL moves the KV)
+        rendered = (server.run_dir / "model_repository" / "ernie_moe" / "config.pbtxt").read_text()
+        assert '{ key: "cache_transfer_protocol" value: { string_value: "rdma,ipc" } }' in rendered
 
 
 def test_one_prefill_one_decode_server_stream_the_tokens_of_one_mixed_server(pd_servers, offline_llm):

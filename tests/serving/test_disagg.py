@@ -271,8 +271,8 @@ def test_over_nixl_every_kv_format_gives_the_tokens_of_the_tcp_path(small_checkp
             front.shutdown(drain=False)
 
 
-def test_a_decode_server_sharing_no_transport_with_its_prefill_server_fails_requests_naming_the_flag(tiny_model_dir,
-                                                                                                     servers):
+def test_a_decode_server_sharing_no_transport_with_its_prefill_server_fails_requests_naming_the_flag(
+        tiny_model_dir, servers):
     prefill, _, _ = servers  # takes tcp only (the default)
     decode = disagg.engine_front(EngineConfig(**ENGINE, model=str(tiny_model_dir), splitwise_role="decode",
                                               innode_prefill_ports=str(prefill.service.port),

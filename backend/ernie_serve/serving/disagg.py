@@ -14,10 +14,11 @@ KVTransfer's header, and its blocks' bytes take the transport the pair negotiate
 (--cache-transfer-protocol; engine/kv_transport.py): "tcp", KVTransfer's frames on these sockets, or "nixl", where
 the message carries only where P's registered blocks are, D reads them with NIXL and answers kv_done on its prompt
 connection so P lets them go. D's hello lists the transports it takes; P answers with the first of its own list
-that D takes, or refuses D's requests naming the flag when they share none. A prefill server started with --cache-queue-port sends
-the KV on a connection of its own, bound there: D says hello on each prefill port, P answers with its KV port,
-D connects a second DEALER under the same identity and says hello on it, and from then on P routes that D's
-blocks there, so pings, failures and aborts never wait behind megabytes of KV. Until the hello is through
+that D takes, or refuses D's requests naming the flag when they share none (docs/kv-transfer.md).
+
+A prefill server started with --cache-queue-port sends the KV message on a connection of its own, bound there: D
+says hello on each prefill port, P answers with its KV port, D connects a second DEALER under the same identity
+and says hello on it, and from then on P routes that D's blocks there, so pings, failures and aborts never wait behind megabytes of KV. Until the hello is through
 (or without the flag) the KV shares the prompt connection.
 
 A decode server's own ports (in FastDeploy each instance has its own queues): it binds a ROUTER on each it is
