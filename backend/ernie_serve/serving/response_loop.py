@@ -122,14 +122,16 @@ class ResponseLoop:
             comp = out.outputs[0]
             if err is not None:
                 self._close(stream, out, self._failure_of(err), now)
-            elif stream.ending is not None or (out.finished and comp.finish_reason == "abort"):
-                if out.finished:
-                    ending = stream.ending or CANCELLED
-                    self._close(stream, out, Failure(ending.code, ending.message) if ending.code else None, now,
-                                bare=ending.code is None)
+            elif out.finished and (stream.ending is not None or comp.finish_reason == "abort"):
+                ending = stream.ending or CANCELLED
+                self._close(stream, out, Failure(ending.code, ending.message) if ending.code else None, now,
+                            bare=ending.code is None)
             else:
+                # A step the engine made before an abort reached it still counts: its tokens go ahead of the
+                # stream's error (a drain's UNAVAILABLE), or are dropped with it (a cancellation).
                 stream.take(out, now)
-                self._consider(stream, now)
+                if stream.ending is None:
+                    self._consider(stream, now)
 
     def _sent(self, stream: ResponseStream) -> None:
         stream.in_flight = False
@@ -156,12 +158,17 @@ class ResponseLoop:
         if self.policy.lagging(stream.clock) and not stream.hold_counted:
             stream.hold_counted = True
             self.num_held += 1
-        heapq.heappush(self._timers, (due, next(self._seq), stream))
+        if stream.timer_due is None or due < stream.timer_due:  # one live timer a stream, the earliest
+            stream.timer_due = due
+            heapq.heappush(self._timers, (due, next(self._seq), stream))
 
     def _fire_timers(self) -> None:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
-            _, _, stream = heapq.heappop(self._timers)
+            due, _, stream = heapq.heappop(self._timers)
+            if due != stream.timer_due:
+                continue  # superseded by an earlier timer of the same stream
+            stream.timer_due = None
             self._consider(stream, now)  # the stream may have sent since: the policy decides again
 
     def _close(self, stream: ResponseStream, out: RequestOutput, failure: Failure | None, now: float,

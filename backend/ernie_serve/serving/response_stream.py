@@ -48,6 +48,7 @@ class ResponseStream:
     clock: StreamClock = field(default_factory=StreamClock)
     closed: bool = False  # its FINAL has been handed to a sender
     in_flight: bool = False  # a response of it is with its sender: new tokens wait, and coalesce, behind it
+    timer_due: float | None = None  # when the response loop's timer for it fires (one at most)
     hold_counted: bool = False  # this wait for the detokenizer is counted in the held-responses metric
     num_output_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
