@@ -1,9 +1,15 @@
 """What each model.py builds from its config.pbtxt parameters (empty `model` = the embedded tiny model)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .pb import engine_config_from_parameters
+
+# ernie_moe's engine thread wakes from each device step wanting the GIL while the response loop or a sender holds
+# it; CPython hands the GIL over only after the switch interval (5 ms by default: a third of a 15 ms decode step,
+# all of it device idle time). scripts/bench_serving_path.py reports it as step stretch.
+ENGINE_GIL_SWITCH_SECONDS = 0.0005
 
 
 def model_dir(params: dict[str, str]) -> Path:
@@ -57,4 +63,5 @@ def engine_model(params: dict[str, str], metrics=None, parent_pid: int | None = 
     cfg = engine_config_from_parameters(params)
     if cfg.model is None:
         cfg.model = str(model_dir(params))
+    sys.setswitchinterval(ENGINE_GIL_SWITCH_SECONDS)
     return EngineModel(cfg, metrics, engine=engine_front(cfg), parent_pid=parent_pid)
