@@ -43,7 +43,7 @@ OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "finish_reason
                 "prompt_token_ids", "prompt_logprobs")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SP_SPACE = "\u2581"
-CANCEL_CHECK_SECONDS = 0.1
+CANCEL_CHECK_SECONDS = 0.25
 
 
 class OrderError(ServingError):
