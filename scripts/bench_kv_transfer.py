@@ -204,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                 "CRC of every hand-off's bytes. Exporting from and importing into the caches is not timed (the same "
                 "for both). Best: the fastest of the hand-offs.",
                 f"Load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on a host shared with other "
-                "jobs: single hand-offs scatter widely, so compare within a row, and the medians more than the best.",
+                "jobs: single hand-offs scatter widely, so compare within a row; the best shows each path with the least "
+                "interference.",
                 "KV of 28 layers x 4 KV heads x head dim 128 (ERNIE-4.5-21B-A3B) in blocks of 64 tokens: bfloat16 "
                 "is the GPU cache's format, C8 int8 codes with one float32 scale per block and head, float32 the "
                 "CPU cache's.",
-                "NIXL 1.5.1 (nixl-cu12) with its UCX backend and UCX's own choice of transport between two "
-                "processes of one host (no RDMA NIC here); across hosts UCX takes the fabric (RDMA verbs) where "
-                "there is one, which loopback does not measure.",
+                "NIXL 1.5.1 (nixl-cu12), UCX backend, UCX's own choice between two processes of one host: READs by "
+                "cross-memory attach (cma, one kernel copy; UCX_PROTO_INFO=y shows it). Across hosts UCX takes RDMA "
+                "verbs where the NICs are, which loopback does not measure.",
                 *([f"Skipped (larger than --max-bytes {args.max_bytes:g} GiB): {', '.join(skipped)}."] if skipped
                   else []),
             ]}

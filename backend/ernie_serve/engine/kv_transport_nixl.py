@@ -65,7 +65,8 @@ class NixlSender:
         registration = self.agent.register_memory([(a.ctypes.data, a.nbytes, 0, "") for a in arrays], "DRAM")
         self.release(transfer.request_id)  # a request id offered again replaces its old offer
         self._offers[transfer.request_id] = _Offer(registration, arrays, time.monotonic())
-        metadata = self.agent.get_partial_agent_metadata(registration, False)  # the new regions' keys
+        # the new regions' keys, and how to connect: the KV message may overtake the hello's answer (own ports)
+        metadata = self.agent.get_partial_agent_metadata(registration, True)
         return [json.dumps({"transfer": transfer.meta(), "agent": self.agent.name, "metadata": _b64(metadata),
                             "buffers": [[a.ctypes.data, a.nbytes] for a in arrays]}).encode()]
 
