@@ -237,3 +237,28 @@ def test_the_shim_serves_on_the_socket_it_was_handed(tmp_path):
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+def test_ernie_serve_leaves_ports_given_as_0_to_the_launcher_p_d_ports_included(tmp_path):
+    from ernie_serve.cli.serve import server_from_args
+
+    server, _ = server_from_args(["--port", "0", "--metrics-port", "0", "--splitwise-role", "prefill",
+                                  "--engine-worker-queue-port", "0", "--cache-queue-port", "0",
+                                  "--run-dir", str(tmp_path)])
+    assert server.ports() == {"--http-port": 0, "--grpc-port": 0, "--metrics-port": 0, "--openai-port": 0}
+    assert server.side_channel_ports() == {"engine_worker_queue_port": 0, "cache_queue_port": 0}
+
+
+def test_the_ready_banner_gives_back_the_ports_it_shows():
+    from types import SimpleNamespace
+
+    from ernie_serve.cli.serve import banner_ports, ready_banner
+
+    server = SimpleNamespace(startup_seconds=1.0, http_url="127.0.0.1:21001", grpc_url="127.0.0.1:21002",
+                             metrics_url="http://127.0.0.1:21003/metrics", host="127.0.0.1", openai_port=21004,
+                             openai_proc=object(), log_path="/tmp/x.log", openai_log_path=None)
+    output = "[ernie-serve] starting tritonserver ...\n" + ready_banner(server)
+    assert banner_ports(output) == {"http": 21001, "grpc": 21002, "metrics": 21003, "openai": 21004}
+    server.openai_proc = None
+    assert banner_ports(ready_banner(server)) == {"http": 21001, "grpc": 21002, "metrics": 21003}
+    assert banner_ports("[ernie-serve] failed to start: ...") == {}

@@ -99,10 +99,14 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, str]:
     # Fail here, with the flag's name, rather than inside a model's initialize. data_parallel_size is
     # the launcher's (replicas as Triton instances), not one engine's.
     from ..engine.executor_factory import check_supported
+    from ..serving.launcher import SIDE_CHANNEL_SETTINGS
     from ..serving.pb import engine_config_from_parameters
 
-    check_supported(engine_config_from_parameters({k: v for k, v in out.items()
-                                                   if k not in ("state_ttl_seconds", "data_parallel_size")}))
+    engine = {k: v for k, v in out.items() if k not in ("state_ttl_seconds", "data_parallel_size")}
+    # a P/D server's own port given as 0 is the launcher's to choose at start-up (TritonServer): checked as a port
+    # that differs from the others (the engine itself only ever sees the chosen one)
+    engine.update({k: str(65535 - i) for i, k in enumerate(SIDE_CHANNEL_SETTINGS) if engine.get(k) == "0"})
+    check_supported(engine_config_from_parameters(engine))
     return out
 
 
