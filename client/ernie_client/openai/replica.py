@@ -63,8 +63,10 @@ class ReplicaState:
         self.draining = False
         self._engine: dict[str, Any] | None = None
         self._engine_lock = asyncio.Lock()
+        self._engine_warned = False
         self._tokenizer_dir: str | None = None
         self._tokenizer_done = False
+        self._tokenizer_lock = asyncio.Lock()
 
     # ---- draining and overload ---------------------------------------------------------------------------
     def begin_drain(self) -> None:
@@ -90,16 +92,17 @@ class ReplicaState:
                               code="draining")
 
     # ---- what the router discovers --------------------------------------------------------------------------
-    def tokenizer_dir(self) -> str | None:
-        """The directory with a tokenizer.json for the router, made on first use (None: no tokenizer given, or
-        one that cannot be translated, logged once)."""
-        if not self._tokenizer_done:
-            self._tokenizer_done = True
-            if self.config.tokenizer:
-                try:
-                    self._tokenizer_dir = str(router_tokenizer_dir(self.config.tokenizer))
-                except (RouterTokenizerError, OSError) as e:
-                    log.warning("no tokenizer for routers: %s", e)
+    async def tokenizer_dir(self) -> str | None:
+        """The directory with a tokenizer.json for the router, made once, off the event loop (None: no tokenizer
+        given, or one that cannot be translated, logged once)."""
+        async with self._tokenizer_lock:
+            if not self._tokenizer_done:
+                self._tokenizer_done = True
+                if self.config.tokenizer:
+                    try:
+                        self._tokenizer_dir = str(await asyncio.to_thread(router_tokenizer_dir, self.config.tokenizer))
+                    except (RouterTokenizerError, OSError) as e:
+                        log.warning("no tokenizer for routers: %s", e)
         return self._tokenizer_dir
 
     async def engine(self) -> dict[str, Any]:
@@ -110,7 +113,10 @@ class ReplicaState:
                     try:
                         cfg = (await self.backend.model_config(ENGINE_MODEL)).get("config", {})
                     except Exception as e:  # noqa: BLE001 - discovery goes on with what the shim knows
-                        log.warning("cannot read %s's config from Triton: %s", ENGINE_MODEL, e)
+                        if not self._engine_warned:
+                            self._engine_warned = True
+                            log.warning("cannot read %s's config from Triton (asked again on the next call): %s",
+                                        ENGINE_MODEL, e)
                         return {}
                     params = {k: v.get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}
                     groups = cfg.get("instance_group") or [{}]
@@ -124,7 +130,7 @@ class ReplicaState:
         seqs = int(engine.get("max_num_seqs") or 0) * int(engine.get("instances") or 1)
         info: dict[str, Any] = {
             "served_model_name": self.config.public_name,
-            "model_path": self.tokenizer_dir(),
+            "model_path": await self.tokenizer_dir(),
             "tp_size": tp,
             "disaggregation_mode": _DISAGGREGATION.get(engine.get("splitwise_role") or "mixed", "null"),
             "max_running_requests": seqs or None,
@@ -136,7 +142,7 @@ class ReplicaState:
         return {k: v for k, v in info.items() if v is not None}
 
     async def model_info(self) -> dict[str, Any]:
-        tokenizer = self.tokenizer_dir()
+        tokenizer = await self.tokenizer_dir()
         hf = _read_json(Path(self.config.tokenizer) / "config.json") if self.config.tokenizer else {}
         info = {"model_path": tokenizer, "tokenizer_path": tokenizer, "is_generation": True,
                 "served_model_name": self.config.public_name, "model_type": hf.get("model_type"),
