@@ -62,64 +62,73 @@ def crc(arrays) -> int:
     return value
 
 
-def prefill_side(port: int, cases: list, repeats: int, transport: str, out) -> None:
-    """Offers each case `repeats` times (after one warm-up hand-off) and reports the decode side's times."""
+TRANSPORTS = ("tcp", "nixl")
+
+
+def prefill_side(port: int, cases: list, repeats: int, out) -> None:
+    """Offers each case `repeats` times over each transport, the two alternating (so both see the same load), after
+    one warm-up hand-off each, and reports the decode side's times."""
     import zmq
 
     from ernie_serve.engine.kv_transfer import KVTransfer
     from ernie_serve.engine.kv_transport import make_sender
 
-    sender = make_sender(transport, "bench")
+    senders = {name: make_sender(name, "bench") for name in TRANSPORTS}
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"tcp://127.0.0.1:{port}")
     owner, kind, _ = sock.recv_multipart()
     assert kind == b"hello"
-    sock.send_multipart([owner, b"hello", json.dumps(sender.hello()).encode()])
+    sock.send_multipart([owner, b"hello", json.dumps({n: s.hello() for n, s in senders.items()}).encode()])
     rows = []
-    for tokens, fmt in [(1024, "bfloat16"), *cases]:  # the first: warm-up (connection set-up), not reported
+    for case, (tokens, fmt) in enumerate([(1024, "bfloat16"), *cases]):  # the first: warm-up, not reported
         blocks = blocks_for(tokens, fmt, tokens)
         want = crc(blocks.arrays())
-        times = []
+        times: dict[str, list[float]] = {name: [] for name in TRANSPORTS}
         for i in range(repeats):
-            transfer = KVTransfer(f"{fmt}-{tokens}-{i}", list(range(tokens)), [], tokens, BLOCK, blocks)
-            t0 = time.monotonic()
-            body = sender.offer(transfer)
-            sock.send_multipart([owner, b"kv", *body], copy=False)
-            while not sock.poll(1):  # as the prefill server's socket thread does while an offer is out
-                sender.progress()
-            _, _, done = sock.recv_multipart()
-            reply = json.loads(done)
-            sender.release(transfer.request_id)
-            if reply["crc"] != want:
-                raise SystemExit(f"{transport}: the bytes of {fmt} x {tokens} tokens arrived changed")
-            times.append(reply["t1"] - t0)
-        rows.append({"tokens": tokens, "format": fmt, "bytes": blocks.nbytes, "seconds": statistics.median(times),
-                     "all": times})
+            for name in (TRANSPORTS if i % 2 == 0 else TRANSPORTS[::-1]):
+                sender = senders[name]
+                transfer = KVTransfer(f"{fmt}-{tokens}-{name}-{i}", list(range(tokens)), [], tokens, BLOCK, blocks)
+                t0 = time.monotonic()
+                body = sender.offer(transfer)
+                sock.send_multipart([owner, name.encode(), *body], copy=False)
+                while not sock.poll(1):  # as the prefill server's socket thread does while an offer is out
+                    sender.progress()
+                _, _, done = sock.recv_multipart()
+                reply = json.loads(done)
+                sender.release(transfer.request_id)
+                if reply["crc"] != want:
+                    raise SystemExit(f"{name}: the bytes of {fmt} x {tokens} tokens arrived changed")
+                times[name].append(reply["t1"] - t0)
+        rows.append({name: {"tokens": tokens, "format": fmt, "bytes": blocks.nbytes,
+                            "seconds": statistics.median(times[name]), "all": times[name]} for name in TRANSPORTS})
         del blocks
     sock.send_multipart([owner, b"bye", b""])
-    sender.close()
+    for sender in senders.values():
+        sender.close()
     sock.close(0)
     ctx.term()
     out.send(rows[1:])
 
 
-def decode_side(port: int, transport: str) -> None:
+def decode_side(port: int) -> None:
     import zmq
 
     from ernie_serve.engine.kv_transport import make_receiver
 
-    receiver = make_receiver(transport, "bench")
+    receivers = {name: make_receiver(name, "bench") for name in TRANSPORTS}
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send_multipart([b"hello", b"{}"])
     kind, hello = sock.recv_multipart()
-    receiver.connect(json.loads(hello))
+    for name, answer in json.loads(hello).items():
+        receivers[name].connect(answer)
     while True:
         frames = sock.recv_multipart(copy=False)
         if frames[0].bytes == b"bye":
             break
+        receiver = receivers[frames[0].bytes.decode()]
         receiver.receive(frames[1:])
         done = []
         while not done:
@@ -130,25 +139,26 @@ def decode_side(port: int, transport: str) -> None:
             raise SystemExit(got.error)
         sock.send_multipart([b"done", json.dumps({"t1": t1, "crc": crc(got.transfer.blocks.arrays())}).encode()])
         del got, done
-    receiver.close()
+    for receiver in receivers.values():
+        receiver.close()
     sock.close(0)
     ctx.term()
 
 
-def run(transport: str, cases: list, repeats: int) -> list[dict]:
+def run(cases: list, repeats: int) -> dict[str, list[dict]]:
     from ernie_serve.ports import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=prefill_side, args=(port, cases, repeats, transport, child))
-    d = ctx.Process(target=decode_side, args=(port, transport))
+    p = ctx.Process(target=prefill_side, args=(port, cases, repeats, child))
+    d = ctx.Process(target=decode_side, args=(port,))
     p.start()
     d.start()
     rows = parent.recv()
     p.join(60)
     d.join(60)
-    return rows
+    return {name: [row[name] for row in rows] for name in TRANSPORTS}
 
 
 def cpu() -> str:
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(int(t), f) for t in args.tokens.split(",") for f in args.formats.split(",")
              if blocks_nbytes(int(t), f) <= args.max_bytes * (1 << 30)]
     load = [os.getloadavg()[0]]
-    results = {name: run(name, cases, args.repeats) for name in ("tcp", "nixl")}
+    results = run(cases, args.repeats)
     load.append(os.getloadavg()[0])
     columns = ["prompt tokens", "KV format", "KV MiB", "tcp (ours) ms", "NIXL ms", "tcp GB/s", "NIXL GB/s",
                "NIXL / tcp time", "tcp best ms", "NIXL best ms"]
@@ -200,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             "date": date.today().isoformat(), "columns": columns, "rows": rows,
             "notes": [
                 "Time from the prefill side's offer to the decode side holding the blocks, median of "
-                f"{args.repeats} hand-offs after one warm-up, two processes on one host; the decode side checks a "
+                f"{args.repeats} hand-offs over each transport, the two alternating, after one warm-up each; two "
+                "processes on one host; the decode side checks a "
                 "CRC of every hand-off's bytes. Exporting from and importing into the caches is not timed (the same "
                 "for both). Best: the fastest of the hand-offs.",
                 f"Load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on a host shared with other "
-                "jobs: single hand-offs scatter widely, so compare within a row; the best shows each path with the least "
-                "interference.",
+                "jobs: single hand-offs scatter widely, so compare within a row; the best shows each path with the "
+                "least interference.",
                 "KV of 28 layers x 4 KV heads x head dim 128 (ERNIE-4.5-21B-A3B) in blocks of 64 tokens: bfloat16 "
                 "is the GPU cache's format, C8 int8 codes with one float32 scale per block and head, float32 the "
                 "CPU cache's.",

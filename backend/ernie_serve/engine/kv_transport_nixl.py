@@ -95,7 +95,8 @@ class NixlSender:
 
     @property
     def held_bytes(self) -> int:
-        return sum(a.nbytes for offer in self._offers.values() for a in offer.arrays)
+        """Bytes registered and waiting to be read (readable from another thread: a snapshot of the offers)."""
+        return sum(a.nbytes for offer in tuple(self._offers.values()) for a in offer.arrays)
 
     def close(self) -> None:
         for rid in list(self._offers):

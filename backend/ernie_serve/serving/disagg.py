@@ -18,8 +18,8 @@ that D takes, or refuses D's requests naming the flag when they share none (docs
 
 A prefill server started with --cache-queue-port sends the KV message on a connection of its own, bound there: D
 says hello on each prefill port, P answers with its KV port, D connects a second DEALER under the same identity
-and says hello on it, and from then on P routes that D's blocks there, so pings, failures and aborts never wait behind megabytes of KV. Until the hello is through
-(or without the flag) the KV shares the prompt connection.
+and says hello on it, and from then on P routes that D's blocks there, so pings, failures and aborts never wait
+behind megabytes of KV. Until the hello is through (or without the flag) the KV shares the prompt connection.
 
 A decode server's own ports (in FastDeploy each instance has its own queues): it binds a ROUTER on each it is
 given and names them in its hello; each prefill server then opens a connection to them, signed with its queue
