@@ -30,8 +30,9 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = {row["name"]: row for row in map(json.loads, (ROOT / "backend/ernie_serve/demo/data/chat_demo.jsonl")
                                         .read_text().splitlines()) if row}
-# The e2e servers' engine, with the ERNIE parsers: small, and room for the kill test's concurrent requests.
-SETTINGS = {"max_model_len": "512", "max_num_seqs": "16", "block_size": "16", "num_gpu_blocks_override": "512",
+# The e2e servers' engine, with the ERNIE parsers: small, with room for the kill test's concurrent requests and for
+# a request long enough (LONG) to stay in flight while a test looks at the replica.
+SETTINGS = {"max_model_len": "2048", "max_num_seqs": "16", "block_size": "16", "num_gpu_blocks_override": "512",
             "reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1"}
 TIMEOUT = httpx.Timeout(120.0, connect=5.0)
 
@@ -225,27 +226,59 @@ def test_answers_through_the_router_equal_a_replicas_own(router, replicas, name)
 
 
 # ---------------------------------------------------------------------------- draining and overload
+LONG = {"model": "ernie", "prompt": "Tell me a long story", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+
+class LongStream:
+    """A long streamed completion read on a thread: `started` is set at its first chunk (it is in flight, its KV
+    held); `close()` leaves early (the shim cancels it); at its end `text` is its last events."""
+
+    def __init__(self, url: str):
+        self.started, self.tail, self.error = threading.Event(), [], None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(url,), daemon=True)
+        self.thread.start()
+
+    def _read(self, url: str) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=TIMEOUT) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.started.set()
+                        self.tail = (self.tail + [line[len("data: "):]])[-2:]
+                    if self._stop.is_set():
+                        return
+        except httpx.HTTPError as e:
+            self.error = e
+        finally:
+            self.started.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(30)
+
+    def finish_reason(self) -> str | None:
+        self.thread.join(120)
+        assert not self.thread.is_alive() and self.error is None and self.tail[-1] == "[DONE]", (self.error, self.tail)
+        return json.loads(self.tail[-2])["choices"][0]["finish_reason"]
+
+
 def test_a_full_replica_says_so_on_health_and_in_its_load(replicas):
-    """--max-concurrency 1 and one long request: /health 503 until it ends, /get_load counts it and its KV."""
+    """--max-concurrency 1 and one long request: /health 503 while it runs, /get_load counts it and the KV the
+    engine holds for it; /health 200 once it is gone."""
     rep = replicas[0]
     shim = RunningShim(create_app(ServerConfig(triton_url=rep.grpc_url, max_concurrency=1,
                                                triton_metrics_url=rep.metrics_url)))
     try:
-        done = threading.Event()
-        body = {"model": "ernie", "prompt": "Tell me a long story", "max_tokens": 300, "temperature": 0,
-                "ignore_eos": True}
-        worker = threading.Thread(target=lambda: (httpx.post(shim.url + "/v1/completions", json=body,
-                                                             timeout=TIMEOUT), done.set()))
-        worker.start()
-        r = _wait(lambda: (lambda h: h if h.status_code == 503 else None)(httpx.get(shim.url + "/health", timeout=5)),
-                  30, "/health 503 while the only slot is taken")
-        assert r.json()["error"]["code"] == "overloaded"
+        stream = LongStream(shim.url)
+        assert stream.started.wait(60) and stream.error is None
+        health = httpx.get(shim.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "overloaded"
         (load,) = _wait(lambda: (lambda l: l if l[0]["num_tokens"] > 0 else None)(
             httpx.get(shim.url + "/get_load", timeout=5).json()), 30, "the engine's KV in /get_load")
-        assert load["num_reqs"] == 1 and load["engine_running"] >= 1
-        assert done.wait(120)
-        worker.join(5)
-        assert httpx.get(shim.url + "/health", timeout=5).status_code == 200
+        assert load["num_reqs"] == 1 and load["engine_running"] == 1 and load["num_tokens"] % 16 == 0
+        stream.close()
+        _wait(lambda: _get(shim.url + "/health") == 200, 30, "/health 200 once the slot is free")
     finally:
         shim.stop()
 
@@ -266,15 +299,8 @@ def test_a_draining_replica_leaves_the_rotation_and_finishes_its_requests(replic
         wait_for_health(url, 60, shim)
         r = RouterProcess(["--worker-urls", replicas[0].url, url, "--policy", "round_robin", *FAST_HEALTH],
                           tmp_path / "router.log")
-        result: dict = {}
-        body = {"model": "ernie", "prompt": "Tell me a long story", "max_tokens": 400, "temperature": 0,
-                "ignore_eos": True, "stream": False}
-        running = threading.Thread(target=lambda: result.update(r=httpx.post(url + "/v1/completions", json=body,
-                                                                             timeout=TIMEOUT)))
-        running.start()
-        _wait(lambda: httpx.get(url + "/get_load", timeout=5).json()[0]["num_reqs"] == 1 or result, 30,
-              "the request to start")
-        assert not result, result["r"].text
+        stream = LongStream(url)
+        assert stream.started.wait(60) and stream.error is None
         shim.send_signal(signal.SIGTERM)
         health = _wait(lambda: (lambda h: h if h.status_code == 503 else None)(httpx.get(url + "/health", timeout=5)),
                        10, "/health 503 while draining")
@@ -284,8 +310,7 @@ def test_a_draining_replica_leaves_the_rotation_and_finishes_its_requests(replic
         _wait(lambda: r.workers().get(url) is False, 20, "the router to mark the draining replica unhealthy")
         for _ in range(4):
             assert _chat(r.url, messages=[{"role": "user", "content": "Hi"}]).status_code == 200
-        running.join(120)
-        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 400
+        assert stream.finish_reason() == "length"  # ran to its end, no error event
         assert shim.wait(30) is not None
     finally:
         if r is not None:
