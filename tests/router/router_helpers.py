@@ -11,9 +11,9 @@ import httpx
 
 from ernie_serve.ports import free_port  # the router binds its own ports: these stay reserved for this process
 
-# Health checks each second, so a dead or draining replica leaves the rotation within seconds (two failed checks: one
-# slow answer on a loaded host does not move a conversation), and workers are found as soon as they answer.
-FAST_HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2", "--health-success-threshold",
+# Health checks each second, so a dead or draining replica leaves the rotation within seconds (three failed checks:
+# a slow answer or two on a loaded host do not move a conversation), and workers are found as soon as they answer.
+FAST_HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold", "3", "--health-success-threshold",
                "1", "--worker-startup-check-interval", "1"]
 
 
