@@ -122,7 +122,9 @@ class ResponseLoop:
             comp = out.outputs[0]
             if err is not None:
                 self._close(stream, out, self._failure_of(err), now)
-            elif out.finished and (stream.ending is not None or comp.finish_reason == "abort"):
+            elif out.finished and comp.finish_reason == "abort":
+                # how an aborted request is answered; a request that finished before the abort reached the
+                # engine ends as it finished (its key is live until this loop takes its last output)
                 ending = stream.ending or CANCELLED
                 self._close(stream, out, Failure(ending.code, ending.message) if ending.code else None, now,
                             bare=ending.code is None)
