@@ -4,7 +4,8 @@
 #   scripts/serve_replicas.sh                                   # 2 replicas of the tiny model, router on :9000
 #   scripts/serve_replicas.sh --replicas 4 --policy cache_aware --port 9000 --base-port 8100 \
 #       -- --model /ckpt --max-model-len 8192 --reasoning-parser ernie-x1 --tool-call-parser ernie-x1
-# Replica i listens on base-port + 10*i (HTTP), +1 (gRPC), +2 (metrics), +3 (OpenAI shim). Flags after `--` go to
+# Replica i listens on base-port + 10*i (HTTP), +1 (gRPC), +2 (metrics), +3 (OpenAI shim); with --base-port 0 each
+# replica's ports are chosen when it starts (printed in its log). Flags after `--` go to
 # every replica's serve.sh; --router-args "..." go to the router. Ctrl-C / SIGTERM stops the router, then drains and
 # stops the replicas. On many hosts, start scripts/serve.sh --host 0.0.0.0 --openai-port 9000 on each and point one
 # router at their URLs (docs/scaling-out.md).
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     --host) host="$2"; shift 2 ;;
     --router-args) router_args="$2"; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "serve_replicas.sh: unknown flag $1 (replica flags go after --)" >&2; exit 2 ;;
   esac
 done
@@ -44,37 +45,46 @@ trap stop EXIT
 trap 'stop; exit 0' INT TERM
 
 for ((i = 0; i < replicas; i++)); do
-  p=$((base + 10 * i))
-  "$root/scripts/serve.sh" --host "$host" --http-port "$p" --grpc-port $((p + 1)) --metrics-port $((p + 2)) \
-    --openai-port $((p + 3)) "$@" > "$logs/replica$i.log" 2>&1 &
+  if [ "$base" = 0 ]; then
+    ports=(0 0 0 0)  # each replica on ports of its own, read from its ready banner below
+  else
+    p=$((base + 10 * i)); ports=("$p" $((p + 1)) $((p + 2)) $((p + 3)))
+  fi
+  "$root/scripts/serve.sh" --host "$host" --http-port "${ports[0]}" --grpc-port "${ports[1]}" \
+    --metrics-port "${ports[2]}" --openai-port "${ports[3]}" "$@" > "$logs/replica$i.log" 2>&1 &
   pids+=("$!")
-  urls+=("http://$host:$((p + 3))")
 done
 echo "[serve_replicas] starting $replicas replicas (logs in $logs) ..."
 for ((i = 0; i < replicas; i++)); do
-  if ! "$py" - "${urls[$i]}" "${pids[$i]}" <<'EOF'
+  # the replica's OpenAI URL once its /health answers (its port from its banner when it was given 0)
+  if ! url="$("$py" - "$logs/replica$i.log" "${pids[$i]}" "$host" <<'EOF'
 import os, sys, time, urllib.request
-url, pid = sys.argv[1], int(sys.argv[2])
+from ernie_serve.cli.serve import banner_ports
+log, pid, host = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 deadline = time.monotonic() + 900
 while time.monotonic() < deadline:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         sys.exit(1)
+    port = banner_ports(open(log, errors="replace").read()).get("openai")
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
-            if r.status == 200:
-                sys.exit(0)
+        if port:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    print(f"http://{host}:{port}")
+                    sys.exit(0)
     except OSError:
         pass
     time.sleep(0.5)
 sys.exit(1)
 EOF
-  then
+)"; then
     echo "[serve_replicas] replica $i did not come up; its log ($logs/replica$i.log):" >&2
     tail -n 30 "$logs/replica$i.log" >&2
     exit 1
   fi
+  urls+=("$url")
 done
 
 # A replica that drains or dies leaves the rotation after two failed health checks two seconds apart.
