@@ -25,6 +25,7 @@ import pytest
 
 from openai_shim_helpers import listening_socket, refusing_socket
 from ernie_client.openai import ServerConfig, create_app
+from polling import wait_for as _wait
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,16 +33,6 @@ DEMO = {row["name"]: row for row in map(json.loads, (ROOT / "backend/ernie_serve
                                         .read_text().splitlines()) if row}
 CHAT = DEMO["capital"]["messages"]
 LONG = dict(max_tokens=1500, temperature=0, extra_body={"ignore_eos": True})  # runs for many seconds
-
-
-def _wait(pred, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from e2e_helpers import wait_for_health
 from ernie_serve.serving.launcher import TritonServer
 from openai_shim_helpers import RunningShim, listening_socket
 from router_helpers import FAST_HEALTH, RouterProcess, shim_counters
+from polling import wait_for as _wait
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,16 +75,6 @@ def _get(url: str) -> int:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return 0
-
-
-def _wait(pred, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _chat(url: str, **body) -> httpx.Response:
