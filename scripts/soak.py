@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import re
 import sys
@@ -94,6 +95,25 @@ class Tally:
             self.failures.append(f"{kind}: {outcome}: {detail[:300]}")
 
 
+class Trace:
+    """httpcore's trace events of one request: on a failure, says whether the request went out on a new
+    connection or on a pooled one the server may have closed meanwhile, and the last step that ran."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.started = time.monotonic()
+
+    async def __call__(self, name: str, info: dict) -> None:
+        self.events.append(name)
+
+    def __str__(self) -> str:
+        conn = "new connection" if any(e.startswith("connection.connect_tcp") for e in self.events) else \
+            "pooled connection"
+        failed = next((e for e in self.events if e.endswith(".failed")), None)
+        step = failed or (self.events[-1] if self.events else "none")
+        return f"{conn}, {'failed at' if failed else 'last step'} {step}, {time.monotonic() - self.started:.1f} s in"
+
+
 class Clients:
     """The request kinds; each call returns (outcome, detail) with outcome ok | cancelled | refused |
     unexpected | lost. One event loop drives them all."""
@@ -123,12 +143,14 @@ class Clients:
 
     async def shim_completion(self, rng: random.Random) -> tuple[str, str]:
         body = {"model": "ernie", "prompt": f"story {rng.randint(0, 99)}", "max_tokens": self._max_tokens(rng)}
+        trace = Trace()
         try:
-            r = await self.http.post(self.shim + "/v1/completions", json=body, timeout=self.timeout)
+            r = await self.http.post(self.shim + "/v1/completions", json=body, timeout=self.timeout,
+                                     extensions={"trace": trace})
         except httpx.TimeoutException as e:
-            return "lost", f"no answer: {e!r}"
+            return "lost", f"no answer: {e!r} ({trace})"
         except httpx.HTTPError as e:
-            return "unexpected", repr(e)
+            return "unexpected", f"{e!r} ({trace})"
         if r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"):
             return "ok", ""
         return "unexpected", f"{r.status_code} {r.text}"
@@ -138,16 +160,21 @@ class Clients:
                            {"model": "ernie", "prompt": "x", "temperature": "hot"},
                            {"model": "ernie", "messages": "not a list"}])
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        trace = Trace()
         try:
-            r = await self.http.post(self.shim + path, json=body, timeout=self.timeout)
+            r = await self.http.post(self.shim + path, json=body, timeout=self.timeout, extensions={"trace": trace})
         except httpx.TimeoutException as e:
-            return "lost", f"no answer: {e!r}"
+            return "lost", f"no answer: {e!r} ({trace})"
+        except httpx.HTTPError as e:
+            return "unexpected", f"{e!r} ({trace})"
         return ("refused", "") if r.status_code == 400 else ("unexpected", f"{r.status_code} {r.text}")
 
     async def _shim_stream(self, path: str, body: dict, cancel_after: int | None) -> tuple[str, str]:
         events: list[str] = []
+        trace = Trace()
         try:
-            async with self.http.stream("POST", self.shim + path, json=body, timeout=self.timeout) as r:
+            async with self.http.stream("POST", self.shim + path, json=body, timeout=self.timeout,
+                                        extensions={"trace": trace}) as r:
                 if r.status_code != 200:
                     return "unexpected", f"{r.status_code} {(await r.aread()).decode()}"
                 async for line in r.aiter_lines():
@@ -156,9 +183,9 @@ class Clients:
                         if cancel_after is not None and len(events) >= cancel_after:
                             return "cancelled", ""  # leaving the block closes the connection
         except httpx.TimeoutException as e:
-            return "lost", f"stalled after {len(events)} events: {e!r}"
+            return "lost", f"stalled after {len(events)} events: {e!r} ({trace})"
         except httpx.HTTPError as e:
-            return "lost", f"cut after {len(events)} events: {e!r}"
+            return "lost", f"cut after {len(events)} events: {e!r} ({trace})"
         for name, seen in PARSED_FIELDS.items():  # evidence the parsers ran on what came back
             self.tally.parsed[name] += any(seen.search(e) for e in events)
         if any('"error"' in e for e in events):
@@ -262,6 +289,8 @@ def checkpoint(server, started: float, idle_timeout: float, tally: Tally | None 
 def run(args: argparse.Namespace) -> dict:
     from ernie_serve.serving.launcher import TritonServer, free_port
 
+    # httpx logs a line a request at INFO once ernie_serve has configured logging: it would bury what matters
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     # the shim at warning level: its access log (a line a request) would bury what matters
     server = TritonServer(server_settings(args), http_port=free_port(), grpc_port=free_port(),
                           metrics_port=free_port(), openai_port=free_port(), openai_args=("--log-level", "warning"))
@@ -346,6 +375,7 @@ async def soak(server, args: argparse.Namespace) -> dict:
                 running.clear()  # pause: every client finishes its request, then waits
                 await drained()
                 points.append(await asyncio.to_thread(checkpoint, server, started, args.request_timeout, tally))
+                print_checkpoint(points[-1])
                 running.set()
                 next_point += args.checkpoint
         _, late = await asyncio.wait(tasks, timeout=args.request_timeout + 30)
@@ -358,6 +388,12 @@ async def soak(server, args: argparse.Namespace) -> dict:
     result = summarize(args, tally, points, alive)
     result["client_cpu_s"] = round(time.process_time() - own_cpu, 1)  # this process: the clients' own cost
     return result
+
+
+def print_checkpoint(p: Checkpoint) -> None:
+    """One line as each checkpoint is taken, so a long soak shows where it stands."""
+    print(f"checkpoint {p.at_s:.0f} s: {sum(p.done.values())} requests, {p.lost} lost, KV {p.kv_free}/{p.kv_total} "
+          "free, RSS MB " + ", ".join(f"{n} {mb:.0f}" for n, mb in p.rss_mb.items()), flush=True)
 
 
 def rss_growth(points: list[Checkpoint]) -> tuple[dict[str, float], dict[str, float]]:
