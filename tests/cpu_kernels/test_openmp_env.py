@@ -65,7 +65,9 @@ def test_parked_workers_sleep_at_once_and_spin_again_after_the_next_region():
     assert out.returncode == 0, out.stderr[-2000:]
     spun, parked, threads = map(float, out.stdout.strip().splitlines()[-1].split())
     assert threads == 2
-    assert spun > 100 and parked < 20, (spun, parked)
+    # A spinning worker burns CPU only while it has a core: on a loaded host it gets less of the 200 ms, so the
+    # unparked figure is checked against the parked one, not against the sleep.
+    assert parked < 20 and spun > max(50.0, 3 * parked), (spun, parked)
 
 
 def test_every_step_of_the_reference_backend_ends_with_the_workers_parked(tiny_model_dir, monkeypatch):
