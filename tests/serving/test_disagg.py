@@ -11,7 +11,7 @@ import pytest
 from ernie_serve.config import EngineConfig
 from ernie_serve.engine.async_engine import AsyncEngine, RequestFailedError
 from ernie_serve.serving import disagg
-from ernie_serve.serving.launcher import free_port
+from ernie_serve.ports import refusing_socket, start_on_free_ports
 from ernie_serve.sampling_params import SamplingParams
 
 ENGINE = dict(max_model_len=256, block_size=16, max_num_seqs=8, num_gpu_blocks_override=64, disable_progress_bar=True)
@@ -20,10 +20,12 @@ PROMPTS = [np.random.default_rng(i).integers(3, 4000, size=n).tolist() for i, n 
 
 @pytest.fixture(scope="module")
 def servers(tiny_model_dir):
-    port = free_port()
     base = dict(ENGINE, model=str(tiny_model_dir))
-    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port))
-    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port)))
+    # ports of its own: picked, and picked again if a stranger took one before the front bound it (ports.py)
+    prefill = start_on_free_ports(lambda port: disagg.engine_front(EngineConfig(**base, splitwise_role="prefill",
+                                                                                engine_worker_queue_port=port)))
+    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode",
+                                              innode_prefill_ports=str(prefill.service.port)))
     mixed = AsyncEngine(EngineConfig(**base))
     yield prefill, decode, mixed
     for front in (decode, prefill, mixed):
@@ -72,11 +74,11 @@ def test_one_prefill_one_decode_gives_the_tokens_of_one_mixed_server(servers, pa
 def test_with_a_cache_queue_port_the_kv_travels_on_its_own_connection_and_gives_the_same_tokens(tiny_model_dir,
                                                                                                 servers):
     _, _, mixed = servers
-    port, kv_port = free_port(), free_port()
     base = dict(ENGINE, model=str(tiny_model_dir))
-    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port,
-                                               cache_queue_port=kv_port))
-    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port)))
+    prefill = start_on_free_ports(lambda port, kv_port: disagg.engine_front(EngineConfig(
+        **base, splitwise_role="prefill", engine_worker_queue_port=port, cache_queue_port=kv_port)), 2)
+    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode",
+                                              innode_prefill_ports=str(prefill.service.port)))
     try:
         _wait_for(lambda: prefill.service._kv_routes)  # the hello on both connections is through
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
@@ -100,13 +102,12 @@ def test_a_decode_server_with_its_own_queue_ports_gets_its_results_there_and_the
     instances each have their own): the prefill server sends the KV to the decode server's KV port (or, without
     one, to its queue port), not back on the prompt connection nor from its own KV port."""
     _, _, mixed = servers
-    port, kv_port, own_queue, own_kv = free_port(), free_port(), free_port(), free_port()
     base = dict(ENGINE, model=str(tiny_model_dir))
-    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port,
-                                               cache_queue_port=kv_port))
-    decode = disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port),
-                                              engine_worker_queue_port=own_queue,
-                                              cache_queue_port=own_kv if "kv" in own else None))
+    prefill = start_on_free_ports(lambda port, kv_port: disagg.engine_front(EngineConfig(
+        **base, splitwise_role="prefill", engine_worker_queue_port=port, cache_queue_port=kv_port)), 2)
+    decode = start_on_free_ports(lambda own_queue, own_kv: disagg.engine_front(EngineConfig(
+        **base, splitwise_role="decode", innode_prefill_ports=str(prefill.service.port),
+        engine_worker_queue_port=own_queue, cache_queue_port=own_kv if "kv" in own else None)), 2)
     try:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         pd = [_final(_collect(decode, f"own-{i}", p, params)) for i, p in enumerate(PROMPTS)]
@@ -192,7 +193,8 @@ def test_a_request_sent_to_the_prefill_server_directly_is_refused_saying_where_t
 
 def test_a_dead_prefill_server_fails_its_requests_with_an_error_naming_it(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(disagg, "PREFILL_TIMEOUT_SECONDS", 1.0)
-    port = free_port()  # nothing listens there
+    nobody = refusing_socket()  # held, never listening: nothing can answer on its port
+    port = nobody.getsockname()[1]
     decode = disagg.engine_front(EngineConfig(**ENGINE, model=str(tiny_model_dir), splitwise_role="decode",
                                               innode_prefill_ports=str(port)))
     try:
@@ -202,6 +204,7 @@ def test_a_dead_prefill_server_fails_its_requests_with_an_error_naming_it(tiny_m
         assert decode.is_healthy  # the decode engine itself serves on
     finally:
         decode.shutdown(drain=False)
+        nobody.close()
 
 
 def test_a_transfer_that_does_not_fit_the_decode_cache_is_refused_naming_why(servers):
@@ -244,11 +247,11 @@ def test_over_nixl_every_kv_format_gives_the_tokens_of_the_tcp_path(small_checkp
     """One prefill server taking both transports (--cache-transfer-protocol rdma,tcp) and two decode servers, one
     on each: the NIXL one reads each prompt's KV in the cache's own format (float32, bfloat16, C8 codes and scales)
     and decodes the very tokens the TCP one does; the prefill server lets every registered export go."""
-    port = free_port()
     base = dict(ENGINE, model=str(small_checkpoints["c8" if fmt == "c8" else "plain"]), skip_tokenizer_init=True,
                 **KV_FORMATS[fmt][1])
-    prefill = disagg.engine_front(EngineConfig(**base, splitwise_role="prefill", engine_worker_queue_port=port,
-                                               cache_transfer_protocol="rdma,tcp"))
+    prefill = start_on_free_ports(lambda port: disagg.engine_front(EngineConfig(
+        **base, splitwise_role="prefill", engine_worker_queue_port=port, cache_transfer_protocol="rdma,tcp")))
+    port = prefill.service.port
     decodes = {name: disagg.engine_front(EngineConfig(**base, splitwise_role="decode", innode_prefill_ports=str(port),
                                                       cache_transfer_protocol=name)) for name in ("rdma", "tcp")}
     try:
