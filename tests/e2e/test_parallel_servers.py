@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from ernie_client.triton_client import build_inputs, stream_generate
 from e2e_helpers import wait_for_health
 from ernie_serve import SamplingParams
-from ernie_serve.serving.launcher import TritonServer, free_port
+from ernie_serve.serving.launcher import TritonServer
 
 from conftest import SERVER_SETTINGS
 from e2e_helpers import scrape, scrape_once_blocks_are_held
@@ -23,8 +23,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog", "Tell me about paged a
 
 
 def _start(settings: dict) -> TritonServer:
-    server = TritonServer({**SERVER_SETTINGS, **settings}, http_port=free_port(), grpc_port=free_port(),
-                          metrics_port=free_port())
+    server = TritonServer({**SERVER_SETTINGS, **settings}, http_port=0, grpc_port=0, metrics_port=0)  # its own
     try:
         server.start(timeout=300)
     except Exception:
@@ -86,10 +85,10 @@ def test_a_tensor_parallel_server_streams_the_tokens_of_one_rank(tp2_server, off
 
 # ---------------------------------------------------------------- prefill / decode disaggregation
 def _from_seed_flags(flags: list[str]) -> TritonServer:
-    """A server from an ernie-serve command line, as the seed's 1P1D commands write it (free ports in place of
-    8180-8183 / 8184-8187, two ranks a side in place of four on a 2-core host), with FastDeploy's
-    --cache-transfer-protocol "rdma,ipc" (the KV crosses through NIXL); Triton's own ports are the CLI's choice, as
-    they are for a FastDeploy user."""
+    """A server from an ernie-serve command line, as the seed's 1P1D commands write it (ports of 0, which the
+    launcher chooses, in place of 8180-8183 / 8184-8187; two ranks a side in place of four on a 2-core host), with
+    FastDeploy's --cache-transfer-protocol "rdma,ipc" (the KV crosses through NIXL); Triton's own ports are the CLI's
+    choice, as they are for a FastDeploy user."""
     from ernie_serve.cli.serve import server_from_args
 
     engine = [a for k, v in SERVER_SETTINGS.items() for a in (f"--{k.replace('_', '-')}", v)]
@@ -104,15 +103,14 @@ def _from_seed_flags(flags: list[str]) -> TritonServer:
 
 @pytest.fixture(scope="module")
 def pd_servers():
-    queue_port = free_port()
-    prefill = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
-                                "--engine-worker-queue-port", str(queue_port), "--cache-queue-port", str(free_port()),
+    prefill = _from_seed_flags(["--port", "0", "--metrics-port", "0", "--engine-worker-queue-port", "0",
+                                "--cache-queue-port", "0",
                                 "--tensor-parallel-size", "2", "--splitwise-role", "prefill",
                                 "--cache-transfer-protocol", "rdma,ipc"])
     try:
-        decode = _from_seed_flags(["--port", str(free_port()), "--metrics-port", str(free_port()),
-                                   "--engine-worker-queue-port", str(free_port()), "--cache-queue-port", str(free_port()),
-                                   "--tensor-parallel-size", "2", "--innode-prefill-ports", str(queue_port),
+        decode = _from_seed_flags(["--port", "0", "--metrics-port", "0", "--engine-worker-queue-port", "0",
+                                   "--cache-queue-port", "0", "--tensor-parallel-size", "2",
+                                   "--innode-prefill-ports", prefill.settings["engine_worker_queue_port"],
                                    "--splitwise-role", "decode", "--cache-transfer-protocol", "rdma,ipc"])
     except Exception:
         _stop(prefill)
