@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -745,3 +746,25 @@ def test_prompt_logprobs_go_out_on_the_first_response_only_with_their_token_text
     assert [e["token"] for e in got] == [TokenTexts(tokenizer)(i)[0] for i in (1, 2, 3)]
     assert got[1]["top_logprobs"][0]["token"] == TokenTexts(tokenizer)(9)[0]
     assert post.process(moe_response("j", 0, "x", finish="stop"))["prompt_logprobs"][0, 0] == b""
+
+
+def test_a_request_that_finished_before_its_abort_reached_the_engine_ends_as_it_finished():
+    """The abort marks the stream while its last output is still on the way to the response loop: the stream still
+    ends with its own final response (one FINAL, no error), not the abort's ending."""
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    sink = Sink()
+    model.submit(engine_inputs(True), sink, "late")
+    (key,) = engine.callbacks
+    engine.emit(key, "a")
+    sink.wait_sent(1)
+    busy = threading.Event()
+    model.responses._events.put((lambda _: busy.wait(5), None))  # the loop is busy: the next output waits
+    engine.emit(key, "b", finished=True, reason="length")
+    engine.callbacks.pop(key)  # the engine has finished it: the abort below reaches nothing
+    model.abort(key, SHUT_DOWN)  # the key is still live: the loop has not taken the last output
+    busy.set()
+    assert sink.done.wait(2) and not sink.errors
+    last = sent_responses(sink)[-1]
+    assert last.final and last.finish_reason == "length" and last.failure is None
+    model.shutdown()

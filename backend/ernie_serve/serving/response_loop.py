@@ -132,7 +132,7 @@ class ResponseLoop:
                 # A step the engine made before an abort reached it still counts: its tokens go ahead of the
                 # stream's error (a drain's UNAVAILABLE), or are dropped with it (a cancellation).
                 stream.take(out, now)
-                if stream.ending is None:
+                if stream.ending is None or out.finished:
                     self._consider(stream, now)
 
     def _sent(self, stream: ResponseStream) -> None:
