@@ -16,7 +16,8 @@ request's earlier responses; see docs/serving.md.
 A cancelled request is answered with empty outputs, not an error: ernie_moe is still streaming it (until the abort
 sent here reaches the engine), and in tritonserver 2.51 a failed ensemble step while another is in flight leaks the
 ensemble request (docs/serving.md). Nobody reads the answer. Whether a request is cancelled is a round trip to
-tritonserver, so it is asked on a stream's first response and then at most every CANCEL_CHECK_SECONDS.
+tritonserver, so it is asked on a stream's first response and then as often as a budget over all streams allows
+(CANCEL_CHECKS_PER_SECOND).
 """
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ OUTPUT_NAMES = ("text_output", "reasoning_content", "tool_calls", "finish_reason
                 "prompt_token_ids", "prompt_logprobs")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SP_SPACE = "\u2581"
-CANCEL_CHECK_SECONDS = 0.25
+# is_cancelled() is a round trip to tritonserver: at most CANCEL_CHECKS_PER_SECOND over all streams, each stream at
+# least every max(CANCEL_CHECK_SECONDS, streams / CANCEL_CHECKS_PER_SECOND) seconds (one stream: 20 ms, 256: 0.64 s).
+CANCEL_CHECK_SECONDS = 0.02
+CANCEL_CHECKS_PER_SECOND = 400
 
 
 class OrderError(ServingError):
@@ -157,7 +161,7 @@ class Postprocessor:
                                      "batching")
                 state.next_index += 1
             state.last_seen = now
-        if self._cancelled(state, is_cancelled, resp.index, now):
+        if self._cancelled(state, is_cancelled, resp.index, now, len(self._states)):
             with self._lock:
                 self._cancel(sid, state, now)
             return self.empty_outputs()
@@ -171,10 +175,11 @@ class Postprocessor:
         return self._outputs(state, resp)
 
     @staticmethod
-    def _cancelled(state: _State, is_cancelled: Callable[[], bool] | bool, index: int, now: float) -> bool:
+    def _cancelled(state: _State, is_cancelled: Callable[[], bool] | bool, index: int, now: float,
+                   n_streams: int) -> bool:
         if not callable(is_cancelled):
             return bool(is_cancelled)
-        if index > 0 and now - state.cancel_checked < CANCEL_CHECK_SECONDS:
+        if index > 0 and now - state.cancel_checked < max(CANCEL_CHECK_SECONDS, n_streams / CANCEL_CHECKS_PER_SECOND):
             return False
         state.cancel_checked = now
         return is_cancelled()
