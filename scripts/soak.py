@@ -329,10 +329,10 @@ async def soak(server, args: argparse.Namespace) -> dict:
     import tritonclient.grpc.aio as grpcclient
 
     traffic = TINY_TRAFFIC if args.simulated_gpu is None else SIMULATED_TRAFFIC
-    # Idle connections are dropped before the shim's keep-alive timeout (uvicorn's, 5 s) closes them: a request
-    # sent on a connection the server is closing at that moment gets no answer, a client-side race, not a loss.
+    # httpx's default idle expiry (5 s), as a plain client pools: the shim keeps an idle connection longer
+    # (ernie-openai --timeout-keep-alive, 75 s), so the client always closes first, even when both event loops lag.
     limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8,
-                          keepalive_expiry=2.0)
+                          keepalive_expiry=5.0)
     grpc_clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(GRPC_CHANNELS)]
     tally = Tally()
     own_cpu = time.process_time()

@@ -3,7 +3,7 @@
     ernie-openai --triton-url localhost:8001 --port 9000 [--host 127.0.0.1] [--model-name ernie]
                  [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--max-waiting-time S]
                  [--request-timeout S] [--tokenizer DIR [--max-model-len N] [--chat-template T]]
-                 [--graceful-shutdown-seconds S] [--triton-metrics-url URL]
+                 [--graceful-shutdown-seconds S] [--timeout-keep-alive S] [--triton-metrics-url URL]
 """
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ import sys
 
 from .openai import ServerConfig, create_app
 from .openai.replica import draining_server
+
+# An idle keep-alive connection must outlive the client pools' idle expiry (httpx 5 s, aiohttp 15 s, a load
+# balancer's ~60 s), so that the client always closes first. uvicorn's 5 s did not, under load: its timer fires in
+# the same event-loop pass that lags behind a request already sent on the connection, and closing a socket with that
+# request unread resets it (the client's ReadError, no response byte). 75 s is nginx's keepalive_timeout.
+# Re-check: .venv/bin/python -m pytest -p no:cacheprovider tests/openai/test_keep_alive.py
+KEEP_ALIVE_SECONDS = 75.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a request may take before it is cancelled with 504 (default: no limit)")
     p.add_argument("--graceful-shutdown-seconds", type=float, default=10.0,
                    help="on SIGTERM, how long open streams may run on before they are cut")
+    p.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_SECONDS,
+                   help="seconds an idle keep-alive connection stays open (uvicorn's own default is 5). Keep it "
+                        "above every client pool's idle expiry (httpx 5 s, aiohttp 15 s, load balancers ~60 s): "
+                        "a shorter one can close a connection whose next request the busy server has not read "
+                        f"yet, and that request is lost (default {KEEP_ALIVE_SECONDS:g})")
     p.add_argument("--tokenizer", default=None,
                    help="the served model's directory (its tokenizer) for /tokenize, /detokenize, /tokenizer_info")
     p.add_argument("--max-model-len", type=int, default=None, help="the server's, reported by /tokenize")
@@ -52,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-waiting-time must be > 0 seconds or -1 (no limit), got {args.max_waiting_time}")
     if args.graceful_shutdown_seconds < 0:
         p.error(f"--graceful-shutdown-seconds must be >= 0, got {args.graceful_shutdown_seconds}")
+    if args.timeout_keep_alive <= 0:
+        p.error(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
     if args.request_timeout is not None and args.request_timeout <= 0:
         p.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     return args
@@ -66,15 +80,20 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         triton_metrics_url=args.triton_metrics_url)
 
 
-def main(argv: list[str] | None = None) -> None:
+def uvicorn_config(args: argparse.Namespace, app):
+    """uvicorn's Config for the shim's flags: the one place its server settings come from."""
     import uvicorn
 
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=args.graceful_shutdown_seconds,
+                          timeout_keep_alive=args.timeout_keep_alive)
+
+
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # the first SIGTERM drains: /health 503 and new requests refused while running ones finish (openai/replica.py)
-    server = draining_server(uvicorn.Config(create_app(config_from_args(args)), host=args.host, port=args.port,
-                                            log_level=args.log_level,
-                                            timeout_graceful_shutdown=args.graceful_shutdown_seconds))
+    server = draining_server(uvicorn_config(args, create_app(config_from_args(args))))
     try:
         server.run(sockets=None if args.fd is None else [socket.socket(fileno=args.fd)])
     except KeyboardInterrupt:

@@ -11,14 +11,21 @@ from ernie_serve.ports import listening_socket, refusing_socket  # noqa: F401  (
 class RunningShim:
     """uvicorn serving `app` on 127.0.0.1:<a port of its own> until stop()."""
 
-    def __init__(self, app):
+    def __init__(self, app, shim_flags: list[str] | None = None):
+        """`shim_flags`: serve with uvicorn configured as `ernie-openai` with these flags configures it
+        (openai_server.uvicorn_config), instead of uvicorn's own defaults."""
         import uvicorn
+
+        from ernie_client.openai_server import parse_args, uvicorn_config
 
         sock = listening_socket()
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+        if shim_flags is None:
+            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        else:
+            config = uvicorn_config(parse_args([*shim_flags, "--port", str(self.port), "--log-level", "warning"]), app)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
