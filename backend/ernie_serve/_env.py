@@ -48,6 +48,17 @@ def setup_model_process(threads: int | None = None) -> int:
     return n
 
 
+def child_environment() -> dict[str, str]:
+    """The environment for a process that will run the model (the engine core): this one's, with OMP_NUM_THREADS as
+    the user set it. Paddle's import here put its own 1 there, which the child would take for the user's."""
+    env = dict(os.environ)
+    if _USER_OMP_THREADS is None:
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = _USER_OMP_THREADS
+    return env
+
+
 def _keep_freed_memory() -> None:
     """Allocations under 64 MB from the heap, and up to 1 GB of freed heap kept (glibc's mallopt; elsewhere a no-op)."""
     try:

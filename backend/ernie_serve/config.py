@@ -78,6 +78,12 @@ class EngineConfig:
     # hop after the engine costs less a token. The first token and the final response never wait; a token waits at
     # most this long plus one engine step. 0: a response per step.
     stream_coalesce_ms: float = 0.0
+    # vLLM v1's EngineCore split: a server's engine (scheduler, model runner, output processing) runs in a process of
+    # its own, so ernie_moe's response side (tensors, pacing, sends on four threads) never holds the GIL the step loop
+    # needs between device steps; one message a step each way (engine/core_client.py). None: on for a mixed-role
+    # server; a prefill / decode server keeps it in process (its KV hand-off reads and writes the engine's cache), and
+    # the offline LLM has no response side to split from
+    engine_core_process: bool | None = None
     disable_progress_bar: bool = False
     # "reference": the Paddle CPU path (the oracle); "kernels": the triton-lang kernels (kernels_backend/) on a GPU,
     # or on the CPU under TRITON_INTERPRET=1; "auto": kernels when a GPU is visible, else reference;
@@ -146,6 +152,10 @@ class EngineConfig:
         need(isinstance(self.stream_coalesce_ms, (int, float)) and 0 <= self.stream_coalesce_ms <= 1000,
              "stream_coalesce_ms", "must be a number of milliseconds from 0 to 1000")
         self._check_speculative()
+        if self.engine_core_process and self.splitwise_role != "mixed":
+            raise ValueError(f"engine_core_process=True is not supported with splitwise_role="
+                             f"{self.splitwise_role!r}: a prefill or decode server's KV hand-off runs in the engine's "
+                             "process; leave --engine-core-process unset (or false) for the P/D roles")
         self._refuse_unbuilt()
 
     def _check_simulated(self) -> None:

@@ -18,6 +18,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         # a model id (FastDeploy's --model) becomes its local directory before the engine loads it
         self.config = EngineConfig.from_kwargs(model=resolve_model(model), **kwargs)
+        if self.config.engine_core_process:
+            raise ValueError("engine_core_process=True is a server's setting (ernie_moe's engine in a process of its "
+                             "own, apart from its response threads); the offline LLM steps the engine in the "
+                             "caller's process: leave engine_core_process unset")
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -156,26 +156,7 @@ class AsyncEngine:
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
         """Blocking iterator of outputs; closing it early aborts the request and waits for the abort."""
-        q: queue.Queue = queue.Queue()
-        self.add_request(request_id, prompt_token_ids, params, lambda out, err: q.put((out, err)))
-        finished = False
-        try:
-            while not finished:
-                out, err = q.get()
-                if err is not None:
-                    raise err
-                finished = out.finished
-                yield out
-        finally:
-            if not finished and self.abort(request_id):
-                deadline = time.monotonic() + ABORT_WAIT_SECONDS
-                while time.monotonic() < deadline:
-                    try:
-                        out, err = q.get(timeout=max(0.0, deadline - time.monotonic()))
-                    except queue.Empty:
-                        break
-                    if err is not None or out.finished:
-                        break
+        return stream_outputs(self, request_id, prompt_token_ids, params)
 
     def stats(self) -> dict:
         """The engine's counters as of the last step (never waits for a running one)."""
@@ -211,7 +192,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request_group(item)
                 except ValueError as e:
-                    outputs.append(_failed_output(item.request_id, item.requests[0].prompt_token_ids, str(e)))
+                    outputs.append(failed_output(item.request_id, item.requests[0].prompt_token_ids, str(e)))
                 with self._cond:
                     self._num_queued -= 1  # in the scheduler's waiting queue now (or failed)
             elif kind == "prefilled":
@@ -219,7 +200,7 @@ class AsyncEngine:
                 try:
                     out = self.engine.add_prefilled_request(transfer, params)
                 except (ValueError, EngineCapacityError) as e:
-                    out = _failed_output(transfer.request_id, transfer.prompt_token_ids, str(e))
+                    out = failed_output(transfer.request_id, transfer.prompt_token_ids, str(e))
                 if out is not None:
                     outputs.append(out)
             else:
@@ -248,13 +229,13 @@ class AsyncEngine:
                     del self._pending[out.request_id]
                 deliver.append((p.callback, out))
         if self.output_sink is not None:
-            _safe_call(self.output_sink, [(cb, out, RequestFailedError(out.error) if out.error is not None else None)
+            safe_call(self.output_sink, [(cb, out, RequestFailedError(out.error) if out.error is not None else None)
                                           for cb, out in deliver])
         else:
             for cb, out in deliver:
-                _safe_call(cb, out, RequestFailedError(out.error) if out.error is not None else None)
+                safe_call(cb, out, RequestFailedError(out.error) if out.error is not None else None)
         for listener in self.step_listeners:
-            _safe_call(listener, dict(stats))
+            safe_call(listener, dict(stats))
 
     def _die(self, e: Exception) -> None:
         with self._cond:
@@ -265,12 +246,12 @@ class AsyncEngine:
         err = EngineDeadError(f"engine step failed: {e!r}")
         for rid, p in dead:
             try:
-                out = self.engine.abort_request(rid) or _failed_output(rid, p.prompt_token_ids, str(err))
+                out = self.engine.abort_request(rid) or failed_output(rid, p.prompt_token_ids, str(err))
             except Exception:  # noqa: BLE001 - the engine's state may be what broke
-                out = _failed_output(rid, p.prompt_token_ids, str(err))
-            _safe_call(p.callback, out, err)
+                out = failed_output(rid, p.prompt_token_ids, str(err))
+            safe_call(p.callback, out, err)
         for listener in self.step_listeners:
-            _safe_call(listener, dict(self._stats))
+            safe_call(listener, dict(self._stats))
 
     def _maybe_log(self) -> None:
         """A vLLM-style status line every log_interval_s while there is work (loop thread)."""
@@ -303,13 +284,39 @@ class AsyncEngine:
             self.engine.close()  # tensor-parallel workers, if any
 
 
-def _failed_output(request_id: str, prompt_token_ids: list[int], error: str) -> RequestOutput:
+def stream_outputs(front, request_id: str, prompt_token_ids: list[int],
+                   params: SamplingParams) -> Iterator[RequestOutput]:
+    """A front's (AsyncEngine's, EngineCoreClient's) outputs for one request as a blocking iterator; closing it
+    early aborts the request and waits for the abort."""
+    q: queue.Queue = queue.Queue()
+    front.add_request(request_id, prompt_token_ids, params, lambda out, err: q.put((out, err)))
+    finished = False
+    try:
+        while not finished:
+            out, err = q.get()
+            if err is not None:
+                raise err
+            finished = out.finished
+            yield out
+    finally:
+        if not finished and front.abort(request_id):
+            deadline = time.monotonic() + ABORT_WAIT_SECONDS
+            while time.monotonic() < deadline:
+                try:
+                    out, err = q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if err is not None or out.finished:
+                    break
+
+
+def failed_output(request_id: str, prompt_token_ids: list[int], error: str) -> RequestOutput:
     return RequestOutput(request_id, None, list(prompt_token_ids),
                          [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
                          finished=True, error=error)
 
 
-def _safe_call(fn, *args) -> None:
+def safe_call(fn, *args) -> None:
     try:
         fn(*args)
     except Exception:  # noqa: BLE001 - a broken consumer must not kill the engine thread

@@ -174,15 +174,19 @@ class GrammarCompiler:
 
     def check(self, params: GuidedDecodingParams) -> None:
         """Raise GrammarError (naming guided_decoding.<kind>) if the constraint cannot run on this tokenizer."""
+        self._check_start_token(params)
         self._compile(params)
 
     def new_state(self, params: GuidedDecodingParams) -> GuidedState:
         """A fresh matcher for one request (n > 1: one per sequence)."""
+        self._check_start_token(params)
+        return GuidedState(self._compile(params).deep_copy(), self.eos_token_ids, params.start_after_token_id)
+
+    def _check_start_token(self, params: GuidedDecodingParams) -> None:
         token = params.start_after_token_id
         if token is not None and token >= self.vocab_size:
             raise ValueError(f"guided_decoding.start_after_token_id must be a token id in [0, {self.vocab_size}), "
                              f"got {token}")
-        return GuidedState(self._compile(params).deep_copy(), self.eos_token_ids, token)
 
     def _compile(self, params: GuidedDecodingParams) -> LLMatcher:
         grammar = llguidance_grammar(params)

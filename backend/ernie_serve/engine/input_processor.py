@@ -39,9 +39,32 @@ class InputProcessor:
         self.grammars = grammars
         self._seed_counter = itertools.count()  # unseeded requests: distinct, reproducible streams
 
+    def check(self, prompt_token_ids: list[int], sampling_params: SamplingParams, hold_kv: bool = False) -> None:
+        """Refuse what this engine cannot run (ValueError naming the field), building nothing: a front whose
+        engine core runs in another process (core_client.py) answers bad input at once with this."""
+        self._checked(prompt_token_ids, sampling_params, hold_kv)
+        if sampling_params.guided_decoding is not None:
+            self.grammars.check(sampling_params.guided_decoding)
+
     def make_group(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                    hold_kv: bool = False) -> RequestGroup:
         """Validate a request against the engine and build its n sequences; raises ValueError naming the field."""
+        ids, bad_words, max_tokens = self._checked(prompt_token_ids, sampling_params, hold_kv)
+        p, group = sampling_params, []
+        for i in range(p.n):
+            rid = request_id if p.n == 1 else f"{request_id}#{i}"
+            stream = [p.seed, i] if p.seed is not None else [self.config.seed, next(self._seed_counter), 1]
+            rng = np.random.default_rng(stream)
+            guided = self.grammars.new_state(p.guided_decoding) if p.guided_decoding is not None else None
+            group.append(Request(rid, list(ids), p, self.eos_token_ids, max_tokens,
+                                 parent_id=request_id if p.n > 1 else None, index=i, generator=rng,
+                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided, reasoning=budget_for(p),
+                                 prompt_logprobs=[] if p.prompt_logprobs is not None and i == 0 else None))
+        return RequestGroup(request_id, group, [TextState(self.tokenizer, r) for r in group])
+
+    def _checked(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 hold_kv: bool) -> tuple[list[int], list[list[int]], int]:
+        """The prompt ids, the bad words' ids and the max_tokens a valid request runs with."""
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
@@ -86,15 +109,4 @@ class InputProcessor:
             raise ValueError(f"reasoning_end_token_id must be a token id in [0, {vocab}), got "
                              f"{p.reasoning_end_token_id}")
         budget_for(p)  # refuses a budget without the token that ends the reasoning
-        max_tokens = min(p.max_tokens or limit, limit - len(ids))
-        group = []
-        for i in range(p.n):
-            rid = request_id if p.n == 1 else f"{request_id}#{i}"
-            stream = [p.seed, i] if p.seed is not None else [self.config.seed, next(self._seed_counter), 1]
-            rng = np.random.default_rng(stream)
-            guided = self.grammars.new_state(p.guided_decoding) if p.guided_decoding is not None else None
-            group.append(Request(rid, list(ids), p, self.eos_token_ids, max_tokens,
-                                 parent_id=request_id if p.n > 1 else None, index=i, generator=rng,
-                                 bad_words_ids=bad_words, hold_kv=hold_kv, guided=guided, reasoning=budget_for(p),
-                                 prompt_logprobs=[] if p.prompt_logprobs is not None and i == 0 else None))
-        return RequestGroup(request_id, group, [TextState(self.tokenizer, r) for r in group])
+        return ids, bad_words, min(p.max_tokens or limit, limit - len(ids))

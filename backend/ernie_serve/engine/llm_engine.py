@@ -49,6 +49,18 @@ def read_eos_token_ids(model_dir: Path, tokenizer: ErnieTokenizer | None, model_
     return ids
 
 
+def make_input_processor(config: EngineConfig, model_dir: Path, tokenizer: ErnieTokenizer | None,
+                         model_config: ErnieModelConfig) -> InputProcessor:
+    """What checks and builds requests for this model: the engine's, and a front's that runs the engine core in
+    another process (core_client.py) and answers bad input at once."""
+    eos_token_ids = read_eos_token_ids(model_dir, tokenizer, model_config)
+    num_output_ids = len(tokenizer) if tokenizer else model_config.vocab_size
+    # guided decoding: grammars compiled on the callers' threads, cached per grammar
+    grammars = GrammarCompiler(tokenizer, num_output_ids, eos_token_ids) \
+        if tokenizer is not None and eos_token_ids else None
+    return InputProcessor(config, model_config.vocab_size, num_output_ids, tokenizer, eos_token_ids, grammars)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -56,7 +68,8 @@ class LLMEngine:
         self.model_dir = model_dir
         self.tokenizer = None if config.skip_tokenizer_init else ErnieTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.model_config = ErnieModelConfig.from_pretrained(model_dir)
-        self.eos_token_ids = read_eos_token_ids(model_dir, self.tokenizer, self.model_config)
+        self.inputs = make_input_processor(config, model_dir, self.tokenizer, self.model_config)
+        self.eos_token_ids = self.inputs.eos_token_ids
         spec = config.speculative_config or {}
         loaded = load_executor(config, model_dir, self.model_config, len(self.tokenizer) if self.tokenizer else None)
         executor, num_host_blocks, self.cpu_threads = loaded.executor, loaded.num_host_blocks, loaded.cpu_threads
@@ -68,12 +81,8 @@ class LLMEngine:
                                   num_speculative_tokens=spec.get("num_speculative_tokens", 1),
                                   max_model_len=config.max_model_len)
         self.proposer = make_proposer(config.speculative_config)
-        self.num_output_ids = len(self.tokenizer) if self.tokenizer else self.model_config.vocab_size
-        # guided decoding: grammars compiled on the callers' threads, cached per grammar
-        self.grammars = GrammarCompiler(self.tokenizer, self.num_output_ids, self.eos_token_ids) \
-            if self.tokenizer is not None and self.eos_token_ids else None
-        self.inputs = InputProcessor(config, self.model_config.vocab_size, self.num_output_ids, self.tokenizer,
-                                     self.eos_token_ids, self.grammars)
+        self.num_output_ids = self.inputs.num_output_ids
+        self.grammars = self.inputs.grammars
         self.output = OutputProcessor(self.scheduler)
         self.handoff = KVHandoff(config, self.inputs, self.scheduler, self.kv, executor.cache, self.output,
                                  self.wait_for_step)

@@ -69,7 +69,12 @@ KV_KINDS = (b"kv", b"kv_nixl")  # the KV message, by transport: the bytes themse
 
 
 def engine_front(config: EngineConfig):
-    """The engine a server's ernie_moe drives: as it is for the mixed role, wrapped for prefill / decode."""
+    """The engine a server's ernie_moe drives: for the mixed role its core in a process of its own unless
+    engine_core_process is false (config.py says why), wrapped for prefill / decode."""
+    if config.splitwise_role == "mixed" and config.engine_core_process is not False:
+        from ..engine.core_client import EngineCoreClient
+
+        return EngineCoreClient(config)
     engine = AsyncEngine(config)
     protocols = transports(config.cache_transfer_protocol)
     if config.splitwise_role == "prefill":

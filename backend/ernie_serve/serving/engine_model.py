@@ -88,7 +88,7 @@ class EngineModel:
         self._draining = False
         self.responses = ResponseLoop(pacing_policy(config), self._failure, self._finished)
         core = getattr(self.engine, "engine", self.engine)  # a P/D front wraps the AsyncEngine
-        if isinstance(core, AsyncEngine):
+        if hasattr(core, "output_sink"):  # AsyncEngine, EngineCoreClient
             core.output_sink = self.responses.step_sink
         self._poller = threading.Thread(target=self._poll_cancelled, name="ernie-cancel-poll", daemon=True)
         self._poller.start()

@@ -52,11 +52,9 @@ engine fails every request in flight once and reports itself unhealthy (async_en
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -71,6 +69,7 @@ import numpy as np
 import zmq
 
 from .. import load_progress
+from ..child_process import die_with_parent, python_executable
 from .._env import setup_model_process
 from ..kv_blocks import KVBlocks
 from ..model.parallel import ParallelLayout
@@ -202,7 +201,7 @@ class TensorParallelExecutor:
             port = sock.bind_to_random_port("tcp://127.0.0.1")
             self._steps.append(sock)
             self._procs.append(subprocess.Popen(
-                [_python(), "-m", "ernie_serve.tensor_parallel.workers", "--rank", str(rank), "--spec",
+                [python_executable(), "-m", "ernie_serve.tensor_parallel.workers", "--rank", str(rank), "--spec",
                  json.dumps(asdict(self.spec)), "--steps", f"tcp://127.0.0.1:{port}",
                  "--control", f"tcp://127.0.0.1:{control_port}", "--driver-pid", str(os.getpid())]))
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._steps + [self._control], self._zmq)
@@ -409,20 +408,7 @@ def _stop(procs: list[subprocess.Popen], sockets: list, ctx: zmq.Context) -> Non
     ctx.term()
 
 
-def _python() -> str:
-    """This interpreter: inside Triton's python stub sys.executable may be the stub, not python."""
-    exe = Path(sys.executable)
-    return str(exe) if exe.name.startswith("python") else "python3"
-
-
 # ---------------------------------------------------------------- the worker process
-def _die_with_parent(driver_pid: int) -> None:
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != driver_pid:  # it died before the call above took effect
-        os._exit(1)
-
-
 class _ProgressReports:
     """Forwards this worker's start-up ticks to the driver, at most one report every PROGRESS_REPORT_SECONDS."""
 
@@ -444,7 +430,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", required=True)
     p.add_argument("--driver-pid", type=int, required=True)
     args = p.parse_args(argv)
-    _die_with_parent(args.driver_pid)
+    die_with_parent(args.driver_pid)
     logging.basicConfig(level=logging.INFO, format=f"[rank {args.rank}] %(levelname)s %(message)s")
     spec = ShardSpec(**json.loads(args.spec))
     ctx = zmq.Context()
