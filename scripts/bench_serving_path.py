@@ -148,6 +148,7 @@ class PathResult:
     serving_cores_at_modeled_rate: float = 0.0
     load_average: list[float] = field(default_factory=lambda: list(os.getloadavg()))
     coalesce_ms: float = 0.0  # the server's --stream-coalesce-ms (served runs)
+    engine_core_process: bool = True  # the server's --engine-core-process (served runs)
 
     def finish(self, target_tok_per_s: float | None = None) -> "PathResult":
         d = self.device
@@ -236,15 +237,16 @@ def measure_scale(args: argparse.Namespace, q: str, scale: float) -> list[PathRe
         llm.engine.close()
         del llm
     served_paths = [p for p in args.paths if p != "offline"]
-    for coalesce in args.coalesce_ms if served_paths else []:
-        with make_server({**flags, "stream_coalesce_ms": coalesce}) as server:
+    variants = [(c, core) for core in args.engine_core_process for c in args.coalesce_ms] if served_paths else []
+    for coalesce, core in variants:
+        with make_server({**flags, "stream_coalesce_ms": coalesce, "engine_core_process": core}) as server:
             wait_for_shim(server)
             for path in served_paths:  # warm-up: each path's first connection and imports
                 served(server, path, 2, 4)
             for n in args.streams:
                 for path in served_paths:
                     r = run_served(server, path, q, n, scale, args.max_tokens)
-                    r.coalesce_ms = coalesce
+                    r.coalesce_ms, r.engine_core_process = coalesce, core
                     results.append(report(r))
     offline_runs = {r.streams: r for r in results if r.path == "offline"}
     for r in results:
@@ -260,7 +262,8 @@ def carried(results: list[PathResult], streams: int, limit: float) -> bool:
 
 
 def report(r: PathResult) -> PathResult:
-    print(f"  {r.quantization} {r.streams} streams x{r.time_scale:g} {r.path} (coalesce {r.coalesce_ms:g} ms): "
+    print(f"  {r.quantization} {r.streams} streams x{r.time_scale:g} {r.path} (coalesce {r.coalesce_ms:g} ms, "
+          f"engine core {'in its own process' if r.engine_core_process else 'in the stub'}): "
           f"{r.tok_per_s:.0f} tok/s, stretch "
           f"{100 * r.step_stretch:.1f}%", flush=True)
     return r
@@ -269,7 +272,7 @@ def report(r: PathResult) -> PathResult:
 # ---------------------------------------------------------------- table and file
 
 def table(results: list[PathResult], scales: dict[str, float | None]) -> str:
-    head = (f"{'quant':6} {'strm':>4} {'s':>3} {'path':7} {'coal':>4} {'tok/s':>7} {'x off':>6} {'tok/resp':>8} {'ITL p50':>8} "
+    head = (f"{'quant':6} {'strm':>4} {'s':>3} {'path':7} {'coal':>4} {'core':>4} {'tok/s':>7} {'x off':>6} {'tok/resp':>8} {'ITL p50':>8} "
             f"{'p99':>7} {'stretch':>8} {'busiest process ms/tok':>26} {'serving ms/tok':>14} "
             f"{'busiest thread':>24} {'cores@rate':>10} {'client ms/tok':>13}")
     lines = [head, "-" * len(head)] + [_row(r) for r in results]
@@ -286,7 +289,8 @@ def _row(r: PathResult) -> str:
     thread = f"{(owner[:10] + '/' + busy['busiest_thread'][:8])[:17]} {busy['busiest_thread_utilisation']:.0%}"
     itl = r.itl_ms or {}
     coal = "-" if r.path == "offline" else format(r.coalesce_ms, "g")
-    return (f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {coal:>4} {r.tok_per_s:>7.0f} "
+    core = "-" if r.path == "offline" else ("proc" if r.engine_core_process else "stub")
+    return (f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {coal:>4} {core:>4} {r.tok_per_s:>7.0f} "
             f"{_num(r.vs_offline, '.2f'):>6} {_num(r.tokens / r.responses if r.responses else None, '.2f'):>8} "
             f"{_num(itl.get('p50'), '.1f'):>8} {_num(itl.get('p99'), '.1f'):>7} {100 * r.step_stretch:>7.1f}% "
             f"{name[:17] + ' ' + format(top['cpu_ms_per_token'], '.3f'):>26} "
@@ -312,6 +316,14 @@ def environment(args: argparse.Namespace) -> dict:
             "carry_stretch": args.carry_stretch}
 
 
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "on", "yes"):
+        return True
+    if text.lower() in ("0", "false", "off", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     csv = lambda kind: lambda s: [kind(x) for x in s.split(",") if x]  # noqa: E731
@@ -326,6 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paths", type=csv(str), default=list(PATHS))
     p.add_argument("--coalesce-ms", type=csv(float), default=[0.0],
                    help="the servers' --stream-coalesce-ms values, one server each (e.g. 0,20: side by side)")
+    p.add_argument("--engine-core-process", type=csv(_bool), default=[True],
+                   help="the servers' --engine-core-process values, one server each (e.g. true,false: the engine "
+                        "core in its own process and in the stub, side by side)")
     p.add_argument("--no-parsers", dest="parsers", action="store_false",
                    help="leave out the reasoning and tool-call parsers (on by default: ernie-x1)")
     p.add_argument("--label", default="", help="a note for the JSON, e.g. 'taken under load'")

@@ -30,8 +30,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 def serving_processes(server) -> dict[str, int]:
-    """name -> pid: tritonserver, its Python-backend stubs (by model) and the OpenAI shim."""
+    """name -> pid: tritonserver, its Python-backend stubs (by model), the engine core process a stub started
+    ("<model> core", engine/core_process.py) and the OpenAI shim."""
     procs = {"tritonserver": server.proc.pid}
+    table = []  # (pid, ppid, argv) of every process
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -40,9 +42,17 @@ def serving_processes(server) -> dict[str, int]:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
+        table.append((int(entry.name), ppid, cmd))
+    stubs = {}
+    for pid, ppid, cmd in table:
         if ppid == server.proc.pid and cmd and cmd[0].endswith(b"triton_python_backend_stub") and len(cmd) > 1:
             model = Path(cmd[1].decode()).parent.parent.name
-            procs[model if model not in procs else f"{model}#{entry.name}"] = int(entry.name)
+            name = model if model not in procs else f"{model}#{pid}"
+            procs[name] = pid
+            stubs[pid] = name
+    for pid, ppid, cmd in table:
+        if ppid in stubs and b"ernie_serve.engine.core_process" in cmd:
+            procs[f"{stubs[ppid]} core"] = pid
     if server.openai_proc is not None:
         procs["shim"] = server.openai_proc.pid
     return procs
