@@ -1,15 +1,17 @@
 """Helpers for the router tests: sglang-router as a process in front of replicas, and the replicas' own counters."""
 from __future__ import annotations
 
+import errno
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
-from ernie_serve.ports import free_port  # the router binds its own ports: these stay reserved for this process
+from ernie_serve.ports import address_in_use, listeners_owned_by, session_pids, start_on_free_ports
 
 # Health checks each second, so a dead or draining replica leaves the rotation within seconds (three failed checks:
 # a slow answer or two on a loaded host do not move a conversation), and workers are found as soon as they answer.
@@ -17,24 +19,60 @@ FAST_HEALTH = ["--health-check-interval-secs", "1", "--health-failure-threshold"
                "1", "--worker-startup-check-interval", "1"]
 
 
+def launch_router(args: list[str], port: int, metrics: int, log_path: Path) -> subprocess.Popen:
+    """sglang-router on 127.0.0.1:`port` (its Prometheus metrics on `metrics`) in a session of its own, logging to
+    `log_path`; not yet listening when this returns (see `router_owns`)."""
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), "--log-level", "info", *args]
+    with open(log_path, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def router_owns(proc: subprocess.Popen, ports: tuple[int, ...], log: Callable[[], str], timeout: float) -> None:
+    """Return once every socket listening on `ports` is one of the router's (`proc`, started in a session of its
+    own); OSError EADDRINUSE when it could not have them (it exited saying "already in use"), so that
+    `start_on_free_ports` starts it again on other ports.
+
+    The router takes only port numbers (port 0 is refused, and it cannot serve on a handed-over socket), so its ports
+    are picked and verified: it binds them itself and exits when one is taken."""
+    deadline = time.monotonic() + timeout
+    while not all(listeners_owned_by(port, session_pids(proc.pid)) for port in ports):
+        if proc.poll() is not None:
+            text = log()
+            if address_in_use(text):
+                raise OSError(errno.EADDRINUSE, f"the router could not bind {ports}: {text[-500:]}")
+            raise RuntimeError(f"the router exited {proc.returncode} before listening on {ports}:\n{text[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router did not listen on {ports} in {timeout:.0f} s:\n{log()[-3000:]}")
+        time.sleep(0.2)
+
+
 class RouterProcess:
-    """`python -m sglang_router.launch_router` on loopback ports of its own, logging to `log_path`."""
+    """`python -m sglang_router.launch_router` on loopback ports of its own (verified: see `router_owns`), logging to
+    `log_path`."""
 
     def __init__(self, args: list[str], log_path: Path, timeout: float = 60.0):
-        self.port, self.metrics_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port), "--log-level", "info",
-               *args]
-        with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc: subprocess.Popen | None = None
+        self.port, self.metrics_port = start_on_free_ports(lambda port, metrics: self._launch(args, port, metrics),
+                                                           count=2)
+        self.url = f"http://127.0.0.1:{self.port}"
         self.expected = sum(1 for a in args if a.startswith("http"))
         try:
             self.wait_healthy(self.expected, timeout)
         except BaseException:
             self.stop()
             raise
+
+    def _launch(self, args: list[str], port: int, metrics: int) -> tuple[int, int]:
+        """The router on `port` (and its metrics on `metrics`), returned once both are its own; stopped otherwise."""
+        self.proc = launch_router(args, port, metrics, self.log_path)
+        try:
+            router_owns(self.proc, (port, metrics), self.log, timeout=60)
+        except BaseException:
+            self.stop()
+            raise
+        return port, metrics
 
     def healthy_workers(self) -> int:
         try:
@@ -60,7 +98,7 @@ class RouterProcess:
         return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
