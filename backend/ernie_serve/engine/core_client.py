@@ -31,7 +31,7 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import ErnieTokenizer
 from .async_engine import (EngineDeadError, EngineOverloadedError, OutputCallback, RequestFailedError,
                            failed_output, safe_call, stream_outputs)
-from .core_process import decode, encode
+from .core_wire import decode, encode
 from .llm_engine import make_input_processor, resolve_model_dir
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,7 @@ this process's main thread only takes the front's messages off a socket. The fro
 pacing, sends to tritonserver) then runs in another interpreter, so it never holds the GIL the step loop needs
 between device steps: with both in one process that wait is GPU idle time (docs/serving-path.md, step stretch).
 
-The wire, over two zmq PUSH / PULL pairs on ipc:// paths in a private directory (pickle: both ends are this
-package, started by the same user):
+The wire, over two zmq PUSH / PULL pairs on ipc:// paths in a private directory (core_wire.py encodes it):
   front -> core: ("add", request_id, prompt_token_ids, SamplingParams) | ("abort", request_id)
                  | ("shutdown", drain, timeout)
   core -> front: ("ready", stats) | ("step", [RequestOutput], stats): one message a step, its outputs with their
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import pickle
 import sys
 import threading
 from typing import Any
@@ -26,19 +24,12 @@ from typing import Any
 import zmq
 
 from ..child_process import die_with_parent
+from .core_wire import decode, encode, encode_step
 
 log = logging.getLogger(__name__)
 # The front enforces max_waiting_requests when it accepts a request (it answers the caller at once); the core then
 # takes every request it is sent rather than refusing one the front has already answered as accepted.
 UNBOUNDED_WAITING = 1 << 30
-
-
-def encode(message: tuple) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(frame: bytes) -> tuple:
-    return pickle.loads(frame)
 
 
 class _Outbox:
@@ -49,7 +40,9 @@ class _Outbox:
         self._lock = threading.Lock()
 
     def send(self, message: tuple) -> None:
-        frame = encode(message)
+        self.send_frame(encode(message))
+
+    def send_frame(self, frame: bytes) -> None:
         with self._lock:
             self._sock.send(frame, copy=False)
 
@@ -71,9 +64,7 @@ class StepPublisher:
             self._outbox.send(("dead", f"{type(self._engine.error).__name__}: {self._engine.error}"))
             return
         outputs, self._outputs = self._outputs, []
-        for out in outputs:
-            out.prompt_token_ids = []  # the front restores them: a prompt crosses once, with its request
-        self._outbox.send(("step", outputs, stats))
+        self._outbox.send_frame(encode_step(outputs, stats))
 
 
 def _ignore(_out, _err) -> None:
