@@ -396,14 +396,14 @@ def test_a_stranger_on_a_port_picked_for_tritonserver_makes_it_start_again_elsew
 
 
 @pytest.fixture
-def faulty_repository(tmp_path):
-    """The model repository with a switch in ernie_moe: its engine step raises once `trigger` exists."""
+def faulty_repository(tmp_path, monkeypatch):
+    """The model repository with a switch in the engine: its step raises once `trigger` exists. In the stub (the
+    step's class patched by ernie_moe's model.py) and in the engine core's own process (a sitecustomize on the
+    PYTHONPATH every process of the server inherits, acting in the core only)."""
     repo = tmp_path / "model_repository"
     shutil.copytree(default_repository(), repo, ignore=shutil.ignore_patterns("__pycache__"))
     trigger = tmp_path / "engine-fault"
-    with open(repo / "ernie_moe" / "1" / "model.py", "a") as f:
-        f.write(f"""
-
+    patch = f"""
 # test fault injection: a genuine step failure, as a lost device or a kernel error would raise
 import os as _os
 from ernie_serve.engine.llm_engine import LLMEngine as _LLMEngine
@@ -413,15 +413,24 @@ def _step(self):
         raise RuntimeError("injected engine fault")
     return _real_step(self)
 _LLMEngine.step = _step
-""")
+"""
+    with open(repo / "ernie_moe" / "1" / "model.py", "a") as f:
+        f.write("\n" + patch)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys\nif 'ernie_serve.engine.core_process' in sys.orig_argv:\n"
+                                           + "".join(f"    {line}\n" for line in patch.strip().splitlines()))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return repo, trigger
 
 
-def test_an_engine_fault_fails_streams_unavailable_and_the_server_goes_down(faulty_repository):
+@pytest.mark.parametrize("placement", ["core process", "stub"])
+def test_an_engine_fault_fails_streams_unavailable_and_the_server_goes_down(faulty_repository, placement):
     from ernie_serve.cli.serve import supervise
 
     repo, trigger = faulty_repository
-    server = start_served(repository=repo)
+    settings = {"engine_core_process": "true" if placement == "core process" else "false"}
+    server = start_served(settings, repository=repo)
     try:
         streams = GrpcStreams(server.grpc_url, 2)
         try:

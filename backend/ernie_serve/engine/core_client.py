@@ -87,8 +87,9 @@ class EngineCoreClient:
                 raise RuntimeError(f"the engine core process {_exit_status(self.proc.returncode)} while starting "
                                    "(its log is above)")
         message = decode(self._from_core.recv())
-        if message[0] == "failed":
-            raise RuntimeError(message[1])
+        if message[0] == "failed":  # a config the engine refuses is a ValueError here too, with its own words
+            _, kind, why = message
+            raise ValueError(why) if kind == "ValueError" else RuntimeError(f"{kind}: {why}")
         if message[0] != "ready":
             raise RuntimeError(f"the engine core process sent {message[0]!r} before it was ready")
         return message[1]

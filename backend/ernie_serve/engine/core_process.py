@@ -9,7 +9,7 @@ The wire, over two zmq PUSH / PULL pairs on ipc:// paths in a private directory 
   front -> core: ("add", request_id, prompt_token_ids, SamplingParams) | ("abort", request_id)
                  | ("shutdown", drain, timeout)
   core -> front: ("ready", stats) | ("step", [RequestOutput], stats): one message a step, its outputs with their
-                 prompt ids left out (the front holds them) | ("failed", why): start-up failed
+                 prompt ids left out (the front holds them) | ("failed", error type, message): start-up failed
                  | ("dead", why): the step loop failed | ("bye",): shut down, every request answered
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def serve(config_fields: dict[str, Any], inputs: zmq.Socket, outbox: _Outbox) ->
         engine = AsyncEngine(config)
     except Exception as e:  # noqa: BLE001 - the front raises it as the engine's start-up failure
         log.exception("engine core failed to start")
-        outbox.send(("failed", f"{type(e).__name__}: {e}"))
+        outbox.send(("failed", type(e).__name__, str(e)))
         return 1
     publisher = StepPublisher(outbox, engine)
     engine.output_sink = publisher.sink
