@@ -4,6 +4,10 @@ parity checkpoint equal transformers' (float32 weights, and wint8 ones against t
 dequantized weights)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -60,9 +64,24 @@ def test_a_capped_library_switches_off_only_the_higher_tiers_the_cpu_has():
     assert compile_flags("avx2", cpu_isas(ZEN3), ZEN3) == ()
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_each_tier_runs_the_library_built_for_it(isa):
-    """isa.c reads the tier from the compiler's macros, the ones the kernels' #if branches test."""
+    """isa.c reads the tier from the compiler's macros, the ones the kernels' #if branches test. Every tier is
+    listed: one this CPU lacks is skipped, the reason naming the flag it lacks."""
     assert build.isa() == isa
+
+
+def test_a_tier_above_this_cpus_is_refused_at_start_up_naming_the_variable():
+    """The real CPU, not a flag set: ERNIE_CPU_ISA=<the tier above its highest> stops the kernels from loading with
+    the CPU's tiers and the flags it lacks, never a quiet fall back to a lower tier."""
+    above = [t for t in ISAS if t not in build.cpu_isas()]
+    if not above:
+        pytest.skip("this CPU runs every tier; ERNIE_CPU_ISA=amx with ERNIE_CPU_AMX=0 is its refusal (tested above)")
+    r = subprocess.run([sys.executable, "-c", "from ernie_serve.cpu_kernels import build; print(build.isa())"],
+                       env=dict(os.environ, ERNIE_CPU_ISA=above[0]), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and r.stdout == "", (r.stdout, r.stderr)
+    assert (f"ValueError: ERNIE_CPU_ISA={above[0]}: this CPU runs only {', '.join(build.cpu_isas())} (its flags lack"
+            in r.stderr), r.stderr
 
 
 def test_a_tier_this_process_may_not_run_is_refused():
