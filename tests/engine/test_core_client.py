@@ -1,6 +1,6 @@
 """The engine core in a process of its own (engine/core_client.py, core_process.py): the same tokens and the same
-front contract as the in-process AsyncEngine, answered at once for bad input, one final output for every accepted
-request whatever happens to the core."""
+front contract as the in-process AsyncEngine (test_async_engine.py runs its tests on both), answered at once for bad
+input, one final output for every accepted request whatever happens to the core."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from ernie_serve.config import EngineConfig
-from ernie_serve.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from ernie_serve.engine.async_engine import AsyncEngine, EngineDeadError
 from ernie_serve.engine.core_client import EngineCoreClient
 from ernie_serve.llm import LLM
 from ernie_serve.sampling_params import GuidedDecodingParams, SamplingParams
@@ -147,24 +147,6 @@ def test_shutdown_without_drain_aborts_what_runs_each_with_its_final(tiny_model_
     assert all(o.outputs[0].finish_reason in ("abort", "length") or isinstance(e, EngineDeadError)
                for o, e in finals)
     assert c.proc.poll() is not None
-
-
-def test_the_waiting_queue_is_bounded_in_the_front(tiny_model_dir):
-    c = EngineCoreClient(EngineConfig(model=str(tiny_model_dir), **{**BASE, "max_num_seqs": 1,
-                                                                     "max_waiting_requests": 2}))
-    finals, accepted, refused = [], [], []
-    try:
-        for i in range(4):
-            try:
-                c.add_request(f"w{i}", [40, 41], LONG, lambda o, e: finals.append(o) if o.finished else None)
-                accepted.append(i)
-            except EngineOverloadedError as e:
-                assert "max_waiting_requests=2" in str(e)
-                refused.append(i)
-        assert refused and len(accepted) <= 3
-    finally:
-        c.shutdown(drain=False)
-    assert sorted(o.request_id for o in finals) == [f"w{i}" for i in accepted]  # every accepted one ended
 
 
 def test_a_core_that_cannot_load_fails_the_start_with_its_reason(tiny_model_dir, tmp_path):
