@@ -117,14 +117,14 @@ class EngineCoreClient:
                 raise EngineOverloadedError(f"overloaded: {waiting} requests already waiting "
                                             f"(max_waiting_requests={self.config.max_waiting_requests})")
             self._pending[request_id] = _Pending(callback, ids)
-            self._to_core.send(frame, copy=False)
+            self._to_core.send(frame)
 
     def abort(self, request_id: str) -> bool:
         """As AsyncEngine.abort: the request's final (aborted) output follows, its KV blocks already freed."""
         with self._lock:
             if request_id not in self._pending or self.error is not None:
                 return False
-            self._to_core.send(encode(("abort", request_id)), copy=False)
+            self._to_core.send(encode(("abort", request_id)))
         return True
 
     def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
@@ -143,7 +143,7 @@ class EngineCoreClient:
                 return
             self._stopping = True
             if self.proc.poll() is None:
-                self._to_core.send(encode(("shutdown", drain, timeout)), copy=False)
+                self._to_core.send(encode(("shutdown", drain, timeout)))
         self._receiver.join(timeout + SHUTDOWN_GRACE_SECONDS)
         if self._receiver.is_alive():  # the core did not finish in time: killed, which the receiver notices
             self.proc.kill()

@@ -96,6 +96,7 @@ class EngineMetrics:
         self._pb, self._kinds = pb, kinds
         self._simulated: dict | None = None  # the simulation's metrics, made at the first simulated stats
         self._last_totals: dict[str, float] = {}
+        self._last_gauges: dict[str, float] = {}
         self._last_update = 0.0
         self._was_idle = True
 
@@ -116,7 +117,11 @@ class EngineMetrics:
             for key, (kind, metric) in (self._stat | (self._simulated or {})).items():
                 value = float(stats.get(key) or 0)
                 if kind == "GAUGE":
-                    metric.set(value)
+                    # each set is a round trip to tritonserver: most gauges (the pool's size, most of a step's
+                    # counts) do not move from one update to the next
+                    if self._last_gauges.get(key) != value:
+                        metric.set(value)
+                        self._last_gauges[key] = value
                 else:
                     delta = value - self._last_totals.get(key, 0.0)
                     if delta > 0:
