@@ -166,3 +166,11 @@ def test_the_setting_is_refused_where_it_cannot_apply(tiny_model_dir):
     with pytest.raises(ValueError, match="engine_core_process=True is a server's setting"):
         LLM(model=str(tiny_model_dir), engine_core_process=True)
 
+
+
+def test_the_core_is_found_as_its_stubs_child(client):
+    """What the soak and the benchmarks measure the core's memory and CPU by (serving/health.engine_cores)."""
+    from ernie_serve.serving.health import Stub, engine_cores
+
+    assert engine_cores([Stub("ernie_moe_0_0", "ernie_moe", os.getpid())]) == {"ernie_moe_0_0": client.proc.pid}
+    assert engine_cores([Stub("other", "ernie_moe", client.proc.pid)]) == {}

@@ -48,6 +48,23 @@ def python_stubs(server_pid: int) -> list[Stub]:
     return sorted(stubs, key=lambda s: s.instance)
 
 
+def engine_cores(stubs: list[Stub]) -> dict[str, int]:
+    """instance -> pid of the engine core process each of these stubs started (engine/core_process.py)."""
+    by_pid = {s.pid: s.instance for s in stubs}
+    cores = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        if ppid in by_pid and b"ernie_serve.engine.core_process" in argv:
+            cores[by_pid[ppid]] = int(entry.name)
+    return cores
+
+
 def ernie_samples(metrics_url: str, timeout: float = 2.0) -> list[tuple[str, str, float]]:
     """Every ernie:* sample on the metrics port as (name, labels, value)."""
     with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
