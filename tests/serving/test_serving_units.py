@@ -768,3 +768,37 @@ def test_a_request_that_finished_before_its_abort_reached_the_engine_ends_as_it_
     last = sent_responses(sink)[-1]
     assert last.final and last.finish_reason == "length" and last.failure is None
     model.shutdown()
+
+
+class CountingSink(Sink):
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def is_cancelled(self):
+        self.asked += 1
+        return super().is_cancelled()
+
+
+def test_the_poller_stops_asking_a_stream_whose_cancellation_the_next_stage_relays_once_its_first_token_is_out():
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    relayed, direct = CountingSink(), CountingSink()
+    try:
+        model.submit(engine_inputs(meta={"cancel_relayed": True}), relayed, "relayed")
+        model.submit(engine_inputs(), direct, "direct")
+        deadline = time.monotonic() + 10
+        while relayed.asked == 0 and time.monotonic() < deadline:  # queued, no token yet: still asked
+            time.sleep(0.01)
+        assert relayed.asked > 0
+        for rid in list(engine.callbacks):
+            engine.emit(rid, "a")
+        relayed.wait_sent(1)
+        direct.wait_sent(1)
+        before, direct_before = relayed.asked, direct.asked
+        while direct.asked < direct_before + 3 and time.monotonic() < deadline:  # three more rounds of the poller
+            time.sleep(0.01)
+        assert direct.asked >= direct_before + 3
+        assert relayed.asked == before
+    finally:
+        model.shutdown()

@@ -65,6 +65,14 @@ def decode_engine_inputs(inputs: dict[str, np.ndarray]) -> tuple[list[int], dict
     return ids, req
 
 
+def _cancel_relayed(live: ResponseStream) -> bool:
+    """Whether the stage after this one tells of this stream's cancellation (over the control socket): a streaming
+    request through ernie_detokenizer or ernie_bls once its first token is out. Inside an ensemble
+    (tritonserver 2.51) is_cancelled() never turns true here anyway; asking it for every other stream still
+    catches a direct caller's cancellation, and a queued request's in a server whose ensemble does pass it on."""
+    return live.meta.cancel_relayed and live.stream and live.num_output_tokens > 0
+
+
 def pacing_policy(config: EngineConfig | None) -> PacingPolicy:
     """The response pacing the config asks for (--stream-interval, --stream-coalesce-ms)."""
     if config is None:
@@ -201,7 +209,7 @@ class EngineModel:
                 log.error("tritonserver (pid %d) is gone; exiting", self.parent_pid)
                 os._exit(1)
             with self._lock:
-                live = [lv for lv in self._live.values() if lv.ending is None]
+                live = [lv for lv in self._live.values() if lv.ending is None and not _cancel_relayed(lv)]
             for lv in live:
                 try:
                     cancelled = lv.sink.is_cancelled()

@@ -46,6 +46,9 @@ class RequestMeta:
     logprobs: int | None = None
     errors_in_band: bool = False  # end with a final response carrying the error (engine_model.py says why)
     progress_reports: bool = False  # report this stream's progress to ernie_moe, which paces it by them
+    # The stage after ernie_moe (ernie_detokenizer, ernie_bls) relays a streaming client's cancellation over the
+    # abort channel, so ernie_moe stops asking is_cancelled() once the stream's first token is out
+    cancel_relayed: bool = False
     # set by ernie_moe:
     key: str = ""  # the engine's request key: aborts and progress reports name it
     abort_address: str = ""  # ernie_moe's control socket

@@ -103,7 +103,9 @@ class Preprocessor:
             # ernie_moe ends this request's errors inside its final response (engine_response.Failure)
             errors_in_band=True,
             # the Postprocessor after ernie_moe reports this stream's progress, and ernie_moe paces it by them
-            progress_reports=True)
+            progress_reports=True,
+            # ... and relays a streaming client's cancellation to ernie_moe (its is_cancelled() poller then skips it)
+            cancel_relayed=True)
         return ids, {"sampling": asdict(params), "stream": req.stream, "meta": meta.to_dict()}
 
     def _prompt_text(self, req: GenerateRequest) -> str:
