@@ -444,3 +444,27 @@ def test_an_engine_fault_fails_streams_unavailable_and_the_server_goes_down(faul
         assert not server.is_ready()
     finally:
         stop_served(server)
+
+
+def test_sigkill_of_the_engine_core_fails_its_streams_unavailable_and_the_server_goes_down():
+    """The engine core in its own process (engine/core_process.py) dies: its stub fails every stream naming how,
+    and the launcher's watch takes the server down as for any dead engine."""
+    from ernie_serve.cli.serve import supervise
+    from ernie_serve.serving.health import engine_cores, python_stubs
+
+    server = start_served()
+    try:
+        cores = engine_cores(python_stubs(server.proc.pid))
+        assert len(cores) == 1, cores  # one ernie_moe instance, one core
+        streams = GrpcStreams(server.grpc_url, 2)
+        try:
+            streams.wait_first_response()
+            os.kill(next(iter(cores.values())), signal.SIGKILL)
+            ends = streams.wait_ends()
+        finally:
+            streams.close()
+        assert all("unavailable: engine failed" in e and "killed by signal 9" in e for e in ends), ends
+        assert supervise(server, [], restart=False, startup_timeout=WAIT) == 1  # returns once it saw the death
+        assert not server.is_ready()
+    finally:
+        stop_served(server)
