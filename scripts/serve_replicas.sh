@@ -58,14 +58,15 @@ echo "[serve_replicas] starting $replicas replicas (logs in $logs) ..."
 for ((i = 0; i < replicas; i++)); do
   # the replica's OpenAI URL once its /health answers (its port from its banner when it was given 0)
   if ! url="$("$py" - "$logs/replica$i.log" "${pids[$i]}" "$host" <<'EOF'
-import os, sys, time, urllib.request
+import sys, time, urllib.request
 from ernie_serve.cli.serve import banner_ports
 log, pid, host = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 deadline = time.monotonic() + 900
 while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    try:  # a child of this script that exited is a zombie until the script waits for it: alive to os.kill(pid, 0)
+        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            sys.exit(1)
+    except OSError:
         sys.exit(1)
     port = banner_ports(open(log, errors="replace").read()).get("openai")
     try:
@@ -94,13 +95,14 @@ done
   --prometheus-host "$host" --prometheus-port $((port + 1)) $router_args > "$logs/router.log" 2>&1 &
 router_pid=$!
 if ! "$py" - "http://$host:$port" "$replicas" "$router_pid" <<'EOF'
-import json, os, sys, time, urllib.request
+import json, sys, time, urllib.request
 url, n, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    try:  # a child of this script that exited is a zombie until the script waits for it: alive to os.kill(pid, 0)
+        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            sys.exit(1)
+    except OSError:
         sys.exit(1)
     try:
         with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
