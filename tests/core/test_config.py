@@ -168,67 +168,6 @@ def test_queue_ports_are_a_prefill_or_decode_servers_own_and_are_checked(kw, hin
                  cache_queue_port=8187)
 
 
-def test_dtype_takes_vllms_names_and_the_cpu_backend_runs_float32_and_bfloat16(tiny_model_dir, monkeypatch):
-    """--dtype as vLLM / FastDeploy users type it: aliases normalized, unknown names refused; 'float32' ('auto') and
-    'bfloat16' run the reference backend (bfloat16 weights, half the bytes), and bfloat16 is refused on a CPU whose
-    flags show neither AVX2 + FMA nor AVX-512, where the C kernels that read it do not vectorize."""
-    from ernie_serve.reference_backend import support
-
-    assert EngineConfig(dtype="float", execution_backend="reference").dtype == "float32"
-    assert EngineConfig(dtype="half", execution_backend="kernels").dtype == "float16"
-    with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
-        EngineConfig(dtype="fp8")
-    sizes = {}
-    for dtype in ("float32", "bfloat16"):
-        check_supported(EngineConfig(dtype=dtype, execution_backend="reference"))
-        engine = make_engine(tiny_model_dir, dtype=dtype, execution_backend="reference")
-        engine.add_request("a", [5, 17, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-        model = engine.model
-        sizes[dtype] = sum(b.numel().item() * b.element_size() for b in model.buffers())
-        engine.close()
-    assert sizes["bfloat16"] * 2 == sizes["float32"]  # every serving-layout weight at half the bytes
-    monkeypatch.setattr(support, "cpu_flags", lambda: {"sse4_2", "avx"})
-    with pytest.raises(ValueError, match="dtype='bfloat16' is not supported on this CPU.*AVX2 \\+ FMA or AVX-512"):
-        check_supported(EngineConfig(dtype="bfloat16", execution_backend="reference"))
-
-
-def test_dtype_auto_on_the_cpu_is_the_checkpoints_bfloat16_where_the_kernels_run_it(tiny_model_dir, tmp_path,
-                                                                                  monkeypatch):
-    """--dtype auto on the reference backend, as vLLM-CPU's: a checkpoint that declares bfloat16 (HF's torch_dtype, or
-    transformers 5's dtype; the real ERNIE-4.5 ones do) is held in bfloat16 on an AVX2 + FMA / AVX-512 CPU, in float32
-    on one without; a float32 checkpoint stays float32, and an explicit --dtype wins."""
-    import json
-    import shutil
-
-    from ernie_serve.model.config import ErnieModelConfig
-    from ernie_serve.reference_backend import support
-
-    bf16_dir = tmp_path / "bf16"
-    shutil.copytree(tiny_model_dir, bf16_dir)
-    cfg = json.loads((bf16_dir / "config.json").read_text())
-    cfg.pop("dtype", None)
-    (bf16_dir / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
-    assert ErnieModelConfig.from_pretrained(bf16_dir).checkpoint_dtype == "bfloat16"
-    assert ErnieModelConfig.from_pretrained(tiny_model_dir).checkpoint_dtype == "float32"
-
-    def bits(model_dir, **kw):
-        engine = make_engine(model_dir, execution_backend="reference", **kw)
-        try:
-            return engine.model.layers[0].self_attn.qkv_proj.bits
-        finally:
-            engine.close()
-
-    vector = support._vector_cpu()
-    assert bits(bf16_dir) == (16 if vector else 32)
-    assert bits(tiny_model_dir) == 32
-    assert bits(bf16_dir, dtype="float32") == 32
-    assert support.resolve_auto_dtype("float16") == "float32"
-    monkeypatch.setattr(support, "cpu_flags", lambda: {"sse4_2", "avx"})
-    assert support.resolve_auto_dtype("bfloat16") == "float32"
-
-
 def test_the_kernels_backend_takes_its_own_dtype_and_refuses_the_others():
     from ernie_serve.kernels_backend.loading import check_runtime
 
