@@ -1,5 +1,6 @@
 """Builds the reference backend's executor from an EngineConfig: the model (quantized as the config asks), its MTP
-head, and a KV pool of the size the config gives it, on one rank or as one rank of a tensor-parallel engine."""
+head, and a KV pool of the size the config gives it. One-rank engines load here; a tensor-parallel engine's ranks
+load in tensor_parallel/workers.py and size their pools with kv_pool_blocks, per rank."""
 from __future__ import annotations
 
 import logging
@@ -47,7 +48,7 @@ def kv_pool_blocks(config: EngineConfig, model_cfg: ErnieModelConfig, layout, la
         num = c.num_gpu_blocks_override
     else:
         num = int((c.kv_cache_memory or DEFAULT_CPU_KV_BYTES) // per_block)
-    c.check_kv_pool(num, "raise kv_cache_memory")
+    c.check_kv_pool(num, "raise num_gpu_blocks_override" if c.num_gpu_blocks_override else "raise kv_cache_memory")
     host_block = PagedKVCache.bytes_per_block(*shape, dtype=PagedKVCache.host_dtype(dtype, c8))
     host = int((c.swap_space or 0) * (1 << 30) // host_block)
     return num, host
