@@ -47,7 +47,7 @@ def fake_ranks(monkeypatch, tmp_path):
     wrapper = tmp_path / "fake-python"
     wrapper.write_text(f'#!/bin/sh\nshift 2\nexec "{sys.executable}" "{Path(__file__).with_name("fake_rank.py")}" "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(workers, "_python", lambda: str(wrapper))
+    monkeypatch.setattr(workers, "python_executable", lambda: str(wrapper))
     monkeypatch.setattr(workers, "RankShard", _StubRank0)
 
     def start(rank0_load: float, progress_every: float, progress_for: float, timeout: float):
