@@ -265,7 +265,7 @@ def rss_mb(pid: int) -> float:
 
 def checkpoint(server, started: float, idle_timeout: float, tally: Tally | None = None) -> Checkpoint:
     """Wait for the engine to be idle, then read RSS per process and the KV pool."""
-    from ernie_serve.serving.health import ernie_samples, python_stubs, requests_in_engines
+    from ernie_serve.serving.health import engine_cores, ernie_samples, python_stubs, requests_in_engines
 
     deadline = time.monotonic() + idle_timeout
     while True:
@@ -275,7 +275,9 @@ def checkpoint(server, started: float, idle_timeout: float, tally: Tally | None 
         time.sleep(0.1)
     values = {name: v for name, _, v in samples}
     rss = {"tritonserver": rss_mb(server.proc.pid)}
-    rss.update({s.instance: rss_mb(s.pid) for s in python_stubs(server.proc.pid)})
+    stubs = python_stubs(server.proc.pid)
+    rss.update({s.instance: rss_mb(s.pid) for s in stubs})
+    rss.update({f"{instance} core": rss_mb(pid) for instance, pid in engine_cores(stubs).items()})
     if server.openai_proc is not None:
         rss["shim"] = rss_mb(server.openai_proc.pid)
     done, lost = Counter(), 0
