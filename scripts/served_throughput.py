@@ -32,27 +32,15 @@ def cpu_seconds(pid: int) -> float:
 def serving_processes(server) -> dict[str, int]:
     """name -> pid: tritonserver, its Python-backend stubs (by model), the engine core process a stub started
     ("<model> core", engine/core_process.py) and the OpenAI shim."""
+    from ernie_serve.serving.health import engine_cores, python_stubs
+
     procs = {"tritonserver": server.proc.pid}
-    table = []  # (pid, ppid, argv) of every process
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        table.append((int(entry.name), ppid, cmd))
-    stubs = {}
-    for pid, ppid, cmd in table:
-        if ppid == server.proc.pid and cmd and cmd[0].endswith(b"triton_python_backend_stub") and len(cmd) > 1:
-            model = Path(cmd[1].decode()).parent.parent.name
-            name = model if model not in procs else f"{model}#{pid}"
-            procs[name] = pid
-            stubs[pid] = name
-    for pid, ppid, cmd in table:
-        if ppid in stubs and b"ernie_serve.engine.core_process" in cmd:
-            procs[f"{stubs[ppid]} core"] = pid
+    stubs = python_stubs(server.proc.pid)
+    for stub in stubs:
+        procs[stub.model if stub.model not in procs else f"{stub.model}#{stub.pid}"] = stub.pid
+    models = {stub.instance: stub.model for stub in stubs}
+    for instance, pid in engine_cores(stubs).items():
+        procs[f"{models[instance]} core" if f"{models[instance]} core" not in procs else f"{instance} core"] = pid
     if server.openai_proc is not None:
         procs["shim"] = server.openai_proc.pid
     return procs

@@ -16,6 +16,7 @@ from ernie_serve.simulated_backend.logits import ReplayLogits
 from ernie_serve.simulated_backend.step_model import StepModel, experts_hit, kv_pool_blocks, total_weight_bytes
 from ernie_serve.simulated_backend.targets import GPUS, MODELS, Target
 from ernie_serve.step_contract import LogitEdits
+from fake_metrics import FakePb
 
 H200_21B = dict(execution_backend="simulated", simulated_gpu="h200", simulated_model="ernie-4.5-21b-a3b")
 
@@ -225,48 +226,13 @@ def test_it_logs_and_exports_that_it_is_a_simulation(tiny_model_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="ernie_serve.simulated_backend"):
         engine = _engine(tiny_model_dir)
     assert "SIMULATED execution backend: no model runs" in caplog.text
-    pb = _FakePb()
+    pb = FakePb()
     metrics = EngineMetrics(pb, {"model": "ernie_moe"})
     _generate(engine, [[40, 41]], SamplingParams(temperature=0, max_tokens=5))
     metrics.update(engine.stats(), force=True)
     device = pb.metrics["ernie:simulated_device"][0]
     assert device.value == 1 and "h200" in device.labels["target"]
     assert pb.metrics["ernie:simulated_steps_total"][0].value == engine.stats()["simulated_steps"]
-
-
-class _FakeMetric:
-    def __init__(self, labels):
-        self.labels, self.value = labels, 0.0
-
-    def set(self, v):
-        self.value = v
-
-    def increment(self, v):
-        self.value += v
-
-    def observe(self, v):
-        self.value = v
-
-
-class _FakePb:
-    """triton_python_backend_utils' MetricFamily, as far as EngineMetrics uses it."""
-
-    def __init__(self):
-        self.metrics: dict[str, list[_FakeMetric]] = {}
-        pb = self
-
-        class MetricFamily:
-            GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
-
-            def __init__(self, name, description, kind):
-                self.name = name
-
-            def Metric(self, labels, buckets=None):  # noqa: N802 (Triton's spelling)
-                m = _FakeMetric(labels)
-                pb.metrics.setdefault(self.name, []).append(m)
-                return m
-
-        self.MetricFamily = MetricFamily
 
 
 def test_the_model_figures_for_a_gpu_check_come_out_as_json(capsys):
