@@ -174,3 +174,21 @@ def test_the_core_is_found_as_its_stubs_child(client):
 
     assert engine_cores([Stub("ernie_moe_0_0", "ernie_moe", os.getpid())]) == {"ernie_moe_0_0": client.proc.pid}
     assert engine_cores([Stub("other", "ernie_moe", client.proc.pid)]) == {}
+
+
+def test_a_message_the_front_cannot_read_fails_every_pending_request_and_stops_the_core(tiny_model_dir, monkeypatch):
+    import ernie_serve.engine.core_client as core_client
+
+    c = EngineCoreClient(EngineConfig(model=str(tiny_model_dir), **BASE))
+    finals = []
+    try:
+        def unreadable(frame):
+            raise ValueError("garbled frame")
+        monkeypatch.setattr(core_client, "decode", unreadable)
+        c.add_request("g", [40, 41], LONG, lambda o, e: finals.append(e) if o.finished else None)
+        wait_until(lambda: finals, timeout=30, what="the request's final output")
+        assert isinstance(finals[0], EngineDeadError) and "garbled frame" in str(finals[0])
+        wait_until(lambda: c.proc.poll() is not None, timeout=30, what="the core killed")
+        assert not c.is_healthy
+    finally:
+        c.shutdown()

@@ -156,6 +156,14 @@ class EngineCoreClient:
 
     # ------------------------------------------------------------ the receiver thread
     def _receive(self) -> None:
+        try:
+            self._receive_until_the_end()
+        except Exception as e:  # noqa: BLE001 - a message this front cannot read: no request may be left waiting
+            log.exception("reading the engine core's messages failed")
+            self.proc.kill()
+            self._die(f"the engine core's messages could not be read: {type(e).__name__}: {e}")
+
+    def _receive_until_the_end(self) -> None:
         while True:
             if not self._from_core.poll(POLL_MS):
                 if self.proc.poll() is not None:
