@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -103,8 +102,7 @@ class EngineCoreClient:
                     callback: OutputCallback) -> None:
         """Queue a request; raises ValueError for bad input, EngineOverloadedError, EngineDeadError."""
         self._check_running()
-        self.inputs.check(prompt_token_ids, params)
-        ids = [int(t) for t in prompt_token_ids]
+        ids = self.inputs.check(prompt_token_ids, params)
         frame = encode(("add", request_id, ids, params))
         with self._lock:
             self._check_running()

@@ -39,12 +39,14 @@ class InputProcessor:
         self.grammars = grammars
         self._seed_counter = itertools.count()  # unseeded requests: distinct, reproducible streams
 
-    def check(self, prompt_token_ids: list[int], sampling_params: SamplingParams, hold_kv: bool = False) -> None:
-        """Refuse what this engine cannot run (ValueError naming the field), building nothing: a front whose
-        engine core runs in another process (core_client.py) answers bad input at once with this."""
-        self._checked(prompt_token_ids, sampling_params, hold_kv)
+    def check(self, prompt_token_ids: list[int], sampling_params: SamplingParams, hold_kv: bool = False) -> list[int]:
+        """Refuse what this engine cannot run (ValueError naming the field), building no sequence: a front whose
+        engine core runs in another process (core_client.py) answers bad input at once with this. Returns the
+        prompt ids as plain ints."""
+        ids = self._checked(prompt_token_ids, sampling_params, hold_kv)[0]
         if sampling_params.guided_decoding is not None:
             self.grammars.check(sampling_params.guided_decoding)
+        return ids
 
     def make_group(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                    hold_kv: bool = False) -> RequestGroup:
