@@ -202,6 +202,7 @@ class TritonBackend:
         self._spec: EnsembleSpec | None = None
         self._spec_lock = asyncio.Lock()
         self._closing: set[asyncio.Task] = set()  # finished streams being closed by the server
+        self._orphan_reads: set[asyncio.Future] = set()  # reads of cancelled streams, ended by call.cancel()
 
     def _get_client(self):
         if self._client is None:
@@ -313,10 +314,16 @@ class TritonBackend:
         except Exception as e:  # noqa: BLE001
             raise triton_error(e, self.model_name) from e
         finished = False
+        read: asyncio.Future | None = None
         try:
             while True:
+                # Each read runs in its own task, shielded: a cancellation of this request (the HTTP client
+                # left) must not land inside grpc.aio's pending read, whose core operation then completes into a
+                # buffer nothing frees (grpcio's execute_batch skips its cleanup when cancelled; a response's
+                # size of native memory per disconnect). The read ends instead through call.cancel() below.
+                read = asyncio.ensure_future(call.__anext__())
                 try:
-                    result, error = await call.__anext__()
+                    result, error = await asyncio.shield(read)
                 except StopAsyncIteration:
                     break
                 except asyncio.CancelledError:
@@ -344,22 +351,32 @@ class TritonBackend:
                 task.add_done_callback(self._closing.discard)
             else:
                 # The gRPC cancel reaches Triton, which cancels the request in the engine (its KV blocks
-                # are freed).
+                # are freed), and completes a read still pending here, which is then dropped.
                 call.cancel()
+                if read is not None and not read.done():
+                    self._orphan_reads.add(read)
+                    read.add_done_callback(self._orphan_reads.discard)
+                    read.add_done_callback(_retrieve)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark a dropped read's outcome as seen (a cancelled stream's last read ends in an error nobody awaits)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _close_when_done(call, timeout: float = 10.0) -> None:
-    """Read a finished stream to its end (Triton closes it once the request side has ended)."""
-    ended = False
+    """Read a finished stream to its end (Triton closes it once the request side has ended).
+
+    The read is never cancelled, for the same reason as generate's: a stream that does not end in time, or a
+    close() of the backend, cancels the call, which ends the read."""
+    read = asyncio.ensure_future(_read_to_end(call))
+    read.add_done_callback(_retrieve)
     try:
-        # wait_for, not asyncio.timeout: the package runs on Python 3.10 (the NGC image's), which lacks the latter
-        await asyncio.wait_for(_read_to_end(call), timeout)
-        ended = True
-    except Exception:  # noqa: BLE001 - a timeout or a broken stream: cancel it after all
-        pass
+        await asyncio.wait((read,), timeout=timeout)
     finally:
-        if not ended:
-            call.cancel()
+        if not read.done() or read.cancelled() or read.exception() is not None:
+            call.cancel()  # a timeout, a broken stream or shutdown: cancel it after all
 
 
 async def _read_to_end(call) -> None:
