@@ -94,9 +94,13 @@ class EngineConfig:
     simulated_model: str | None = None  # ernie-4.5-21b-a3b, ernie-4.5-300b-a47b
     simulated_time_scale: float = 1.0  # > 1 slows the simulated GPU down (a small host can then keep pace)
     use_cudagraph: bool = False  # decode steps replayed from CUDA graphs (kernels backend on a GPU)
-    # vLLM's --async-scheduling: step n+1 is scheduled and started before step n's outputs are made, so output
-    # processing overlaps the forward (same tokens; a request that stops on a string computes one token more)
-    async_scheduling: bool = False
+    # vLLM's --async-scheduling: the forward and sampling run on a thread of their own, the next step is planned while
+    # one runs (ahead of its tokens where no request's sampling reads its output), and outputs are made while the
+    # next forward runs: the device waits for no host work between steps. Same tokens; a request that stops on eos
+    # or a string computes a token or two more, which are dropped. None: on where the model runs on a device (no
+    # CPU threads of its own: the kernels backend on a GPU, the simulated device), off on the CPU reference
+    # backend, whose forward needs the host's cores the overlap would take (LLMEngine).
+    async_scheduling: bool | None = None
     # The dtype activations and float weights compute in: "auto" is what the backend runs well (bfloat16 on the
     # kernels backend's GPU, float32 in triton's interpreter; on the CPU reference backend the checkpoint's bfloat16
     # where its C kernels run it, else float32: reference_backend/support.resolve_auto_dtype); another value is checked

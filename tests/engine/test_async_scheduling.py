@@ -51,6 +51,42 @@ def test_the_same_outputs_with_and_without_async_scheduling(tiny_model_dir, sett
     assert results[True] == results[False]
 
 
+# Requests whose sampling reads nothing of their output so far: each step's next one is scheduled ahead of its tokens
+AHEAD_PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+                SamplingParams(temperature=0.8, seed=3, max_tokens=20),
+                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["e", " t"]),
+                SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[101, 202, 303], logit_bias={7: 2.0}),
+                SamplingParams(temperature=1.0, seed=9, max_tokens=12, top_k=20, top_p=0.9)]
+
+
+@pytest.mark.parametrize("setting", ["default", "chunked_small_budget", "tiny_pool_preemption", "prefix_cache_off"])
+def test_steps_scheduled_ahead_give_the_synchronous_outputs(tiny_model_dir, setting):
+    kw = SETTINGS[setting]
+    requests = [(i, f"r{i}", PROMPTS[i % len(PROMPTS)], AHEAD_PARAMS[i % len(AHEAD_PARAMS)]) for i in range(14)]
+    results = {}
+    for asynchronous in (False, True):
+        eng = make_engine(tiny_model_dir, async_scheduling=asynchronous, **kw)
+        try:
+            results[asynchronous] = _summary(run(eng, requests))
+            eng.wait_for_step()
+            assert_no_leaks(eng)
+            if asynchronous:  # nearly every step after the first was planned while the one before it ran
+                assert eng.num_steps_ahead > 0.7 * eng.num_steps, (eng.num_steps_ahead, eng.num_steps)
+        finally:
+            eng.close()
+    assert results[True] == results[False]
+
+
+def test_a_request_that_reads_its_output_stops_scheduling_ahead_while_it_samples(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, async_scheduling=True)
+    try:
+        penalized = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+        run(eng, [(0, "p", PROMPTS[0], penalized)])
+        assert eng.num_steps_ahead == 0
+    finally:
+        eng.close()
+
+
 def test_requests_aborted_while_a_step_runs_free_their_blocks_and_the_others_go_on(tiny_model_dir):
     eng = make_engine(tiny_model_dir, async_scheduling=True)
     ref = make_engine(tiny_model_dir)
@@ -62,7 +98,7 @@ def test_requests_aborted_while_a_step_runs_free_their_blocks_and_the_others_go_
         finals = {}
         for step in range(200):
             if step == 5:
-                assert eng._inflight is not None  # a step is running while the aborts come in
+                assert eng._inflight  # a step is running while the aborts come in
                 for rid in ("drop1", "drop2"):
                     out = eng.abort_request(rid)
                     assert out.finished and out.outputs[0].finish_reason == "abort"

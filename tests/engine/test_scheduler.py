@@ -13,7 +13,7 @@ from ernie_serve.config import EngineConfig
 from ernie_serve.engine.kv_cache_manager import KVCacheManager
 from ernie_serve.engine.request import Request, RequestStatus
 from ernie_serve.engine.scheduler import Scheduler
-from ernie_serve.engine.step_plan import ModelRunnerOutput, SchedulerOutput
+from ernie_serve.engine.step_plan import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from ernie_serve.sampling_params import SamplingParams
 
 EOS = 2
@@ -258,3 +258,140 @@ def test_a_prompt_computing_its_logprobs_is_prefilled_in_bounded_chunks():
         so = sched.schedule()
         got = {s.request.request_id: s.num_tokens for s in so.scheduled}
         assert got == ({"asks": PROMPT_LOGPROBS_CHUNK, "plain": 1000} if chunked else {"asks": 1500, "plain": 1000})
+
+
+# ------------------------------------------------------------------ scheduling ahead (Scheduler.expect)
+def _replayed(rid: str, position: int, eos_rate: float) -> int:
+    """A token that depends on the request and its position only, like the simulated device's replay: a loop
+    that schedules ahead must then give every request the same tokens as the synchronous one."""
+    h = random.Random(f"{rid}/{position}")
+    return EOS if h.random() < eos_rate else h.randrange(3, 50)
+
+
+def _plan(so: SchedulerOutput) -> dict[str, int]:
+    """Where each sampling row's token goes, read when the step is scheduled (as the runner prepares it)."""
+    return {s.request.request_id: s.request.num_computed_tokens + s.num_tokens for s in so.scheduled if s.samples}
+
+
+def _output(plan: dict[str, int], eos_rate: float) -> ModelRunnerOutput:
+    out = ModelRunnerOutput()
+    for rid, position in plan.items():
+        out.sampled[rid] = [_replayed(rid, position, eos_rate)]
+        out.logprobs[rid] = [None]
+    return out
+
+
+def _check_settled(sched: Scheduler, requests: list[Request]) -> None:
+    """After a step's update nothing of expect() is left on a request the loop no longer has in flight."""
+    for r in requests:
+        assert PLACEHOLDER not in r.all_token_ids or r.ahead_placeholder, r.request_id
+        if r.is_finished:
+            assert r.block_ids == [] and r not in sched.running and r not in sched.waiting
+    pool = sched.kv.pool
+    held = {b for r in sched.running for b in r.block_ids}
+    assert all(pool.ref_cnt[b] > 0 for b in held)
+
+
+def _drive(requests: list[Request], ahead: bool, num_blocks: int, aborts: dict[int, str] | None = None,
+           eos_rate: float = 0.05, seed: int = 0) -> Scheduler:
+    """LLMEngine's loop without a model: synchronous, or scheduling each step ahead of the last one's tokens."""
+    sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=6, max_num_batched_tokens=24)
+    for r in requests:
+        sched.add(r)
+    inflight: list[tuple[SchedulerOutput, dict]] = []
+    by_id = {r.request_id: r for r in requests}
+    for it in range(5000):
+        if aborts and it in aborts and not by_id[aborts[it]].is_finished:
+            sched.finish(by_id[aborts[it]], RequestStatus.FINISHED_ABORTED)
+        if not inflight:
+            so = sched.schedule()
+            if so.is_empty:
+                if not sched.running and not sched.waiting:
+                    return sched
+                continue
+            inflight.append((so, _plan(so)))
+        so, plan = inflight.pop(0)
+        sched.update_from_output(so, _output(plan, eos_rate))
+        _check_settled(sched, [r for r in requests if all(r is not s.request for x, _ in inflight
+                                                           for s in x.scheduled)])
+        if not ahead:
+            continue
+        if not inflight:
+            following = sched.schedule()
+            if not following.is_empty:
+                inflight.append((following, _plan(following)))
+        if len(inflight) == 1:
+            sched.expect(inflight[0][0])
+            nxt = sched.schedule()
+            if not nxt.is_empty:
+                inflight.append((nxt, _plan(nxt)))
+    raise AssertionError("the loop did not finish")
+
+
+def _workload(seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 50) for _ in range(12)]  # common prefixes: prefix-cache hits
+    out = []
+    for i in range(rng.randrange(4, 14)):
+        prompt = shared[: rng.randrange(0, 12)] + [rng.randrange(3, 50) for _ in range(rng.randrange(1, 30))]
+        out.append(make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 40)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_scheduling_ahead_gives_the_synchronous_tokens_and_frees_every_block(seed):
+    """Random prompts, lengths, eos positions and pools small enough to preempt: the same tokens and finish
+    reasons as the synchronous loop, and every block back at the end."""
+    num_blocks = random.Random(seed).choice([14, 20, 64])
+    results = {}
+    for ahead in (False, True):
+        requests = _workload(seed)
+        sched = _drive(requests, ahead, num_blocks)
+        assert sched.kv.num_free_blocks == num_blocks and all(c == 0 for c in sched.kv.pool.ref_cnt)
+        assert all(PLACEHOLDER not in r.all_token_ids for r in requests)
+        results[ahead] = {r.request_id: (r.output_token_ids, r.status) for r in requests}
+    assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_scheduling_ahead_with_aborts_leaves_no_placeholder_and_no_block(seed):
+    rng = random.Random(1000 + seed)
+    requests = _workload(1000 + seed)
+    aborts = {rng.randrange(0, 60): r.request_id for r in rng.sample(requests, k=len(requests) // 3)}
+    sched = _drive(requests, True, rng.choice([14, 64]), aborts)
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+    assert all(r.is_finished and PLACEHOLDER not in r.all_token_ids for r in requests)
+
+
+def test_a_request_preempted_by_the_step_ahead_keeps_the_token_it_sampled():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2)
+    a, b = make_request("a", [5] * 7, max_tokens=20), make_request("b", [6] * 7, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    so = sched.schedule()  # both prefill: 2 blocks each, the pool is full
+    sched.update_from_output(so, runner_output(so, lambda r, j: 9))
+    running = sched.schedule()  # both decode at position 7, the end of their second block
+    assert [s.request.request_id for s in running.scheduled] == ["a", "b"]
+    sched.expect(running)
+    assert b.all_token_ids[-1] == PLACEHOLDER and b.num_computed_tokens == 8
+    ahead = sched.schedule()  # position 8 needs a third block each: b (the last admitted) makes room for a
+    assert [s.request.request_id for s in ahead.scheduled] == ["a"] and ahead.preempted == [b]
+    # the running step's output, as the runner prepared it before the preemption: a token for both
+    sched.update_from_output(running, ModelRunnerOutput(sampled={"a": [11], "b": [11]},
+                                                        logprobs={"a": [None], "b": [None]}))
+    assert b.status is RequestStatus.PREEMPTED and b.output_token_ids == [9, 11] and b.num_computed_tokens == 0
+    assert b.all_token_ids == [6] * 7 + [9, 11] and not b.ahead_placeholder and b.ahead_computed is None
+    assert a.all_token_ids[-1] == 11 and a.num_computed_tokens == 8
+
+
+def test_a_request_whose_running_token_is_its_last_is_left_out_of_the_step_ahead():
+    sched = make_scheduler()
+    a = make_request("a", [5, 6, 7], max_tokens=2)
+    sched.add(a)
+    so = sched.schedule()
+    sched.update_from_output(so, runner_output(so, lambda r, j: 9))
+    running = sched.schedule()
+    sched.expect(running)  # its second token is its last (max_tokens=2)
+    assert a.ends_ahead and sched.schedule().is_empty
+    sched.update_from_output(running, runner_output(running, lambda r, j: 10))
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [9, 10]

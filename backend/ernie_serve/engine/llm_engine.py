@@ -86,10 +86,18 @@ class LLMEngine:
         self.output = OutputProcessor(self.scheduler)
         self.handoff = KVHandoff(config, self.inputs, self.scheduler, self.kv, executor.cache, self.output,
                                  self.wait_for_step)
-        # async_scheduling: one thread runs each step's forward and sampling, the step in flight is _inflight
+        # async_scheduling: one thread runs each step's forward and sampling; _inflight holds the steps handed to
+        # it, oldest first: the one running and, when it was scheduled ahead, the one queued behind it
         self._forward: ThreadPoolExecutor | None = None
-        self._inflight: tuple[SchedulerOutput, Future] | None = None
-        if config.async_scheduling:
+        self._inflight: list[tuple[SchedulerOutput, Future]] = []
+        # scheduling ahead needs every step's next one to be plannable without its tokens: no drafts (they are
+        # proposed from the tokens), and no KV hand-off (a P/D role reads and writes the cache between steps)
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.cpu_threads == 0
+        self._ahead_possible = (self.async_scheduling and self.proposer is None and self.runner.drafter is None
+                                and config.splitwise_role == "mixed")
+        self.num_steps_ahead = 0
+        if self.async_scheduling:
             self._forward = ThreadPoolExecutor(1, thread_name_prefix="ernie-forward",
                                                initializer=self._setup_forward_thread)
         self.num_steps = 0
@@ -98,10 +106,11 @@ class LLMEngine:
 
         freeze_startup_objects()
         log.info("engine ready: %s on the %s backend, %d KV blocks of %d tokens (%d on the CPU tier), "
-                 "max_num_seqs=%d, max_num_batched_tokens=%d, prefix caching %s, %d CPU threads", model_dir,
-                 loaded.backend, num_blocks,
+                 "max_num_seqs=%d, max_num_batched_tokens=%d, prefix caching %s, async scheduling %s%s, "
+                 "%d CPU threads", model_dir, loaded.backend, num_blocks,
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                 "on" if config.enable_prefix_caching else "off", self.cpu_threads)
+                 "on" if config.enable_prefix_caching else "off", "on" if self.async_scheduling else "off",
+                 " (steps planned ahead)" if self._ahead_possible else "", self.cpu_threads)
 
     def _setup_forward_thread(self) -> None:
         """The forward thread's CPU kernels take the engine's thread count (OpenMP's setting is per thread)."""
@@ -172,9 +181,9 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> update -> outputs. With async_scheduling the next step is scheduled and started
-        before this one's outputs are made, so output processing (and whatever the caller does with the outputs)
-        overlaps the next forward; see _step_async."""
+        """schedule -> run -> update -> outputs. With async scheduling the forward thread runs the steps, the next
+        one planned while one runs, and this one's outputs are made (and whatever the caller does with them)
+        while the next forward runs; see _step_async."""
         if self._forward is not None:
             return self._step_async()
         so = self._schedule()
@@ -203,34 +212,70 @@ class LLMEngine:
         return updates
 
     def _step_async(self) -> list[RequestOutput]:
-        """Finish the step in flight, start the next, then make the finished step's outputs while it runs.
+        """Finish the oldest step in flight, make sure the next one is running, schedule the one after it ahead when
+        it can be, then make the finished step's outputs while the forward thread works.
 
-        Same tokens as the synchronous loop: step n+1 is scheduled after step n's tokens are applied, as there.
-        A request that ends while step n+1 runs (a stop string found in step n's text, an abort between steps)
-        has its step n+1 token dropped (update_from_output skips finished requests). Its blocks go back to the
-        pool then, but no one else can take them before step n+1 has finished: blocks are handed out only by
-        schedule() and add_prefilled_request, which both come after wait_for_step()."""
+        Scheduling ahead (vLLM v1's async scheduling): while step n+1 runs, step n+2 is planned as if n+1 had
+        finished (Scheduler.expect: one placeholder token per request that samples in n+1) and queued behind it, so
+        the forward thread goes from one step to the next without waiting for this thread. Its placeholder rows get
+        n+1's tokens when it starts (ModelRunner.run). It is done only when every request sampling in n+1 draws
+        from its logits alone (Request.schedules_ahead); otherwise n+2 is scheduled after n+1's tokens are
+        applied, as in the plain overlap.
+
+        Same tokens as the synchronous loop. A request that ends in step n+1 (eos, a stop token or string, an
+        abort) may still have a row in n+2; that row's token is dropped (update_from_output skips finished
+        requests). Its blocks go back to the pool at n+1's update, and a step that reuses them runs after n+2 on
+        the same forward thread, so n+2's write into them comes first and is overwritten; none of them is in the
+        prefix cache (only blocks full of computed tokens are, and n+2 writes past the request's last one). A
+        request preempted to make room in n+2 keeps the token it samples in n+1."""
         inflight = self._inflight
-        if inflight is None:
+        if not inflight:
             so = self._schedule()
             if so is None:
                 return []
-            inflight = self._launch(so)
-        so, future = inflight
-        self._inflight = None
+            inflight.append(self._launch(so))
+        so, future = inflight.pop(0)
         updates = self._update(so, future.result())
-        following = self._schedule()
-        if following is not None:
-            self._inflight = self._launch(following)
+        if not inflight:
+            following = self._schedule()
+            if following is not None:
+                inflight.append(self._launch(following))
+        if len(inflight) == 1 and self._can_schedule_ahead(inflight[0][0]):
+            self._schedule_ahead(*inflight[0])
         return self.output.process(updates)
 
-    def _launch(self, so: SchedulerOutput) -> tuple[SchedulerOutput, Future]:
-        return so, self._forward.submit(self.runner.run, self.runner.prepare(so))
+    def _can_schedule_ahead(self, running: SchedulerOutput) -> bool:
+        if not self._ahead_possible:
+            return False
+        for s in running.scheduled:
+            r = s.request
+            if not r.schedules_ahead or r.forks:
+                if s.samples:
+                    return False
+        return True
+
+    def _schedule_ahead(self, running: SchedulerOutput, running_future: Future) -> None:
+        """Plan the step after `running` before it ends, and queue it behind it on the forward thread."""
+        self.scheduler.expect(running)
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            if so.kv_ops:  # moves with nothing to run: after the running step, on its thread
+                self._forward.submit(self.runner.apply_kv_ops, so.kv_ops).result()
+            return
+        self.num_steps_ahead += 1
+        self._inflight.append(self._launch(so, running_future))
+
+    def _launch(self, so: SchedulerOutput, after: Future | None = None) -> tuple[SchedulerOutput, Future]:
+        prepared = self.runner.prepare(so)
+        if after is None:
+            return so, self._forward.submit(self.runner.run, prepared)
+        # the forward thread runs its steps in order, so `after` is done when this one starts
+        return so, self._forward.submit(lambda: self.runner.run(prepared, after.result()))
 
     def wait_for_step(self) -> None:
-        """Until the step in flight (async scheduling) has finished running; its result stays for step()."""
-        if self._inflight is not None:
-            wait([self._inflight[1]])
+        """Until the steps in flight (async scheduling) have finished running; their results stay for step()."""
+        if self._inflight:
+            wait([f for _, f in self._inflight])
 
     def _propose_drafts(self) -> dict[Request, list[int]]:
         """Drafts for every running request that is decoding (prompt fully computed)."""
@@ -251,7 +296,7 @@ class LLMEngine:
             "prefix_cache_queries": s.queries, "prefix_cache_hits": s.hits, "prefix_cache_query_tokens": s.query_tokens,
             "prefix_cache_hit_tokens": s.hit_tokens, "prefix_cache_hit_rate": s.hit_rate,
             "prefix_cache_device_hit_tokens": s.device_hit_tokens, "prefix_cache_host_hit_tokens": s.host_hit_tokens,
-            "num_steps": self.num_steps, "prompt_tokens": self.num_prompt_tokens,
+            "num_steps": self.num_steps, "num_steps_ahead": self.num_steps_ahead, "prompt_tokens": self.num_prompt_tokens,
             "spec_drafts": self.scheduler.spec.num_drafts,
             "spec_draft_tokens": self.scheduler.spec.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.spec.num_accepted_tokens,

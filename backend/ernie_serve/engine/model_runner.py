@@ -5,7 +5,7 @@ sampled rows' logits, so sampling, penalties and guided decoding never depend on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,7 @@ from .input_batch import InputBatch
 from .request import Request
 from .sampler import ArgmaxRows, Sampler, SamplingBatch, prompt_logprobs, split_logits
 from .spec_decode import Drafts, StepRow
-from .step_plan import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from .step_plan import PLACEHOLDER, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -63,6 +63,19 @@ class PreparedStep:
     owners: list[str]
     draft_rows: list[StepRow] | None
     prompt: PromptRows | None = None
+    # rows whose input is the token the step before samples (scheduled ahead): (row, request id)
+    ahead: list[tuple[int, str]] = field(default_factory=list)
+
+
+def fill_placeholders(prepared: PreparedStep, previous: ModelRunnerOutput | None) -> None:
+    """Put the tokens the step before sampled into the rows that were scheduled before it ended. A request that
+    failed in that step has no token: its row runs on token 0 and its output is dropped (it has finished)."""
+    if previous is None:
+        raise RuntimeError("a step scheduled ahead ran without the output of the step before it")
+    sampled, ids = previous.sampled, prepared.step.token_ids
+    for row, rid in prepared.ahead:
+        tokens = sampled.get(rid)
+        ids[row] = tokens[-1] if tokens else 0
 
 
 _NO_DRAFTS: list[int] = []
@@ -104,6 +117,7 @@ class ModelRunner:
         starts, q_lens, keys, tables = [], [], [], []
         rows, batch, owners = [], _BatchBuilder(), []
         prompt, prompt_rows = None, []
+        ahead: list[tuple[int, str]] = []
         offset = 0
         # One pass over the step's requests, with a plain decode (one token, no drafts, nothing guided or forking)
         # taking the fewest operations: at hundreds of running requests this loop is the runner's host cost.
@@ -115,7 +129,10 @@ class ModelRunner:
             keys.append(r.row_key)
             tables.append(r.block_ids)
             if n == 1 and not spec:
-                ids.append(r.all_token_ids[start])
+                tok = r.all_token_ids[start]
+                if tok == PLACEHOLDER:  # sampled by the step running now (scheduled ahead): filled in by run()
+                    ahead.append((len(ids), r.request_id))
+                ids.append(tok)
                 if r.guided is None and not r.forks and s.samples:
                     rows.append(offset)
                     batch.rows.append((r, _NO_DRAFTS, None))
@@ -159,10 +176,13 @@ class ModelRunner:
                                     type(sampling) is ArgmaxRows and not prompt_rows)
         return PreparedStep(step, sampling, owners,
                             _step_rows(order, meta) if self.drafter is not None else None,
-                            prompt if prompt_rows else None)
+                            prompt if prompt_rows else None, ahead)
 
-    def run(self, prepared: PreparedStep) -> ModelRunnerOutput:
-        """The forward and the sampling of a prepared step; reads no Request."""
+    def run(self, prepared: PreparedStep, previous: ModelRunnerOutput | None = None) -> ModelRunnerOutput:
+        """The forward and the sampling of a prepared step; reads no Request. A step scheduled ahead gets the
+        output of the step before it (`previous`), whose tokens are its placeholder rows' inputs."""
+        if prepared.ahead:
+            fill_placeholders(prepared, previous)
         hidden, logits = self.executor.execute(prepared.step)
         self._last_step = (hidden, prepared.draft_rows) if self.drafter is not None else None
         out = ModelRunnerOutput()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..sampling_params import SamplingParams
-from .sampler import takes_argmax_only
+from .sampler import samples_without_history, takes_argmax_only
 
 if TYPE_CHECKING:
     from .guided import GuidedState
@@ -84,6 +84,16 @@ class Request:
     # Every token is its logits' argmax and nothing else (sampler.takes_argmax_only), decided once: a step of
     # such rows builds no per-row sampling metadata.
     takes_argmax: bool = field(init=False, repr=False)
+    # Whether the step after one this request samples in may be scheduled before that token is known
+    # (LLMEngine's scheduling ahead): nothing in its sampling reads its output so far (no penalties, bad words,
+    # min_tokens, grammar, reasoning budget). Decided once; forks and drafts are checked per step.
+    schedules_ahead: bool = field(init=False, repr=False)
+    # While a step runs with this request in it and the next one is scheduled ahead (Scheduler.expect): the
+    # num_computed_tokens before the step, whether a placeholder for its token ends all_token_ids, and whether
+    # that token is its last for sure (the length limit), so the step ahead leaves it out. None / False otherwise.
+    ahead_computed: int | None = field(init=False, repr=False, default=None)
+    ahead_placeholder: bool = field(init=False, repr=False, default=False)
+    ends_ahead: bool = field(init=False, repr=False, default=False)
     # The token-level stop rules as the scheduler checks each appended token: the ids that end the request (eos
     # unless ignore_eos, and stop_token_ids) and the sequence length it ends at (max_tokens, max_model_len).
     stop_ids: frozenset[int] = field(init=False, repr=False)
@@ -93,6 +103,8 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         p = self.sampling_params
         self.takes_argmax = takes_argmax_only(p, bool(self.bad_words_ids), self.guided is not None)
+        self.schedules_ahead = samples_without_history(p, bool(self.bad_words_ids), self.guided is not None) \
+            and self.reasoning is None
         self.stop_ids = frozenset(p.stop_token_ids).union(() if p.ignore_eos else self.eos_token_ids)
         self.length_limit = len(self.prompt_token_ids) + self.max_tokens
 

@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 from .spec_decode import SpecStats
-from .step_plan import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from .step_plan import PLACEHOLDER, ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 
 
 # Prefill tokens a step of a request computing prompt logprobs: its logits are this many rows of the vocabulary
@@ -72,6 +72,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.ends_ahead:  # its token in the step running now is its last (scheduling ahead)
+                i += 1
+                continue
             spec = len(req.spec_token_ids)
             needed = req.num_tokens + spec - req.num_computed_tokens
             n = min(needed, budget)
@@ -159,6 +162,39 @@ class Scheduler:
         out.preempted.append(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
 
+    # ------------------------------------------------------------ scheduling ahead
+    def expect(self, so: SchedulerOutput) -> None:
+        """Advance the requests of `so`, the step running now, as if it had finished, so the next step can be
+        scheduled before its tokens are known (LLMEngine's scheduling ahead). A request that samples in `so` gets a
+        placeholder for its token at the end of all_token_ids (the runner fills that row's input from the step's
+        output when the next step starts); one whose token is its last by length is left out of the next step.
+        update_from_output(so, ...) undoes all of it before applying the real tokens."""
+        end = self.config.max_model_len
+        for s in so.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            samples = s.samples  # before num_computed_tokens moves
+            req.ahead_computed = req.num_computed_tokens
+            if samples:
+                req.all_token_ids.append(PLACEHOLDER)
+                req.ahead_placeholder = True
+                req.num_computed_tokens = len(req.all_token_ids) - 1
+                req.ends_ahead = len(req.all_token_ids) >= min(req.length_limit, end)
+            else:
+                req.num_computed_tokens += s.num_tokens
+
+    @staticmethod
+    def _settle(req: Request) -> None:
+        """Undo expect() on a request (see there): its step's real tokens are about to be applied."""
+        if req.ahead_placeholder:
+            req.all_token_ids.pop()
+            req.ahead_placeholder = False
+        if req.status is RequestStatus.RUNNING:  # a request preempted meanwhile keeps num_computed_tokens = 0
+            req.num_computed_tokens = req.ahead_computed
+        req.ahead_computed = None
+        req.ends_ahead = False
+
     # ------------------------------------------------------------ after the forward pass
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results; returns the requests that sampled (forked children included)."""
@@ -168,6 +204,8 @@ class Scheduler:
             self._add_prompt_logprobs(so, out.prompt_logprobs)
         for s in so.scheduled:
             req = s.request
+            if req.ahead_computed is not None:
+                self._settle(req)
             if req.is_finished:  # ended while the step ran (async scheduling: a stop string, an abort)
                 continue
             error = errors.get(req.request_id) if errors else None
@@ -177,6 +215,10 @@ class Scheduler:
                 updates.append(RequestUpdate(req, []))
                 continue
             sampled = all_sampled.get(req.request_id)
+            if req.status is RequestStatus.PREEMPTED:  # by the step scheduled ahead, while this one ran
+                if sampled is not None:  # its token is kept: it is recomputed from prompt + output, as any other
+                    updates.append(RequestUpdate(req, self.append_tokens(req, sampled, all_logprobs[req.request_id])))
+                continue
             if sampled is None:  # a prefill chunk that does not reach the end of the prompt yet
                 req.num_computed_tokens += s.num_tokens
                 self.kv.cache_computed_blocks(req)

@@ -9,6 +9,11 @@ from ..step_contract import KVOp
 from .request import Request
 
 
+# In a Request's all_token_ids while the step after the running one is scheduled ahead: the token the running step
+# samples (Scheduler.expect puts it there, the runner fills that row's input from the running step's output).
+PLACEHOLDER = -1
+
+
 # slots: these two are made for every running request every step
 @dataclass(slots=True)
 class ScheduledRequest:
