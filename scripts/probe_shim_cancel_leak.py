@@ -17,6 +17,12 @@ Modes (k = 1-3 responses read first):
   backend-finish      TritonBackend.generate read to its final response (the stream is closed, not cancelled)
 
   .venv/bin/python scripts/probe_shim_cancel_leak.py --mode backend-cancel --streams 5000
+
+--full-path instead starts tritonserver with the launcher (the tiny model, the soak's small settings) and its
+`ernie-openai` shim, and drops `--streams` HTTP streams after their first event, `--concurrency` at a time: the
+shim's RSS every `--every`, each drop bounded, and the engines must be idle again after every batch.
+
+  .venv/bin/python scripts/probe_shim_cancel_leak.py --full-path --streams 3000 --concurrency 8
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -271,6 +278,7 @@ async def drive(args, url: str) -> dict:
     samples = [sample(0)]
     sem = asyncio.Semaphore(args.concurrency)
     started = time.monotonic()
+    cpu_started = time.process_time()
     done = 0
 
     async def run_one():
@@ -292,15 +300,107 @@ async def drive(args, url: str) -> dict:
         await asyncio.sleep(0.2)
         stats = await driver.server_stats()
     elapsed = time.monotonic() - started
+    cpu = time.process_time() - cpu_started
     base = samples[1] if len(samples) > 2 else samples[0]
     per_stream = _slope(samples[1:] if len(samples) > 2 else samples, "malloc_in_use_mb") * 1024
     await driver.backend.close()
     import grpc
     return {"mode": args.mode, "grpcio": grpc.__version__, "streams": done, "seconds": round(elapsed, 1),
+            "client_cpu_s": round(cpu, 2),
             "hung_streams": driver.hung, "errors": driver.errors, "server": stats,
             "malloc_kb_per_stream": round(per_stream, 3),
             "malloc_mb_delta": round(samples[-1]["malloc_in_use_mb"] - base["malloc_in_use_mb"], 2),
             "rss_mb_delta": round(samples[-1]["rss_mb"] - base["rss_mb"], 1), "samples": samples}
+
+
+def full_path(args) -> dict:
+    """Disconnects through the real stack: tritonserver, the ensemble, the engine, the shim as a process."""
+    import concurrent.futures
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "backend"))
+    from ernie_serve.serving.health import ernie_samples, requests_in_engines
+    from ernie_serve.serving.launcher import TritonServer
+
+    sys.path.insert(0, str(root / "scripts"))
+    from soak import TINY_SETTINGS
+
+    server = TritonServer(dict(TINY_SETTINGS), http_port=0, grpc_port=0, metrics_port=0, openai_port=0)
+    server.start(timeout=300)
+    try:
+        url = f"http://127.0.0.1:{server.openai_port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": "hello there", "max_tokens": 400, "stream": True,
+                           "ignore_eos": True}).encode()
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode())
+        pid = server.openai_proc.pid
+
+        def rss_mb() -> float:
+            with open(f"/proc/{pid}/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+        wedged = threading.Event()  # once a stream hangs, the rest of the run is skipped
+
+        def drop() -> str:
+            if wedged.is_set():
+                return "skipped"
+            try:
+                with socket.create_connection(("127.0.0.1", server.openai_port), timeout=args.end_timeout) as s:
+                    s.sendall(head + body)
+                    got = b""
+                    while b"data:" not in got:
+                        chunk = s.recv(200)
+                        if not chunk:
+                            return "closed"
+                        got += chunk
+                return "ok"
+            except socket.timeout:
+                wedged.set()
+                return "hung"
+
+        outcomes: dict[str, int] = {}
+        samples = [{"streams": 0, "rss_mb": round(rss_mb(), 1)}]
+        stuck = 0
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+            for start in range(0, args.streams, args.every):
+                n = min(args.every, args.streams - start)
+                for outcome in pool.map(lambda _: drop(), range(n)):
+                    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                idle_by = time.monotonic() + 10
+                while requests_in_engines(ernie_samples(server.metrics_url)) and time.monotonic() < idle_by:
+                    time.sleep(0.1)
+                stuck = requests_in_engines(ernie_samples(server.metrics_url))
+                samples.append({"streams": start + n, "rss_mb": round(rss_mb(), 1), "engine_requests_left": stuck})
+                print(json.dumps(samples[-1]), flush=True)
+                if wedged.is_set():
+                    break
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+        triton_pending = {line.split('model="')[1].split('"')[0]: float(line.split()[-1])
+                          for line in httpx.get(server.metrics_url, timeout=5).text.splitlines()
+                          if line.startswith("nv_inference_pending_request_count")}
+        in_flight = next((float(line.split()[-1]) for line in metrics.splitlines()
+                          if line.startswith("ernie_openai:requests_in_flight")), None)
+        base = samples[1] if len(samples) > 2 else samples[0]
+        return {"mode": "full-path", "streams": samples[-1]["streams"], "seconds": round(time.monotonic() - started, 1),
+                "outcomes": outcomes, "engine_requests_left": stuck, "shim_requests_in_flight": in_flight,
+                "triton_pending_requests": triton_pending,
+                "rss_kb_per_stream": round(_slope(samples[1:] if len(samples) > 2 else samples, "rss_mb") * 1024, 3),
+                "rss_mb_delta": round(samples[-1]["rss_mb"] - base["rss_mb"], 1), "samples": samples}
+    finally:
+        server.stop()
+        server.cleanup()
 
 
 def main() -> None:
@@ -315,8 +415,15 @@ def main() -> None:
     ap.add_argument("--end-timeout", type=float, default=5.0, help="a stream not ended this long after its cut hangs")
     ap.add_argument("--batch-timeout", type=float, default=300.0)
     ap.add_argument("--out", help="write the result JSON here")
+    ap.add_argument("--full-path", action="store_true", help="tritonserver and the shim, dropped HTTP streams")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.full_path:
+        result = full_path(args)
+        print(json.dumps({k: v for k, v in result.items() if k != "samples"}))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     if args.serve:
         serve(args.serve, args.responses, args.interval, args.size)
         return
