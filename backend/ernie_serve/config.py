@@ -98,8 +98,8 @@ class EngineConfig:
     # one runs (ahead of its tokens where no request's sampling reads its output), and outputs are made while the
     # next forward runs: the device waits for no host work between steps. Same tokens; a request that stops on eos
     # or a string computes a token or two more, which are dropped. None: on where the model runs on a device (no
-    # CPU threads of its own: the kernels backend on a GPU, the simulated device), off on the CPU reference
-    # backend, whose forward needs the host's cores the overlap would take (LLMEngine).
+    # CPU threads of its own: the kernels backend on a GPU, the simulated device) in a mixed role, off on the CPU
+    # reference backend, whose forward needs the host's cores the overlap would take (LLMEngine).
     async_scheduling: bool | None = None
     # The dtype activations and float weights compute in: "auto" is what the backend runs well (bfloat16 on the
     # kernels backend's GPU, float32 in triton's interpreter; on the CPU reference backend the checkpoint's bfloat16

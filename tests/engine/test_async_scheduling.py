@@ -119,3 +119,27 @@ def test_async_scheduling_is_a_flag_of_the_server():
     from ernie_serve.cli.serve import build_parser
 
     assert "--async-scheduling" in build_parser().format_help()
+
+
+def test_async_scheduling_defaults_on_only_where_the_model_runs_off_the_host(tiny_model_dir):
+    """The CPU reference backend's forward needs the cores the overlap would take: off there unless asked."""
+    eng = make_engine(tiny_model_dir)
+    try:
+        assert not eng.async_scheduling and eng._forward is None
+    finally:
+        eng.close()
+    from ernie_serve.config import EngineConfig
+    from ernie_serve.engine.llm_engine import LLMEngine
+
+    sim = dict(model=str(tiny_model_dir), execution_backend="simulated", simulated_gpu="h200",
+               simulated_model="ernie-4.5-21b-a3b", disable_progress_bar=True)
+    eng = LLMEngine(EngineConfig(**sim))
+    try:
+        assert eng.async_scheduling and eng._ahead_possible
+    finally:
+        eng.close()
+    eng = LLMEngine(EngineConfig(**sim, async_scheduling=False))
+    try:
+        assert not eng.async_scheduling and eng._forward is None
+    finally:
+        eng.close()

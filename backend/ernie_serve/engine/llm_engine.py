@@ -90,10 +90,12 @@ class LLMEngine:
         # it, oldest first: the one running and, when it was scheduled ahead, the one queued behind it
         self._forward: ThreadPoolExecutor | None = None
         self._inflight: list[tuple[SchedulerOutput, Future]] = []
+        # None: on where the model has no CPU threads of its own (it runs on a device), in a mixed role (a P/D
+        # role's KV hand-off waits for the step in flight each time; it runs with it only when asked)
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.cpu_threads == 0 and config.splitwise_role == "mixed"
         # scheduling ahead needs every step's next one to be plannable without its tokens: no drafts (they are
         # proposed from the tokens), and no KV hand-off (a P/D role reads and writes the cache between steps)
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
-            else self.cpu_threads == 0
         self._ahead_possible = (self.async_scheduling and self.proposer is None and self.runner.drafter is None
                                 and config.splitwise_role == "mixed")
         self.num_steps_ahead = 0
