@@ -77,6 +77,26 @@ def test_steps_scheduled_ahead_give_the_synchronous_outputs(tiny_model_dir, sett
     assert results[True] == results[False]
 
 
+def test_prompt_logprobs_over_chunks_give_the_synchronous_outputs(tiny_model_dir):
+    """A prompt computing its logprobs chunk by chunk is not planned ahead of its running chunk (the next chunk's
+    rows follow the logprobs the running one appends); the requests beside it are."""
+    requests = [(0, "plp", PROMPTS[2], SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2)),
+                (0, "g", PROMPTS[4], AHEAD_PARAMS[0]), (3, "s", PROMPTS[5], AHEAD_PARAMS[1])]
+    results = {}
+    for asynchronous in (False, True):
+        eng = make_engine(tiny_model_dir, async_scheduling=asynchronous, **SETTINGS["chunked_small_budget"])
+        try:
+            done = run(eng, requests)
+            results[asynchronous] = (_summary(done), done["plp"].prompt_logprobs)
+            eng.wait_for_step()
+            assert_no_leaks(eng)
+            if asynchronous:
+                assert eng.num_steps_ahead > 0
+        finally:
+            eng.close()
+    assert results[True] == results[False]
+
+
 def test_a_request_that_reads_its_output_stops_scheduling_ahead_while_it_samples(tiny_model_dir):
     eng = make_engine(tiny_model_dir, async_scheduling=True)
     try:

@@ -251,9 +251,11 @@ class LLMEngine:
             return False
         for s in running.scheduled:
             r = s.request
-            if not r.schedules_ahead or r.forks:
-                if s.samples:
-                    return False
+            if (not r.schedules_ahead or r.forks) and s.samples:
+                return False
+            # a prompt's next chunk asks for the logprobs after those its running chunk appends
+            if r.prompt_logprobs is not None and r.needs_prompt_logprobs:
+                return False
         return True
 
     def _schedule_ahead(self, running: SchedulerOutput, running_future: Future) -> None:
