@@ -149,6 +149,7 @@ class PathResult:
     load_average: list[float] = field(default_factory=lambda: list(os.getloadavg()))
     coalesce_ms: float = 0.0  # the server's --stream-coalesce-ms (served runs)
     engine_core_process: bool = True  # the server's --engine-core-process (served runs)
+    async_scheduling: bool = True  # the engine's --async-scheduling (the simulated device's default: on)
 
     def finish(self, target_tok_per_s: float | None = None) -> "PathResult":
         d = self.device
@@ -227,32 +228,40 @@ def measure_scale(args: argparse.Namespace, q: str, scale: float) -> list[PathRe
     """Every stream count through every path of one engine configuration (an offline engine, then a server)."""
     flags = served_settings(max(args.streams), **engine_flags(q, scale, args.gpu, args.model, args.parsers))
     results = []
-    if "offline" in args.paths:
+    for asynchronous in args.async_scheduling:
+        if "offline" not in args.paths:
+            break
         from ernie_serve import LLM
 
-        llm = LLM(**flags, disable_progress_bar=True)
+        llm = LLM(**flags, async_scheduling=asynchronous, disable_progress_bar=True)
         offline(llm, 2, 4)  # warm-up
         for n in args.streams:
-            results.append(report(run_offline(llm, q, n, scale, args.max_tokens)))
+            r = run_offline(llm, q, n, scale, args.max_tokens)
+            r.async_scheduling = asynchronous
+            results.append(report(r))
         llm.engine.close()
         del llm
     served_paths = [p for p in args.paths if p != "offline"]
-    variants = [(c, core) for core in args.engine_core_process for c in args.coalesce_ms] if served_paths else []
-    for coalesce, core in variants:
-        with make_server({**flags, "stream_coalesce_ms": coalesce, "engine_core_process": core}) as server:
+    variants = [(c, core, a) for a in args.async_scheduling for core in args.engine_core_process
+                for c in args.coalesce_ms] if served_paths else []
+    for coalesce, core, asynchronous in variants:
+        with make_server({**flags, "stream_coalesce_ms": coalesce, "engine_core_process": core,
+                          "async_scheduling": asynchronous}) as server:
             wait_for_shim(server)
             for path in served_paths:  # warm-up: each path's first connection and imports
                 served(server, path, 2, 4)
             for n in args.streams:
                 for path in served_paths:
                     r = run_served(server, path, q, n, scale, args.max_tokens)
-                    r.coalesce_ms, r.engine_core_process = coalesce, core
+                    r.coalesce_ms, r.engine_core_process, r.async_scheduling = coalesce, core, asynchronous
                     results.append(report(r))
-    offline_runs = {r.streams: r for r in results if r.path == "offline"}
+    # each served run against the offline engine with the same scheduling
+    offline_runs = {(r.streams, r.async_scheduling): r for r in results if r.path == "offline"}
     for r in results:
-        if r.streams in offline_runs:
-            r.vs_offline = r.tok_per_s / offline_runs[r.streams].tok_per_s
-            r.finish(offline_runs[r.streams].modeled_tok_per_s)
+        base = offline_runs.get((r.streams, r.async_scheduling))
+        if base is not None:
+            r.vs_offline = r.tok_per_s / base.tok_per_s
+            r.finish(base.modeled_tok_per_s)
     return results
 
 
@@ -263,7 +272,8 @@ def carried(results: list[PathResult], streams: int, limit: float) -> bool:
 
 def report(r: PathResult) -> PathResult:
     print(f"  {r.quantization} {r.streams} streams x{r.time_scale:g} {r.path} (coalesce {r.coalesce_ms:g} ms, "
-          f"engine core {'in its own process' if r.engine_core_process else 'in the stub'}): "
+          f"engine core {'in its own process' if r.engine_core_process else 'in the stub'}, "
+          f"{'async' if r.async_scheduling else 'sync'} scheduling): "
           f"{r.tok_per_s:.0f} tok/s, stretch "
           f"{100 * r.step_stretch:.1f}%", flush=True)
     return r
@@ -272,7 +282,7 @@ def report(r: PathResult) -> PathResult:
 # ---------------------------------------------------------------- table and file
 
 def table(results: list[PathResult], scales: dict[str, float | None]) -> str:
-    head = (f"{'quant':6} {'strm':>4} {'s':>3} {'path':7} {'coal':>4} {'core':>4} {'tok/s':>7} {'x off':>6} {'tok/resp':>8} {'ITL p50':>8} "
+    head = (f"{'quant':6} {'strm':>4} {'s':>3} {'path':7} {'coal':>4} {'core':>4} {'sch':>5} {'tok/s':>7} {'x off':>6} {'tok/resp':>8} {'ITL p50':>8} "
             f"{'p99':>7} {'stretch':>8} {'busiest process ms/tok':>26} {'serving ms/tok':>14} "
             f"{'busiest thread':>24} {'cores@rate':>10} {'client ms/tok':>13}")
     lines = [head, "-" * len(head)] + [_row(r) for r in results]
@@ -290,7 +300,8 @@ def _row(r: PathResult) -> str:
     itl = r.itl_ms or {}
     coal = "-" if r.path == "offline" else format(r.coalesce_ms, "g")
     core = "-" if r.path == "offline" else ("proc" if r.engine_core_process else "stub")
-    return (f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {coal:>4} {core:>4} {r.tok_per_s:>7.0f} "
+    sched = "async" if r.async_scheduling else "sync"
+    return (f"{r.quantization:6} {r.streams:>4} {r.time_scale:>3g} {r.path:7} {coal:>4} {core:>4} {sched:>5} {r.tok_per_s:>7.0f} "
             f"{_num(r.vs_offline, '.2f'):>6} {_num(r.tokens / r.responses if r.responses else None, '.2f'):>8} "
             f"{_num(itl.get('p50'), '.1f'):>8} {_num(itl.get('p99'), '.1f'):>7} {100 * r.step_stretch:>7.1f}% "
             f"{name[:17] + ' ' + format(top['cpu_ms_per_token'], '.3f'):>26} "
@@ -341,6 +352,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-core-process", type=csv(_bool), default=[True],
                    help="the servers' --engine-core-process values, one server each (e.g. true,false: the engine "
                         "core in its own process and in the stub, side by side)")
+    p.add_argument("--async-scheduling", type=csv(_bool), default=[True],
+                   help="the engines' --async-scheduling values, offline and served, one engine / server each "
+                        "(e.g. true,false: the next step planned ahead of the running one's tokens, and every step "
+                        "after the last one's update, side by side); served runs compare with the offline run of "
+                        "the same value")
     p.add_argument("--no-parsers", dest="parsers", action="store_false",
                    help="leave out the reasoning and tool-call parsers (on by default: ernie-x1)")
     p.add_argument("--label", default="", help="a note for the JSON, e.g. 'taken under load'")
@@ -364,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
             runs = measure_scale(args, q, scale)
             results += runs
             for n in sorted(pending):
-                if carried(runs, n, args.carry_stretch):
+                # a scale is carried for the first --async-scheduling value (the others are shown beside it)
+                if carried([r for r in runs if r.async_scheduling == args.async_scheduling[0]], n, args.carry_stretch):
                     scales[f"{q}/{n}"] = scale
                     pending.discard(n)
             if not pending:
