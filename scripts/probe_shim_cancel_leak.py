@@ -18,7 +18,8 @@ Modes (k = 1-3 responses read first):
 
   .venv/bin/python scripts/probe_shim_cancel_leak.py --mode backend-cancel --streams 5000
 
---full-path instead starts tritonserver with the launcher (the tiny model, the soak's small settings) and its
+--full-path instead starts tritonserver with the launcher (the tiny model, the soak's small settings; --simulated:
+the soak's simulated target) and its
 `ernie-openai` shim, and drops `--streams` HTTP streams after their first event, `--concurrency` at a time: the
 shim's RSS every `--every`, each drop bounded, and the engines must be idle again after every batch.
 
@@ -325,9 +326,12 @@ def full_path(args) -> dict:
     from ernie_serve.serving.launcher import TritonServer
 
     sys.path.insert(0, str(root / "scripts"))
-    from soak import TINY_SETTINGS
+    import soak
 
-    server = TritonServer(dict(TINY_SETTINGS), http_port=0, grpc_port=0, metrics_port=0, openai_port=0)
+    settings = soak.server_settings(soak.parse_args(
+        ["--clients", str(args.concurrency)] + (["--simulated-gpu", "h200", "--simulated-model", "ernie-4.5-21b-a3b",
+                                                  "--quantization", "wint8"] if args.simulated else [])))
+    server = TritonServer(settings, http_port=0, grpc_port=0, metrics_port=0, openai_port=0)
     server.start(timeout=300)
     try:
         url = f"http://127.0.0.1:{server.openai_port}"
@@ -385,6 +389,10 @@ def full_path(args) -> dict:
                 samples.append({"streams": start + n, "rss_mb": round(rss_mb(), 1), "engine_requests_left": stuck})
                 print(json.dumps(samples[-1]), flush=True)
                 if wedged.is_set():
+                    if args.hold:  # time to look at it: gdb -p <pid> -batch -ex "thread apply all bt"
+                        print(f"hung: tritonserver pid {server.proc.pid}, shim pid {pid}; holding {args.hold:g}s",
+                              flush=True)
+                        time.sleep(args.hold)
                     break
         metrics = httpx.get(url + "/metrics", timeout=5).text
         triton_pending = {line.split('model="')[1].split('"')[0]: float(line.split()[-1])
@@ -416,6 +424,9 @@ def main() -> None:
     ap.add_argument("--batch-timeout", type=float, default=300.0)
     ap.add_argument("--out", help="write the result JSON here")
     ap.add_argument("--full-path", action="store_true", help="tritonserver and the shim, dropped HTTP streams")
+    ap.add_argument("--hold", type=float, default=0.0, help="--full-path: seconds to keep a hung server up")
+    ap.add_argument("--simulated", action="store_true",
+                    help="--full-path on the simulated target (soak.py's --simulated-gpu h200 settings)")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.full_path:

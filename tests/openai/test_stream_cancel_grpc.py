@@ -147,9 +147,9 @@ def test_cancelled_reads_end_in_the_server_and_leave_nothing_pending(triton):
                 await one()
         await asyncio.wait_for(asyncio.gather(*(bounded() for _ in range(STREAMS))), 60)
         deadline = time.monotonic() + 5
-        while backend._orphan_reads and time.monotonic() < deadline:
+        while backend._readers and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        assert not backend._orphan_reads, f"{len(backend._orphan_reads)} reads never ended"
+        assert not backend._readers, f"{len(backend._readers)} reads never ended"
         await backend.close()
         return backend, slowest
 
@@ -274,4 +274,4 @@ def test_a_disconnect_cancels_the_call_not_the_pending_read():
 
     call, backend = asyncio.run(run())
     assert call.cancelled and not call.read_interrupted
-    assert not backend._orphan_reads
+    assert not backend._readers

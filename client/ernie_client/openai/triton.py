@@ -202,7 +202,7 @@ class TritonBackend:
         self._spec: EnsembleSpec | None = None
         self._spec_lock = asyncio.Lock()
         self._closing: set[asyncio.Task] = set()  # finished streams being closed by the server
-        self._orphan_reads: set[asyncio.Future] = set()  # reads of cancelled streams, ended by call.cancel()
+        self._readers: set[asyncio.Future] = set()  # one per open stream; a cancelled one ends by call.cancel()
 
     def _get_client(self):
         if self._client is None:
@@ -313,23 +313,25 @@ class TritonBackend:
             call = self._get_client().stream_infer(requests(), **self._auth)
         except Exception as e:  # noqa: BLE001
             raise triton_error(e, self.model_name) from e
+        # One reader task per stream, never cancelled: a cancellation of this request (the HTTP client left) must
+        # not land inside grpc.aio's pending read, whose core operation then completes into a buffer nothing frees
+        # (grpcio's execute_batch skips its cleanup when cancelled: a response's size of native memory per
+        # disconnect). The read ends instead through call.cancel() below, or with the stream.
+        responses: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(_read_into(call, responses))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
         finished = False
-        read: asyncio.Future | None = None
         try:
             while True:
-                # Each read runs in its own task, shielded: a cancellation of this request (the HTTP client
-                # left) must not land inside grpc.aio's pending read, whose core operation then completes into a
-                # buffer nothing frees (grpcio's execute_batch skips its cleanup when cancelled; a response's
-                # size of native memory per disconnect). The read ends instead through call.cancel() below.
-                read = asyncio.ensure_future(call.__anext__())
-                try:
-                    result, error = await asyncio.shield(read)
-                except StopAsyncIteration:
+                item = await responses.get()
+                if item is _END:
                     break
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - grpc.aio.AioRpcError and friends
-                    raise triton_error(e, self.model_name) from e
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        raise item
+                    raise triton_error(item, self.model_name) from item
+                result, error = item
                 if error is not None:
                     # An error ends the ensemble's request (it is its final response): cancelling it now
                     # would be the cancel-after-finish below that holds tritonserver's shutdown.
@@ -343,48 +345,63 @@ class TritonBackend:
                     break
         finally:
             done.set()  # ends the request side, so a finished stream closes by itself
-            if finished:
+            if finished or _holds_final(responses):
                 # Not cancelled: in tritonserver 2.51 a cancel that reaches a finished request leaves the
                 # ensemble referenced ("1 live model") and holds shutdown for the whole exit timeout.
-                task = asyncio.ensure_future(_close_when_done(call))
+                task = asyncio.ensure_future(_close_when_done(call, reader=reader))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
             else:
                 # The gRPC cancel reaches Triton, which cancels the request in the engine (its KV blocks
-                # are freed), and completes a read still pending here, which is then dropped.
+                # are freed), and ends the reader's pending read.
                 call.cancel()
-                if read is not None and not read.done():
-                    self._orphan_reads.add(read)
-                    read.add_done_callback(self._orphan_reads.discard)
-                    read.add_done_callback(_retrieve)
 
 
-def _retrieve(fut: asyncio.Future) -> None:
-    """Mark a dropped read's outcome as seen (a cancelled stream's last read ends in an error nobody awaits)."""
-    if not fut.cancelled():
-        fut.exception()
+_END = object()  # the stream's end, in a reader's queue
 
 
-async def _close_when_done(call, timeout: float = 10.0) -> None:
-    """Read a finished stream to its end (Triton closes it once the request side has ended).
+def _holds_final(responses: asyncio.Queue) -> bool:
+    """Whether the reader already received the request's final response (its consumer left before seeing it)."""
+    while not responses.empty():
+        item = responses.get_nowait()
+        if item is _END:
+            return True
+        if isinstance(item, tuple):
+            result, error = item
+            if error is not None or ResponseTensors(result).text("finish_reason"):
+                return True
+    return False
 
-    The read is never cancelled, for the same reason as generate's: a stream that does not end in time, or a
-    close() of the backend, cancels the call, which ends the read."""
-    read = asyncio.ensure_future(_read_to_end(call))
-    read.add_done_callback(_retrieve)
-    try:
-        await asyncio.wait((read,), timeout=timeout)
-    finally:
-        if not read.done() or read.cancelled() or read.exception() is not None:
-            call.cancel()  # a timeout, a broken stream or shutdown: cancel it after all
 
-
-async def _read_to_end(call) -> None:
+async def _read_into(call, responses: asyncio.Queue) -> bool:
+    """Read a stream into `responses`: each (result, error), then _END or the exception that ended it.
+    True when the stream ended by itself."""
     try:
         while True:
-            await call.__anext__()
+            responses.put_nowait(await call.__anext__())
     except StopAsyncIteration:
-        return
+        responses.put_nowait(_END)
+        return True
+    except asyncio.CancelledError as e:  # grpc.aio's way of ending a read of a cancelled call
+        responses.put_nowait(e)
+        raise
+    except Exception as e:  # noqa: BLE001 - handed to the consumer
+        responses.put_nowait(e)
+        return False
+
+
+async def _close_when_done(call, timeout: float = 10.0, reader: asyncio.Future | None = None) -> None:
+    """Read a finished stream to its end (Triton closes it once the request side has ended).
+
+    `reader`: the stream's reader task, else one is started. It is never cancelled, for the same reason as
+    generate's: a stream that does not end in time, or a close() of the backend, cancels the call, which ends it."""
+    if reader is None:
+        reader = asyncio.ensure_future(_read_into(call, asyncio.Queue()))
+    try:
+        await asyncio.wait((reader,), timeout=timeout)
+    finally:
+        if not reader.done() or reader.cancelled() or not reader.result():
+            call.cancel()  # a timeout, a broken stream or shutdown: cancel it after all
 
 
 def _check_fits(name: str, values: list, dtype) -> None:
