@@ -13,8 +13,11 @@ class ConcurrencySlots:
     `max_wait` (FastDeploy's --max-waiting-time), waits its turn for a slot that many seconds (-1: without
     limit) and is refused with 408 if none comes. Waiters are served first come, first served."""
 
-    def __init__(self, limit: int, metrics: Metrics, max_wait: float | None = None):
+    def __init__(self, limit: int, metrics: Metrics, max_wait: float | None = None, bound: str | None = None):
+        """`bound`: how the refusals name the limit (default `--max-concurrency <limit>`; with --workers, the
+        total and each worker's share)."""
         self.limit, self.max_wait, self.metrics = limit, max_wait, metrics
+        self.bound = bound or f"--max-concurrency {limit}"
         self.active = 0
         self._queue: collections.deque[asyncio.Future] = collections.deque()
 
@@ -24,13 +27,18 @@ class ConcurrencySlots:
         return len(self._queue)
 
     async def acquire(self) -> None:
+        """A slot for this request, or the 429 / 408 OpenAIError."""
+        await self._acquire()
+        self.metrics.admitted()
+
+    async def _acquire(self) -> None:
         if self.active < self.limit and not self._queue:
             self.active += 1
             return
         if self.max_wait is None:
             self.metrics.rejected.labels("429").inc()
             raise OpenAIError(429, f"too many concurrent requests: {self.active} in flight "
-                              f"(--max-concurrency {self.limit}); retry later", code="rate_limit_exceeded")
+                              f"({self.bound}); retry later", code="rate_limit_exceeded")
         turn = asyncio.get_running_loop().create_future()
         self._queue.append(turn)
         self.metrics.waiting.inc()
@@ -41,7 +49,7 @@ class ConcurrencySlots:
                 self._queue.remove(turn)
                 self.metrics.rejected.labels("408").inc()
                 raise OpenAIError(408, f"no slot came free within --max-waiting-time {self.max_wait:g} s "
-                                  f"({self.active} requests in flight, --max-concurrency {self.limit}); retry later",
+                                  f"({self.active} requests in flight, {self.bound}); retry later",
                                   code="request_timeout") from None
         except asyncio.CancelledError:
             if turn.done():

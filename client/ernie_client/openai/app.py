@@ -3,6 +3,8 @@ Triton ensemble. This module wires them; serving.py holds a generation request's
 tokenizer's endpoints."""
 from __future__ import annotations
 
+import math
+import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -34,16 +36,28 @@ class ServerConfig:
     max_model_len: int | None = None
     chat_template: str | None = None
     triton_metrics_url: str | None = None   # Triton's /metrics, for the engines' load in /get_load
+    # worker processes of this shim (--workers): each admits its share of max_concurrency, and with more than one
+    # the metrics live in the supervisor's PROMETHEUS_MULTIPROC_DIR
+    workers: int = 1
 
     @property
     def public_name(self) -> str:
         return self.served_model_name or self.model_name
 
+    @property
+    def worker_concurrency(self) -> int:
+        """One worker's share of max_concurrency: ceil(max_concurrency / workers). The total stays a bound (each
+        worker admits its share of the connections the kernel gave it, so one may refuse while another has room)."""
+        return math.ceil(self.max_concurrency / self.workers)
+
 
 def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> FastAPI:
     backend = backend or TritonBackend(config.triton_url, config.model_name, api_key=config.api_key)
-    metrics = Metrics()
-    slots = ConcurrencySlots(config.max_concurrency, metrics, config.max_waiting_time)
+    multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") if config.workers > 1 else None
+    metrics = Metrics(multiprocess_dir)
+    bound = None if config.workers == 1 else (f"--max-concurrency {config.max_concurrency} over "
+                                              f"{config.workers} workers: {config.worker_concurrency} each")
+    slots = ConcurrencySlots(config.worker_concurrency, metrics, config.max_waiting_time, bound)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

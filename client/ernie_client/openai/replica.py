@@ -14,6 +14,9 @@ the entries. So:
   sees why instead of a refused connection) or while every --max-concurrency slot is taken, so the router stops
   sending there until it recovers; new generation requests while draining get 503, which the router retries on
   another worker.
+
+With --workers N the shim is still one replica: /get_load and /health's overload count every worker's requests
+(the metrics' multiprocess files), and each worker drains on the signal its supervisor forwards.
 """
 from __future__ import annotations
 
@@ -74,15 +77,25 @@ class ReplicaState:
         self.draining = True
 
     def idle(self) -> bool:
-        return self.slots.active == 0
+        """No request in flight; with --workers, in the whole shim: every worker drains until all are done, so the
+        port answers 503 meanwhile instead of an idle worker's exit closing connections under their clients."""
+        return self.admission()[0] == 0
+
+    def admission(self) -> tuple[int, int, int]:
+        """(requests in flight, waiting for a slot, slots) of the whole shim: this process's own, or with --workers
+        the sum over the workers (read from the metrics' multiprocess files), since a router sees one replica."""
+        totals = self.slots.metrics.shim_totals()
+        if totals is None:
+            return self.slots.active, self.slots.waiting, self.slots.limit
+        return totals[0], totals[1], self.slots.limit * self.config.workers
 
     def unavailable(self) -> str | None:
         """Why a router should not send work here now, or None."""
         if self.draining:
             return "draining: this replica is shutting down and takes no new requests"
-        if self.slots.active >= self.slots.limit:
-            return (f"overloaded: all {self.slots.limit} --max-concurrency slots are in use "
-                    f"({self.slots.waiting} requests waiting)")
+        active, waiting, limit = self.admission()
+        if active >= limit:
+            return f"overloaded: all {limit} --max-concurrency slots are in use ({waiting} requests waiting)"
         return None
 
     async def refuse_when_draining(self) -> None:
@@ -137,7 +150,8 @@ class ReplicaState:
             "context_length": self.config.max_model_len,
             "version": _version(),
             "engine_instances": engine.get("instances"),
-            "max_concurrency": self.slots.limit,
+            "max_concurrency": self.slots.limit if self.config.workers == 1 else self.config.max_concurrency,
+            "api_server_workers": self.config.workers if self.config.workers > 1 else None,
         }
         return {k: v for k, v in info.items() if v is not None}
 
@@ -150,8 +164,8 @@ class ReplicaState:
         return {k: v for k, v in info.items() if v is not None}
 
     async def load(self) -> list[dict[str, Any]]:
-        entry: dict[str, Any] = {"dp_rank": 0, "num_reqs": self.slots.active,
-                                 "num_waiting_reqs": self.slots.waiting, "num_tokens": 0}
+        active, waiting, _ = self.admission()
+        entry: dict[str, Any] = {"dp_rank": 0, "num_reqs": active, "num_waiting_reqs": waiting, "num_tokens": 0}
         url = self.config.triton_metrics_url
         if url:
             try:
