@@ -19,9 +19,9 @@ from ..config import EngineConfig
 SERVER_FLAGS = {"http_port", "grpc_port", "metrics_port", "openai_port", "port", "host", "max_inflight_requests",
                 "engine_instances", "run_dir", "startup_timeout", "state_ttl_seconds", "log_to_console",
                 "restart_on_failure", "drain_timeout", "api_key", "admin_api_key", "max_concurrency",
-                "max_waiting_time"}
+                "max_waiting_time", "workers"}
 # The launcher's flags that go on to the OpenAI shim's command line (ernie-openai), under the same names.
-OPENAI_FLAGS = ("max_concurrency", "max_waiting_time")
+OPENAI_FLAGS = ("max_concurrency", "max_waiting_time", "workers")
 HEALTH_CHECK_SECONDS = 0.5
 
 
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or wait with --max-waiting-time")
     g.add_argument("--max-waiting-time", default=None,
                    help="seconds a shim request over --max-concurrency waits for a slot before a 408 (-1: no limit)")
+    g.add_argument("--workers", default=None,
+                   help="the OpenAI shim's worker processes on its one port (default 1), as FastDeploy's API "
+                        "server; --max-concurrency is split among them (each admits ceil(N / workers))")
     g.add_argument("--max-inflight-requests", type=int, default=None,
                    help="ensemble max_inflight_requests (needs a tritonserver newer than 2.51)")
     g.add_argument("--engine-instances", type=int, default=None,
