@@ -69,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1,
                    help="worker processes serving the one listening socket, each with its own event loop and "
                         "Triton connection (FastDeploy's --workers): more CPU for the shim. --max-concurrency is "
-                        "split: each worker admits ceil(N / workers), the kernel spreads connections among them; "
-                        "/metrics, /get_load and /health stay the whole shim's (default 1: one process)")
+                        "split: each worker admits ceil(--max-concurrency / --workers), the kernel spreads "
+                        "connections among them; /metrics, /get_load and /health stay the whole shim's "
+                        "(default 1: one process)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a shim request over --max-concurrency waits for a slot before a 408 (-1: no limit)")
     g.add_argument("--workers", default=None,
                    help="the OpenAI shim's worker processes on its one port (default 1), as FastDeploy's API "
-                        "server; --max-concurrency is split among them (each admits ceil(N / workers))")
+                        "server; --max-concurrency is split among them (each admits "
+                        "ceil(--max-concurrency / --workers))")
     g.add_argument("--max-inflight-requests", type=int, default=None,
                    help="ensemble max_inflight_requests (needs a tritonserver newer than 2.51)")
     g.add_argument("--engine-instances", type=int, default=None,
