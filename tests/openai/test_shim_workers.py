@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,8 +147,12 @@ class Shim:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
-            self.proc.wait(10)
+            self.proc.terminate()  # drains, stops its workers and removes its metrics directory
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # its workers die with it (PR_SET_PDEATHSIG)
+                self.proc.wait(10)
 
 
 def _gone(pid: int) -> bool:
@@ -177,6 +182,7 @@ def shims(triton_url, tmp_path):
     for shim in started:
         shim.close()
         _wait_gone(shim.pids)
+        assert not os.path.exists(shim.metrics_dir)
 
 
 def _complete(url: str, prompt: str = "words=3") -> str:
@@ -273,6 +279,16 @@ def test_a_worker_that_dies_makes_the_supervisor_exit_1_and_stop_the_other(shims
     _wait_gone(shim.pids)
     assert f"worker 1 (pid {shim.pids[1]}) killed by SIGKILL unexpectedly" in shim.log()
     assert not os.path.exists(shim.metrics_dir)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(shim.url + "/health", timeout=5)
+
+
+def test_the_workers_die_with_a_killed_supervisor(shims):
+    shim = shims()
+    shim.proc.kill()
+    shim.proc.wait(10)
+    _wait_gone(shim.pids)  # PR_SET_PDEATHSIG: none is left holding the port
+    shutil.rmtree(shim.metrics_dir)  # a killed supervisor cannot remove it
     with pytest.raises(httpx.ConnectError):
         httpx.get(shim.url + "/health", timeout=5)
 
