@@ -218,7 +218,8 @@ class Supervisor:
 
     def _watch(self, metrics_dir: str) -> None:
         """Reap the workers as they end; the first unexpected end stops the others (they drain), and after
-        --graceful-shutdown-seconds and a margin whoever is left is killed."""
+        twice --graceful-shutdown-seconds (a drain, then uvicorn's own graceful stop) and a margin, whoever is left
+        is killed."""
         from prometheus_client.multiprocess import mark_process_dead
 
         deadline = None
