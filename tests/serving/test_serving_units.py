@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -802,3 +805,21 @@ def test_the_poller_stops_asking_a_stream_whose_cancellation_the_next_stage_rela
         assert relayed.asked == before
     finally:
         model.shutdown()
+
+
+def test_ernie_serve_imports_no_paddle_to_start_the_embedded_model_s_shim_on_a_device_backend():
+    """Paddle's import installs a failure-signal handler over the process's SIGTERM handler, so an ernie-serve that
+    imported it after setting its own would abort on SIGTERM instead of draining (main() sets them again after
+    start-up if Paddle came in; "auto" imports it on purpose, before they are set, to look for a GPU). A named
+    backend's command line, the embedded model's build stamp and the shim's arguments must not need it (a
+    subprocess: this test process has Paddle already)."""
+    code = ("import sys\n"
+            "from ernie_serve.cli.serve import server_from_args\n"
+            "server, _ = server_from_args(['--http-port', '0', '--grpc-port', '0', '--metrics-port', '0',"
+            " '--openai-port', '0', '--execution-backend', 'simulated', '--simulated-gpu', 'h200',"
+            " '--simulated-model', 'ernie-4.5-21b-a3b'])\n"
+            "server._shim_tokenizer_args()\n"
+            "assert 'paddle' not in sys.modules, sorted(m for m in sys.modules if m.startswith('paddle'))[:5]\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

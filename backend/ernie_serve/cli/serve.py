@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"[ernie-serve] failed to start: {e}", file=sys.stderr)
         return 1
+    if "paddle" in sys.modules:  # Paddle's failure-signal handler replaced ours at its import: SIGTERM would abort
+        signal.signal(signal.SIGINT, on_signal)  # the process instead of draining (this process needs no Paddle;
+        signal.signal(signal.SIGTERM, on_signal)  # tests/serving/test_serving_units.py checks it imports none)
     print(ready_banner(server), flush=True)
     code = supervise(server, stopping, args.restart_on_failure, args.startup_timeout)
     if stopping:

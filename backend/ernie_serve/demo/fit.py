@@ -32,7 +32,7 @@ from ..model.attention import AttentionMetadata
 from ..model.ernie import ErnieForCausalLM
 from ..model.checkpoint_map import map_mtp_tensor_name, map_tensor_name
 from ..model.loader import load_model, load_mtp
-from ..paths import demo_data_dir
+from .dataset import dataset_digest, dataset_path  # noqa: F401  (this module's names too)
 
 IM_END = "<|im_end|>"
 MAX_STEPS = 400
@@ -41,15 +41,6 @@ LEARNING_RATE = 3e-3
 # then reproduces each answer, with room for the cached/batched serving kernels' rounding differences.
 TARGET_MARGIN = 4.0
 _MARGIN_CHECK_LOSS = 0.05  # below this mean loss, start checking the margins (a numpy pass over the logits)
-
-
-def dataset_path() -> Path:
-    return demo_data_dir() / "chat_demo.jsonl"
-
-
-def dataset_digest(path: Path | None = None) -> str:
-    """Short hash of the dataset file: part of the build stamp, so editing the data rebuilds the model."""
-    return hashlib.sha256(Path(path or dataset_path()).read_bytes()).hexdigest()[:16]
 
 
 @dataclass

@@ -155,7 +155,7 @@ def ensure_tiny_model(path: Path | None = None, show_progress: bool = True) -> P
     Random init, fit to the demo chat set, write. The stamp names the dataset's hash, so editing
     the data rebuilds the model; FIT.json records how the fit went.
     """
-    from .fit import dataset_digest, fit_checkpoint, weights_digest
+    from .dataset import dataset_digest
 
     path = Path(path or tiny_model_dir())
     stamp = path / "BUILD"
@@ -167,6 +167,8 @@ def ensure_tiny_model(path: Path | None = None, show_progress: bool = True) -> P
         fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists() and json.loads(stamp.read_text()) == want:
             return path
+        from .fit import fit_checkpoint, weights_digest  # Paddle: only when the model is built
+
         log.info("building the embedded tiny ERNIE-4.5 MoE model in %s", path)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tiny-"))
         try:
