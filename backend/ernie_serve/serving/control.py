@@ -19,7 +19,17 @@ lagging detokenizer costs a hop at each of tritonserver, the stub IPC and the de
 ernie_moe join the stream's next response for free. Reports are batched (ProgressReporter): one datagram per
 PROGRESS_PERIOD at most, however many streams moved.
 
-Messages: `abort <request key>`, `drain <seconds>`, `progress <key>=<responses processed> ...`.
+Abort by Triton request id: a client on this host that streams through Triton (the OpenAI shim) ends a stream
+it abandons with `abort-id <request id>` instead of a gRPC cancellation: tritonserver 2.51 can deadlock when a
+stream's cancellation meets an ensemble response on the same stream (docs/reliability.md). The id is the one the client
+set on its Triton request; the ensemble passes it to each step, so ernie_moe sees it as `request.request_id()`. It
+is everything after the first space, taken verbatim (spaces included, no trimming) and compared exactly with the
+id each live stream was submitted with; an empty id matches nothing, an id no live stream has is a no-op. Every
+live stream of the instance with that id is aborted and ends as a cancelled one does. A client finds the instances
+with `engine_addresses` (only this user's, only those of the tritonserver on a given port).
+
+Messages: `abort <request key>`, `abort-id <request id>`, `drain <seconds>`,
+`progress <key>=<responses processed> ...`.
 """
 from __future__ import annotations
 
@@ -38,15 +48,17 @@ _MAX_DATAGRAM = 4096
 PROGRESS_PERIOD = 0.002  # seconds a progress report waits to gather more streams' progress
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 TAG = "ernie-moe"
+ABORT_ID = "abort-id"
 
 
 class ControlListener:
-    """Receives control messages and hands them to `on_abort(key)` / `on_drain(seconds)` /
-    `on_progress([(key, responses processed), ...])` on its own thread."""
+    """Receives control messages and hands them to `on_abort(key)` / `on_abort_id(request id)` /
+    `on_drain(seconds)` / `on_progress([(key, responses processed), ...])` on its own thread."""
 
     def __init__(self, on_abort: Callable[[str], None], tag: str = TAG,
                  on_drain: Callable[[float], None] | None = None,
-                 on_progress: Callable[[list[tuple[str, int]]], None] | None = None):
+                 on_progress: Callable[[list[tuple[str, int]]], None] | None = None,
+                 on_abort_id: Callable[[str], None] | None = None):
         self.address = f"\0{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
@@ -55,6 +67,7 @@ class ControlListener:
         self._on_abort = on_abort
         self._on_drain = on_drain
         self._on_progress = on_progress
+        self._on_abort_id = on_abort_id
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ernie-control-listener", daemon=True)
         self._thread.start()
@@ -84,6 +97,8 @@ class ControlListener:
         verb, _, arg = message.partition(" ")
         if verb == "abort":
             self._on_abort(arg)
+        elif verb == ABORT_ID and self._on_abort_id is not None:
+            self._on_abort_id(arg)
         elif verb == "progress" and self._on_progress is not None:
             self._on_progress([(key, int(n)) for key, _, n in (pair.rpartition("=") for pair in arg.split())])
         elif verb == "drain" and self._on_drain is not None:
@@ -122,6 +137,23 @@ def _send(address: str, message: str) -> bool:
 def send_abort(address: str, key: str) -> bool:
     """Ask the engine instance at `address` to abort request `key`; False if it is gone."""
     return bool(address) and _send(address, f"abort {key}")
+
+
+def send_abort_id(address: str, request_id: str) -> bool:
+    """Ask the engine instance at `address` to abort every live stream of Triton request `request_id`; False if
+    the message could not be queued there (the instance is gone, its queue is full, the id does not fit in a
+    datagram). Never blocks: the shim calls it on its event loop."""
+    message = f"{ABORT_ID} {request_id}".encode("utf-8")
+    if not request_id or len(message) > _MAX_DATAGRAM:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.setblocking(False)
+        try:
+            s.sendto(message, _socket_address(address))
+            return True
+        except OSError as e:
+            log.debug("abort-id not sent to %s: %s", address, e)
+            return False
 
 
 def send_drain(address: str, seconds: float) -> bool:
@@ -185,3 +217,47 @@ def listener_addresses(pid: int, tag: str = TAG) -> list[str]:
     except OSError:
         return []
     return sorted({line.split()[-1] for line in lines if line.split()[-1].startswith(prefix)})
+
+
+def engine_addresses(server_port: int | None = None, tag: str = TAG) -> list[str]:
+    """The control addresses of this user's engine instances on this host, from /proc/net/unix. With
+    `server_port`: only those whose tritonserver (the instance's parent process) listens on that TCP port, so that
+    a client aborts in the server it talks to and in no other. Imports nothing heavy: the shim calls it."""
+    from ..ports import listeners_owned_by
+
+    prefix = f"@{tag}-"
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    by_pid: dict[int, list[str]] = {}
+    for line in lines:
+        name = line.split()[-1]
+        if name.startswith(prefix):
+            pid = name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit():
+                by_pid.setdefault(int(pid), []).append(name)
+    found: list[str] = []
+    owns_port: dict[int, bool] = {}
+    for pid, names in by_pid.items():
+        parent = _own_parent(pid)
+        if parent is None:
+            continue
+        if server_port is not None:
+            if parent not in owns_port:
+                owns_port[parent] = listeners_owned_by(server_port, [parent])
+            if not owns_port[parent]:
+                continue
+        found.extend(names)
+    return sorted(set(found))
+
+
+def _own_parent(pid: int) -> int | None:
+    """The parent of process `pid` if it is alive and this user's, else None."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return None
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])  # after "pid (comm)": state, ppid

@@ -91,6 +91,9 @@ class EngineModel:
         self.metrics = metrics
         self.parent_pid = parent_pid
         self._live: dict[str, ResponseStream] = {}
+        # the Triton request id each live stream was submitted with, and its inverse, for `abort-id` (control.py)
+        self._request_id: dict[str, str] = {}
+        self._by_request_id: dict[str, set[str]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._draining = False
@@ -101,7 +104,7 @@ class EngineModel:
         self._poller = threading.Thread(target=self._poll_cancelled, name="ernie-cancel-poll", daemon=True)
         self._poller.start()
         self.control = ControlListener(lambda key: self.abort(key, QUIET), on_drain=self.drain,
-                                       on_progress=self.responses.put_progress)
+                                       on_progress=self.responses.put_progress, on_abort_id=self.abort_request_id)
         if metrics is not None:
             self.engine.step_listeners.append(self._on_step)
             metrics.update(self.engine.stats(), force=True)
@@ -132,11 +135,14 @@ class EngineModel:
                 if self._draining:
                     raise Unavailable(DRAINING_MESSAGE)
                 self._live[key] = live
+                if request_id:
+                    self._request_id[key] = request_id
+                    self._by_request_id.setdefault(request_id, set()).add(key)
             try:
                 self.engine.add_request(key, ids, params, StreamCallback(live, self.responses))
             except BaseException:
                 with self._lock:
-                    self._live.pop(key, None)
+                    self._forget(key)
                 raise
         except (ServingError, ValueError, EngineOverloadedError, EngineDeadError) as e:
             if isinstance(e, EngineDeadError) and not self.engine.is_healthy and self.metrics is not None:
@@ -154,6 +160,26 @@ class EngineModel:
                 return False
             live.ending = ending
         return self.engine.abort(key)
+
+    def abort_request_id(self, request_id: str, ending: Ending = CANCELLED) -> int:
+        """Abort every live stream submitted with Triton request id `request_id` (exactly equal; an empty id matches
+        none): a client's way to end a stream it abandons without a gRPC cancellation (control.py). Each ends as a
+        cancelled request does: in the ensemble a final response carrying CANCELLED, which the detokenizer raises
+        after dropping the stream's state. Returns how many were aborted (0: unknown id, a no-op)."""
+        if not request_id:
+            return 0
+        with self._lock:
+            keys = list(self._by_request_id.get(request_id, ()))
+        return sum(self.abort(key, ending) for key in keys)
+
+    def _forget(self, key: str) -> None:  # under self._lock
+        self._live.pop(key, None)
+        request_id = self._request_id.pop(key, None)
+        keys = self._by_request_id.get(request_id) if request_id is not None else None
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_request_id[request_id]
 
     def drain(self, grace_seconds: float) -> None:
         """Refuse new requests from now on; end those still running after `grace_seconds` UNAVAILABLE."""
@@ -182,7 +208,7 @@ class EngineModel:
     def _finished(self, live: ResponseStream, out: RequestOutput) -> None:
         """A request's last engine output is in (response loop thread)."""
         with self._lock:
-            self._live.pop(live.key, None)
+            self._forget(live.key)
         if self.metrics is not None:
             self.metrics.request_finished(out.outputs[0].finish_reason, live.num_output_tokens
                                           + len(out.outputs[0].token_ids_delta), out.metrics)
