@@ -4,6 +4,7 @@
                  [--served-model-name NAME] [--api-key KEY] [--max-concurrency N] [--max-waiting-time S]
                  [--request-timeout S] [--tokenizer DIR [--max-model-len N] [--chat-template T]]
                  [--graceful-shutdown-seconds S] [--timeout-keep-alive S] [--triton-metrics-url URL] [--workers N]
+                 [--engine-control auto|off]
 
 With --workers N > 1 this process is a supervisor: it starts N worker processes (this module again, with the
 hidden --worker-index) that serve the same listening socket, each its own uvicorn, event loop and Triton client,
@@ -72,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "split: each worker admits ceil(--max-concurrency / --workers), the kernel spreads "
                         "connections among them; /metrics, /get_load and /health stay the whole shim's "
                         "(default 1: one process)")
+    p.add_argument("--engine-control", choices=("off", "auto"), default="off",
+                   help="how a stream whose client left ends: 'auto' aborts it in the engines when --triton-url is "
+                        "this host's (their control sockets, found by tritonserver's port) and reads it to its end, "
+                        "with no gRPC cancellation (tritonserver 2.51 can deadlock on one); 'off' cancels it over "
+                        "gRPC (default off; ernie-serve passes auto)")
     p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)  # set by the supervisor
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -96,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_concurrency=args.max_concurrency, request_timeout=args.request_timeout,
                         max_waiting_time=args.max_waiting_time, tokenizer=args.tokenizer,
                         max_model_len=args.max_model_len, chat_template=args.chat_template,
-                        triton_metrics_url=args.triton_metrics_url, workers=args.workers)
+                        triton_metrics_url=args.triton_metrics_url, workers=args.workers,
+                        engine_control=args.engine_control)
 
 
 def uvicorn_config(args: argparse.Namespace, app):

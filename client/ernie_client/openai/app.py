@@ -19,7 +19,7 @@ from .replica import ReplicaState, replica_router
 from .request_body import validation_error
 from .serving import OpenAIServing, OpenAIServingChat, OpenAIServingCompletion
 from .tokenization import Tokenization, tokenization_router
-from .triton import TritonBackend
+from .triton import TritonBackend, local_engines
 
 
 @dataclass
@@ -39,6 +39,9 @@ class ServerConfig:
     # worker processes of this shim (--workers): each admits its share of max_concurrency, and with more than one
     # the metrics live in the supervisor's PROMETHEUS_MULTIPROC_DIR
     workers: int = 1
+    # how an abandoned stream ends: "off" (gRPC cancellation), "auto" (an abort in the engines when Triton is on
+    # this host, see triton.LocalEngines)
+    engine_control: str = "off"
 
     @property
     def public_name(self) -> str:
@@ -52,7 +55,8 @@ class ServerConfig:
 
 
 def create_app(config: ServerConfig, backend: TritonBackend | None = None) -> FastAPI:
-    backend = backend or TritonBackend(config.triton_url, config.model_name, api_key=config.api_key)
+    backend = backend or TritonBackend(config.triton_url, config.model_name, api_key=config.api_key,
+                                       engines=local_engines(config.triton_url, config.engine_control))
     multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") if config.workers > 1 else None
     metrics = Metrics(multiprocess_dir)
     bound = None if config.workers == 1 else (f"--max-concurrency {config.max_concurrency} over "

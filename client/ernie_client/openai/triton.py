@@ -3,13 +3,23 @@
 The ensemble's own config decides tensor dtypes and shapes (read once, then cached), so the shim
 follows whatever the repository declares: a field the ensemble has no input for is folded into
 `sampling_parameters` when it can be, and is otherwise a 400 naming it.
+
+A stream the shim abandons (its HTTP client left, --request-timeout) is ended in the engines when they are on this
+host (`--engine-control auto` and a loopback --triton-url: LocalEngines) and the model is an ensemble (which passes
+the request id to ernie_moe; ernie_bls does not, and sees its own cancellation): `abort-id <request id>` to each
+engine instance's control socket (ernie_serve.serving.control), and the stream is then read to its end.
+tritonserver 2.51 can deadlock when a gRPC cancellation of a stream meets an ensemble response on it
+(docs/reliability.md), so call.cancel() is left for a remote Triton, other models, and a stream that does not end
+in time after the abort.
 """
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -67,6 +77,7 @@ class EnsembleSpec:
     inputs: dict[str, tuple[Any, list[int]]]  # name -> (numpy dtype, dims)
     batched: bool
     outputs: frozenset[str] = frozenset()
+    ensemble: bool = False  # an ensemble (platform "ensemble") passes the client's request id to each step
 
     @classmethod
     def from_config(cls, cfg: dict) -> "EnsembleSpec":
@@ -74,7 +85,7 @@ class EnsembleSpec:
         inputs = {i["name"]: (_NP_TYPES.get(i.get("data_type", "TYPE_STRING"), np.object_),
                               [int(d) for d in i.get("dims", [])]) for i in cfg.get("input", [])}
         outputs = frozenset(o["name"] for o in cfg.get("output", []))
-        return cls(inputs, int(cfg.get("max_batch_size", 0) or 0) > 0, outputs)
+        return cls(inputs, int(cfg.get("max_batch_size", 0) or 0) > 0, outputs, cfg.get("platform") == "ensemble")
 
 
 def _decoded_token(token_id: int, token: Any) -> str:
@@ -190,11 +201,93 @@ def _param_of(message: str) -> str | None:
     return _PARAM_NAMES.get(head, head) if (":" in message or " must " in message) else None
 
 
+ENGINE_CONTROL_MODES = ("off", "auto")
+ABANDON_TIMEOUT = 10.0  # seconds an abandoned stream may take to end after its abort, before call.cancel()
+# An abort-id reaches nothing while the request is still before ernie_moe (the tokenizer, Triton's queue), so it is
+# sent again, at these growing intervals, until the stream ends.
+ABORT_RESEND_FIRST = 0.05
+ABORT_RESEND_MAX = 1.0
+
+
+class LocalEngines:
+    """The control sockets of the engine instances behind a Triton on this host, for ending an abandoned stream with
+    `abort-id` instead of a gRPC cancellation. Found again every `refresh` seconds, and at once when no instance took
+    a message (a restarted tritonserver has new ones)."""
+
+    def __init__(self, find: Callable[[], list[str]], send: Callable[[str, str], bool], refresh: float = 5.0):
+        self._find = find
+        self._send = send
+        self.refresh = refresh
+        self._addresses: list[str] = []
+        self._found_at: float | None = None
+
+    def addresses(self, again: bool = False) -> list[str]:
+        now = time.monotonic()
+        if again or self._found_at is None or now - self._found_at > self.refresh:
+            try:
+                self._addresses = list(self._find())
+            except Exception:  # noqa: BLE001 - no engines found is the answer, then gRPC cancellation
+                log.exception("finding the local engines' control sockets failed")
+                self._addresses = []
+            self._found_at = now
+        return self._addresses
+
+    def abort(self, request_id: str) -> bool:
+        """Send `abort-id request_id` to every instance; False when none took it (then cancel over gRPC)."""
+        if self._sent(self.addresses(), request_id):
+            return True
+        if self._found_at is not None and time.monotonic() - self._found_at > 0.2:
+            return self._sent(self.addresses(again=True), request_id)
+        return False
+
+    def _sent(self, addresses: list[str], request_id: str) -> bool:
+        return sum(bool(self._send(address, request_id)) for address in addresses) > 0
+
+
+def local_engines(url: str, mode: str = "off") -> LocalEngines | None:
+    """`--engine-control`: "off", or "auto": the engines of the tritonserver listening on --triton-url's port, when
+    that URL is this host's (loopback, or the unspecified address) and ernie_serve is importable; else None (a
+    remote Triton: gRPC cancellation)."""
+    if mode not in ENGINE_CONTROL_MODES:
+        raise ValueError(f"--engine-control must be one of {', '.join(ENGINE_CONTROL_MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    host, _, port = url.rpartition("/")[2].rpartition(":")
+    if not _is_local_host(host) or not port.isdigit():
+        log.info("--engine-control auto: Triton at %s is not on this host; abandoned streams are cancelled over gRPC",
+                 url)
+        return None
+    try:
+        from ernie_serve.serving import control  # import-light: no Paddle
+    except ImportError as e:
+        log.warning("--engine-control auto: ernie_serve is not importable (%s); abandoned streams are cancelled over "
+                    "gRPC", e)
+        return None
+    log.info("--engine-control auto: abandoned streams are ended by the engines of the Triton on port %s", port)
+    return LocalEngines(lambda: control.engine_addresses(int(port)), control.send_abort_id)
+
+
+def _is_local_host(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_unspecified
+
+
 class TritonBackend:
     def __init__(self, url: str, model_name: str, client_factory: Callable[[str], Any] | None = None,
-                 api_key: str | None = None):
-        """`api_key`: sent to Triton as the Bearer token that `ernie-serve --api-key` makes it require."""
+                 api_key: str | None = None, engines: LocalEngines | None = None):
+        """`api_key`: sent to Triton as the Bearer token that `ernie-serve --api-key` makes it require.
+        `engines`: the local engines, which end an abandoned stream without a gRPC cancellation (local_engines)."""
         self.url = url
+        self.engines = engines
+        # how abandoned streams ended: aborted in the engines, cancelled over gRPC at once (no local engine took the
+        # abort, or none are known), cancelled over gRPC after an abort that did not end the stream in time
+        self.abandoned = {"aborted": 0, "cancelled": 0, "cancelled_after_abort": 0}
         self.model_name = model_name
         self._auth = {"headers": {"triton-grpc-protocol-authorization": f"Bearer {api_key}"}} if api_key else {}
         self._client_factory = client_factory or _grpc_aio_client
@@ -351,10 +444,26 @@ class TritonBackend:
                 task = asyncio.ensure_future(_close_when_done(call, reader=reader))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
+            elif self.engines is not None and self._spec is not None and self._spec.ensemble \
+                    and self.engines.abort(request_id):
+                # The engine aborts the request (its KV blocks are freed) and ends it with its final response; the
+                # stream then closes as a finished one does. No gRPC cancellation (the module docstring says why).
+                self.abandoned["aborted"] += 1
+                task = asyncio.ensure_future(_close_when_done(
+                    call, ABANDON_TIMEOUT, reader=reader, nudge=lambda: self.engines.abort(request_id),
+                    on_cancel=self._cancelled_after_abort))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
             else:
                 # The gRPC cancel reaches Triton, which cancels the request in the engine (its KV blocks
                 # are freed), and ends the reader's pending read.
+                self.abandoned["cancelled"] += 1
                 call.cancel()
+
+    def _cancelled_after_abort(self) -> None:
+        self.abandoned["cancelled_after_abort"] += 1
+        log.warning("an abandoned stream did not end within %.0fs of its engine abort; cancelled over gRPC",
+                    ABANDON_TIMEOUT)
 
 
 _END = object()  # the stream's end, in a reader's queue
@@ -390,18 +499,34 @@ async def _read_into(call, responses: asyncio.Queue) -> bool:
         return False
 
 
-async def _close_when_done(call, timeout: float = 10.0, reader: asyncio.Future | None = None) -> None:
-    """Read a finished stream to its end (Triton closes it once the request side has ended).
+async def _close_when_done(call, timeout: float = 10.0, reader: asyncio.Future | None = None,
+                           nudge: Callable[[], object] | None = None,
+                           on_cancel: Callable[[], None] | None = None) -> None:
+    """Read a finished (or engine-aborted) stream to its end (Triton closes it once the request side has ended).
 
     `reader`: the stream's reader task, else one is started. It is never cancelled, for the same reason as
-    generate's: a stream that does not end in time, or a close() of the backend, cancels the call, which ends it."""
+    generate's: a stream that does not end in time, or a close() of the backend, cancels the call, which ends it.
+    `nudge`: called at growing intervals while the stream is open (the engine abort, sent again); `on_cancel`: called
+    when the stream did not end within `timeout` and was cancelled."""
     if reader is None:
         reader = asyncio.ensure_future(_read_into(call, asyncio.Queue()))
+    deadline = time.monotonic() + timeout
     try:
-        await asyncio.wait((reader,), timeout=timeout)
+        if nudge is None:
+            await asyncio.wait((reader,), timeout=timeout)
+        else:
+            pause = ABORT_RESEND_FIRST
+            while not reader.done() and time.monotonic() < deadline:
+                await asyncio.wait((reader,), timeout=min(pause, max(deadline - time.monotonic(), 0)))
+                if not reader.done() and time.monotonic() < deadline:
+                    nudge()
+                pause = min(pause * 2, ABORT_RESEND_MAX)
     finally:
         if not reader.done() or reader.cancelled() or not reader.result():
+            timed_out = not reader.done() and time.monotonic() >= deadline
             call.cancel()  # a timeout, a broken stream or shutdown: cancel it after all
+            if timed_out and on_cancel is not None:
+                on_cancel()
 
 
 def _check_fits(name: str, values: list, dtype) -> None:
