@@ -328,6 +328,12 @@ def test_local_engines_only_for_this_hosts_triton(monkeypatch):
         assert not _is_local_host(host), host
 
 
+def test_an_instance_whose_queue_is_full_still_takes_the_abort_path():
+    engines = LocalEngines(lambda: ["@busy", "@gone"], lambda a, rid: None if a == "@busy" else False)
+    assert engines.abort("r")  # sent again by the stream's close until it ends
+    assert not LocalEngines(lambda: ["@gone"], lambda a, rid: False).abort("r")
+
+
 def test_local_engines_look_again_when_no_instance_took_the_abort():
     results = iter([["@gone"], ["@new"]])
     sent: list[str] = []

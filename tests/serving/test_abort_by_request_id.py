@@ -74,6 +74,15 @@ def test_send_abort_id_refuses_what_cannot_travel_and_never_raises():
         listener.close()
 
 
+def test_a_full_queue_is_none_not_gone():
+    """A listener that does not keep up (its queue full) is still there: None, so the client sends again later."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as busy:
+        busy.bind(f"\0test-abort-id-busy-{os.getpid()}")
+        address = f"@test-abort-id-busy-{os.getpid()}"
+        results = [send_abort_id(address, "r") for _ in range(10_000)]
+    assert results[0] is True and None in results and False not in results
+
+
 def test_abort_id_aborts_every_live_stream_with_exactly_that_id(model):
     aborted: list[str] = []
     real = model.fake.abort

@@ -139,10 +139,11 @@ def send_abort(address: str, key: str) -> bool:
     return bool(address) and _send(address, f"abort {key}")
 
 
-def send_abort_id(address: str, request_id: str) -> bool:
-    """Ask the engine instance at `address` to abort every live stream of Triton request `request_id`; False if
-    the message could not be queued there (the instance is gone, its queue is full, the id does not fit in a
-    datagram). Never blocks: the shim calls it on its event loop."""
+def send_abort_id(address: str, request_id: str) -> bool | None:
+    """Ask the engine instance at `address` to abort every live stream of Triton request `request_id`. True: queued
+    there; None: the instance is there but its queue is full (a busy listener; send it again later); False: it is
+    gone, or the id cannot travel (empty, or longer than a datagram). Never blocks: the shim calls it on its event
+    loop."""
     message = f"{ABORT_ID} {request_id}".encode("utf-8")
     if not request_id or len(message) > _MAX_DATAGRAM:
         return False
@@ -151,6 +152,8 @@ def send_abort_id(address: str, request_id: str) -> bool:
         try:
             s.sendto(message, _socket_address(address))
             return True
+        except BlockingIOError:
+            return None
         except OSError as e:
             log.debug("abort-id not sent to %s: %s", address, e)
             return False

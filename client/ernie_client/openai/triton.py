@@ -214,7 +214,7 @@ class LocalEngines:
     `abort-id` instead of a gRPC cancellation. Found again every `refresh` seconds, and at once when no instance took
     a message (a restarted tritonserver has new ones)."""
 
-    def __init__(self, find: Callable[[], list[str]], send: Callable[[str, str], bool], refresh: float = 5.0):
+    def __init__(self, find: Callable[[], list[str]], send: Callable[[str, str], bool | None], refresh: float = 5.0):
         self._find = find
         self._send = send
         self.refresh = refresh
@@ -233,7 +233,8 @@ class LocalEngines:
         return self._addresses
 
     def abort(self, request_id: str) -> bool:
-        """Send `abort-id request_id` to every instance; False when none took it (then cancel over gRPC)."""
+        """Send `abort-id request_id` to every instance; False when none is there to take it (then cancel over gRPC).
+        An instance whose queue is full for now counts as there: the abort is sent again until the stream ends."""
         if self._sent(self.addresses(), request_id):
             return True
         if self._found_at is not None and time.monotonic() - self._found_at > 0.2:
@@ -241,7 +242,7 @@ class LocalEngines:
         return False
 
     def _sent(self, addresses: list[str], request_id: str) -> bool:
-        return sum(bool(self._send(address, request_id)) for address in addresses) > 0
+        return sum(self._send(address, request_id) is not False for address in addresses) > 0
 
 
 def local_engines(url: str, mode: str = "off") -> LocalEngines | None:
