@@ -21,7 +21,10 @@ Modes (k = 1-3 responses read first):
 --full-path instead starts tritonserver with the launcher (the tiny model, the soak's small settings; --simulated:
 the soak's simulated target) and its
 `ernie-openai` shim, and drops `--streams` HTTP streams after their first event, `--concurrency` at a time: the
-shim's RSS every `--every`, each drop bounded, and the engines must be idle again after every batch.
+shim's RSS every `--every`, each drop bounded, and the engines must be idle again after every batch. The shim ends a
+dropped stream as ernie-serve starts it (`--engine-control auto`: an abort in the engines, no gRPC cancellation);
+`--engine-control off` gives the gRPC cancellation, which tritonserver 2.51 can deadlock on (docs/reliability.md).
+Triton's failure counters by reason (CANCELED: gRPC cancellations it saw) are in the result.
 
   .venv/bin/python scripts/probe_shim_cancel_leak.py --full-path --streams 3000 --concurrency 8
 """
@@ -34,6 +37,7 @@ import gc
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -331,7 +335,8 @@ def full_path(args) -> dict:
     settings = soak.server_settings(soak.parse_args(
         ["--clients", str(args.concurrency)] + (["--simulated-gpu", "h200", "--simulated-model", "ernie-4.5-21b-a3b",
                                                   "--quantization", "wint8"] if args.simulated else [])))
-    server = TritonServer(settings, http_port=0, grpc_port=0, metrics_port=0, openai_port=0)
+    server = TritonServer(settings, http_port=0, grpc_port=0, metrics_port=0, openai_port=0,
+                          openai_args=("--engine-control", args.engine_control))
     server.start(timeout=300)
     try:
         url = f"http://127.0.0.1:{server.openai_port}"
@@ -400,10 +405,17 @@ def full_path(args) -> dict:
                           if line.startswith("nv_inference_pending_request_count")}
         in_flight = next((float(line.split()[-1]) for line in metrics.splitlines()
                           if line.startswith("ernie_openai:requests_in_flight")), None)
+        failures: dict[str, float] = {}  # "model/reason" -> requests Triton counted failed
+        for line in httpx.get(server.metrics_url, timeout=5).text.splitlines():
+            if line.startswith("nv_inference_request_failure{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                if float(line.split()[-1]):
+                    failures[f"{labels.get('model')}/{labels.get('reason', '')}"] = float(line.split()[-1])
         base = samples[1] if len(samples) > 2 else samples[0]
-        return {"mode": "full-path", "streams": samples[-1]["streams"], "seconds": round(time.monotonic() - started, 1),
+        return {"mode": "full-path", "engine_control": args.engine_control, "streams": samples[-1]["streams"],
+                "seconds": round(time.monotonic() - started, 1),
                 "outcomes": outcomes, "engine_requests_left": stuck, "shim_requests_in_flight": in_flight,
-                "triton_pending_requests": triton_pending,
+                "triton_pending_requests": triton_pending, "triton_failures": failures,
                 "rss_kb_per_stream": round(_slope(samples[1:] if len(samples) > 2 else samples, "rss_mb") * 1024, 3),
                 "rss_mb_delta": round(samples[-1]["rss_mb"] - base["rss_mb"], 1), "samples": samples}
     finally:
@@ -427,6 +439,9 @@ def main() -> None:
     ap.add_argument("--hold", type=float, default=0.0, help="--full-path: seconds to keep a hung server up")
     ap.add_argument("--simulated", action="store_true",
                     help="--full-path on the simulated target (soak.py's --simulated-gpu h200 settings)")
+    ap.add_argument("--engine-control", choices=("auto", "off"), default="auto",
+                    help="--full-path: how the shim ends a dropped stream (auto: an abort in the engines, as "
+                         "ernie-serve starts it; off: a gRPC cancellation)")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.full_path:

@@ -420,7 +420,7 @@ class TritonServer:
         cmd = [sys.executable, "-m", "ernie_client.openai_server", "--triton-url", self.grpc_url,
                "--host", self.host, "--port", str(self.openai_port), "--fd", str(fd),
                "--graceful-shutdown-seconds", str(self.drain_timeout + 5), *self._shim_tokenizer_args(),
-               "--triton-metrics-url", self.metrics_url, *self.openai_args]
+               "--triton-metrics-url", self.metrics_url, "--engine-control", "auto", *self.openai_args]
         env = server_env(self._install)
         if self.api_key:
             env["ERNIE_OPENAI_API_KEY"] = self.api_key  # not on the command line, where `ps` shows it
