@@ -459,6 +459,8 @@ class TritonBackend:
                 # The gRPC cancel reaches Triton, which cancels the request in the engine (its KV blocks
                 # are freed), and ends the reader's pending read.
                 self.abandoned["cancelled"] += 1
+                if self.engines is not None and self._spec is not None and self._spec.ensemble:
+                    log.warning("no local engine took the abort of an abandoned stream; cancelled over gRPC")
                 call.cancel()
 
     def _cancelled_after_abort(self) -> None:
