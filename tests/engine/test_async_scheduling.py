@@ -163,3 +163,25 @@ def test_async_scheduling_defaults_on_only_where_the_model_runs_off_the_host(tin
         assert not eng.async_scheduling and eng._forward is None
     finally:
         eng.close()
+
+
+def test_an_async_engine_dropped_without_close_is_freed_and_its_forward_thread_ends(tiny_model_dir):
+    """The forward thread holds nothing of its engine, so an engine nobody closed goes as a synchronous one does
+    (collected when the next one starts, test_engine_api.py) and its thread ends: a test suite that drops engines
+    would otherwise keep every one of them, weights and KV pool, for the rest of the run."""
+    import threading
+    import weakref
+
+    first = make_engine(tiny_model_dir, async_scheduling=True)
+    run(first, [(0, "a", PROMPTS[0], AHEAD_PARAMS[0])])
+    gone = weakref.ref(first)
+    before = {t for t in threading.enumerate() if t.name.startswith("ernie-forward")}
+    del first
+    second = make_engine(tiny_model_dir)
+    try:
+        assert gone() is None
+        for t in before:
+            t.join(timeout=10)
+            assert not t.is_alive()
+    finally:
+        second.close()

@@ -61,6 +61,14 @@ def make_input_processor(config: EngineConfig, model_dir: Path, tokenizer: Ernie
     return InputProcessor(config, model_config.vocab_size, num_output_ids, tokenizer, eos_token_ids, grammars)
 
 
+def _setup_forward_thread(cpu_threads: int) -> None:
+    """The forward thread's CPU kernels take the engine's thread count (OpenMP's setting is per thread)."""
+    if cpu_threads:
+        from .._env import setup_model_process
+
+        setup_model_process(cpu_threads)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -100,8 +108,10 @@ class LLMEngine:
                                 and config.splitwise_role == "mixed")
         self.num_steps_ahead = 0
         if self.async_scheduling:
+            # the thread must hold no reference to the engine (a bound method as initializer would): an engine
+            # dropped without close() then goes, and its executor's thread ends with it
             self._forward = ThreadPoolExecutor(1, thread_name_prefix="ernie-forward",
-                                               initializer=self._setup_forward_thread)
+                                               initializer=_setup_forward_thread, initargs=(self.cpu_threads,))
         self.num_steps = 0
         self.num_prompt_tokens = 0
         from .._env import freeze_startup_objects
@@ -113,13 +123,6 @@ class LLMEngine:
                  config.block_size, num_host_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                  "on" if config.enable_prefix_caching else "off", "on" if self.async_scheduling else "off",
                  " (steps planned ahead)" if self._ahead_possible else "", self.cpu_threads)
-
-    def _setup_forward_thread(self) -> None:
-        """The forward thread's CPU kernels take the engine's thread count (OpenMP's setting is per thread)."""
-        if self.cpu_threads:
-            from .._env import setup_model_process
-
-            setup_model_process(self.cpu_threads)
 
     def close(self) -> None:
         """Stop the forward thread and the worker ranks, if any (they also die with this process), and give the
