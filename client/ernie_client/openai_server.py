@@ -140,6 +140,7 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def _worker_preexec(supervisor_pid: int) -> None:
     """In a worker between fork and exec: SIGKILL it when the supervisor dies (no orphan holds the port), and let
     it hear the stop signals the supervisor blocks while it starts the workers."""
+    os.setpgid(0, 0)  # a process group of its own (Popen's process_group= needs Python 3.11; the NGC image has 3.10)
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != supervisor_pid:  # the supervisor died before prctl took effect
         os._exit(1)
@@ -199,7 +200,7 @@ class Supervisor:
                     cmd = [sys.executable, "-m", "ernie_client.openai_server", *self.argv,
                            "--fd", str(sock.fileno()), "--worker-index", str(i)]
                     proc = subprocess.Popen(cmd, env=env, pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL,
-                                            process_group=0, preexec_fn=lambda: _worker_preexec(self_pid))
+                                            preexec_fn=lambda: _worker_preexec(self_pid))
                     self.procs.append(proc)
                     self.workers[proc.pid] = i
             finally:
