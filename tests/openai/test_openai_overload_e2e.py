@@ -13,7 +13,9 @@ import pytest
 
 
 pytestmark = pytest.mark.e2e
-LONG = {"prompt": "hi", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}  # many seconds
+# Seconds of decoding even for the tiny model on a fast CPU: with 1500 tokens the first request could end during the
+# ten refusals below, and the queue emptied under them
+LONG = {"prompt": "hi", "max_tokens": 8000, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
 def _wait(pred, timeout: float, what: str):
@@ -35,7 +37,7 @@ def _gauge(server, name: str) -> float:
 def small_queue():
     from ernie_serve.serving.launcher import TritonServer
 
-    server = TritonServer({"max_num_seqs": "1", "max_waiting_requests": "1", "max_model_len": "2048"},
+    server = TritonServer({"max_num_seqs": "1", "max_waiting_requests": "1", "max_model_len": "8192"},
                           http_port=0, grpc_port=0, metrics_port=0, openai_port=0)  # 0: ports of its own
     try:
         server.start(timeout=300)
