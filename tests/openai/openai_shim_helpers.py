@@ -1,11 +1,21 @@
 """Helpers shared by the shim tests: the shim under a real uvicorn in a thread, on a socket bound before it starts
-(ports.py: nothing else can take the port in between)."""
+(ports.py: nothing else can take the port in between); for the e2e tests, a real tritonserver and its engines'
+metrics."""
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 import time
+from typing import TYPE_CHECKING, Iterator
+
+import httpx
+import pytest
 
 from ernie_serve.ports import listening_socket, refusing_socket  # noqa: F401  (the shim tests take them from here)
+
+if TYPE_CHECKING:
+    from ernie_serve.serving.launcher import TritonServer
 
 
 class RunningShim:
@@ -38,3 +48,41 @@ class RunningShim:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+@contextlib.contextmanager
+def tritonserver(params: dict) -> Iterator[TritonServer]:
+    """A real tritonserver (the tiny demo model) with model parameters `params`, on ports of its own, for an e2e
+    module: skipped without the launcher, failed when it does not start."""
+    launcher = pytest.importorskip("ernie_serve.serving.launcher", reason="the Triton launcher is not available")
+    server = launcher.TritonServer(params, http_port=0, grpc_port=0, metrics_port=0)  # 0: ports of its own
+    try:
+        server.start(timeout=300)
+    except (FileNotFoundError, RuntimeError, TimeoutError) as e:
+        server.cleanup()
+        pytest.fail(f"tritonserver did not start: {e}")
+    yield server
+    t0 = time.monotonic()
+    server.stop()
+    seconds = time.monotonic() - t0
+    full_log = server.log_tail(400)
+    server.cleanup()
+    # Every request has ended (disconnects and timeouts cancelled theirs), so the server must not sit out
+    # its exit timeout for a leaked request. Not a speed bound: idle ~4 s, a leak the full exit_timeout.
+    assert "Exit timeout expired" not in full_log and seconds < server.exit_timeout, \
+        f"tritonserver waited out its exit timeout ({seconds:.1f}s): a request stayed in flight"
+
+
+def engine_metric(triton: TritonServer, name: str) -> float:
+    """The sum of a metric's series on Triton's metrics port (the engines')."""
+    text = httpx.get(triton.metrics_url, timeout=5).text
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    assert values, f"{name} not on the Triton metrics port"
+    return sum(values)
+
+
+def engines_idle(triton: TritonServer) -> bool:
+    """No request running or waiting in the engines, and their KV pool whole."""
+    return (engine_metric(triton, "ernie:num_requests_running") == 0
+            and engine_metric(triton, "ernie:num_requests_waiting") == 0
+            and engine_metric(triton, "ernie:kv_cache_usage_perc") == 0)

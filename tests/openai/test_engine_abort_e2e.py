@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import socket
 import time
 
@@ -20,6 +19,7 @@ import pytest
 
 from ernie_client.openai import ServerConfig, create_app
 from ernie_client.openai.triton import TritonBackend, local_engines
+from openai_shim_helpers import engine_metric, engines_idle, tritonserver
 from polling import wait_for as _wait
 
 pytestmark = pytest.mark.e2e
@@ -29,21 +29,8 @@ MAX_TOKENS = 1500
 
 @pytest.fixture(scope="module")
 def triton():
-    launcher = pytest.importorskip("ernie_serve.serving.launcher", reason="the Triton launcher is not available")
-    server = launcher.TritonServer({}, http_port=0, grpc_port=0, metrics_port=0)
-    try:
-        server.start(timeout=300)
-    except (FileNotFoundError, RuntimeError, TimeoutError) as e:
-        server.cleanup()
-        pytest.fail(f"tritonserver did not start: {e}")
-    yield server
-    t0 = time.monotonic()
-    server.stop()
-    seconds = time.monotonic() - t0
-    log = server.log_tail(400)
-    server.cleanup()
-    assert "Exit timeout expired" not in log and seconds < server.exit_timeout, \
-        f"tritonserver waited out its exit timeout ({seconds:.1f}s): a request stayed in flight"
+    with tritonserver({}) as server:
+        yield server
 
 
 class _CountingCall:
@@ -79,19 +66,6 @@ class _CountingClient:
         return getattr(self._client, name)
 
 
-def _engine_metric(triton, name: str) -> float:
-    text = httpx.get(triton.metrics_url, timeout=5).text
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    assert values, f"{name} not on the Triton metrics port"
-    return sum(values)
-
-
-def _idle(triton) -> bool:
-    return (_engine_metric(triton, "ernie:num_requests_running") == 0
-            and _engine_metric(triton, "ernie:num_requests_waiting") == 0
-            and _engine_metric(triton, "ernie:kv_cache_usage_perc") == 0)
-
-
 def test_disconnects_end_in_the_engines_without_a_grpc_cancellation(triton, start_shim):
     counts = {"cancel": 0, "streams": 0}
     engines = local_engines(triton.grpc_url, "auto")
@@ -105,7 +79,7 @@ def test_disconnects_end_in_the_engines_without_a_grpc_cancellation(triton, star
                        "temperature": 0, "ignore_eos": True}).encode()
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode())
-    generated_before = _engine_metric(triton, "ernie:generation_tokens_total")
+    generated_before = engine_metric(triton, "ernie:generation_tokens_total")
 
     def drop(n: int) -> None:
         """Read 1-3 events, then leave (a socket timeout here is a hung stream)."""
@@ -120,12 +94,12 @@ def test_disconnects_end_in_the_engines_without_a_grpc_cancellation(triton, star
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(drop, range(DROPS)))
     left = time.monotonic()
-    _wait(lambda: _idle(triton), 30, "the abandoned requests to leave the engines (KV pool whole)")
+    _wait(lambda: engines_idle(triton), 30, "the abandoned requests to leave the engines (KV pool whole)")
     freed_in = time.monotonic() - left
     _wait(lambda: not backend._closing and not backend._readers, 30, "the abandoned streams to end")
     # promptly: each stream was aborted, not run to its max_tokens (nor held until the shim's fallback timeout)
     assert freed_in < 10, f"the engines were idle only {freed_in:.1f}s after the last disconnect"
-    generated = _engine_metric(triton, "ernie:generation_tokens_total") - generated_before
+    generated = engine_metric(triton, "ernie:generation_tokens_total") - generated_before
     assert generated < DROPS * MAX_TOKENS / 4, f"{generated:.0f} tokens generated for {DROPS} dropped streams"
     assert counts == {"cancel": 0, "streams": DROPS}, counts
     assert backend.abandoned == {"aborted": DROPS, "cancelled": 0, "cancelled_after_abort": 0}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import openai
 import numpy as np
 import pytest
 
-from openai_shim_helpers import listening_socket, refusing_socket
+from openai_shim_helpers import engine_metric, engines_idle, listening_socket, refusing_socket, tritonserver
 from ernie_client.openai import ServerConfig, create_app
 from polling import wait_for as _wait
 
@@ -37,24 +36,8 @@ LONG = dict(max_tokens=1500, temperature=0, extra_body={"ignore_eos": True})  # 
 
 @pytest.fixture(scope="module")
 def triton():
-    launcher = pytest.importorskip("ernie_serve.serving.launcher", reason="the Triton launcher is not available")
-    server = launcher.TritonServer({"reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1"},
-                                   http_port=0, grpc_port=0, metrics_port=0)  # 0: ports of its own
-    try:
-        server.start(timeout=300)
-    except (FileNotFoundError, RuntimeError, TimeoutError) as e:
-        server.cleanup()
-        pytest.fail(f"tritonserver did not start: {e}")
-    yield server
-    t0 = time.monotonic()
-    server.stop()
-    seconds = time.monotonic() - t0
-    full_log = server.log_tail(400)
-    server.cleanup()
-    # Every request has ended (disconnects and timeouts cancelled theirs), so the server must not sit out
-    # its exit timeout for a leaked request. Not a speed bound: idle ~4 s, a leak the full exit_timeout.
-    assert "Exit timeout expired" not in full_log and seconds < server.exit_timeout, \
-        f"tritonserver waited out its exit timeout ({seconds:.1f}s): a request stayed in flight"
+    with tritonserver({"reasoning_parser": "ernie-x1", "tool_call_parser": "ernie-x1"}) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -101,19 +84,6 @@ def other_shim(start_shim, triton):
         return running, openai.OpenAI(base_url=running.url + "/v1", api_key=cfg.get("api_key") or "unused",
                                       max_retries=0, timeout=120)
     return make
-
-
-def _engine_metric(triton, name: str) -> float:
-    text = httpx.get(triton.metrics_url, timeout=5).text
-    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-    assert values, f"{name} not on the Triton metrics port"
-    return sum(values)
-
-
-def _idle(triton) -> bool:
-    return (_engine_metric(triton, "ernie:num_requests_running") == 0
-            and _engine_metric(triton, "ernie:num_requests_waiting") == 0
-            and _engine_metric(triton, "ernie:kv_cache_usage_perc") == 0)
 
 
 # ---------------------------------------------------------------------------- chat
@@ -415,7 +385,7 @@ def test_over_max_concurrency_is_429(other_shim, triton):
             c.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1)
     finally:
         stream.close()
-    _wait(lambda: _idle(triton), 20, "the held stream to be cancelled")
+    _wait(lambda: engines_idle(triton), 20, "the held stream to be cancelled")
     assert c.chat.completions.create(model="ernie", messages=CHAT, max_tokens=1).choices
 
 
@@ -434,11 +404,11 @@ def test_request_timeout_is_504_and_frees_the_request(other_shim, triton):
     with pytest.raises(openai.APIStatusError) as e:
         c.chat.completions.create(model="ernie", messages=CHAT, **LONG)
     assert e.value.status_code == 504 and time.monotonic() - t0 < 10
-    _wait(lambda: _idle(triton), 20, "the timed-out request to leave the engine")
+    _wait(lambda: engines_idle(triton), 20, "the timed-out request to leave the engine")
 
 
 def test_client_disconnect_mid_stream_frees_its_kv_blocks(shim, triton):
-    generated_before = _engine_metric(triton, "ernie:generation_tokens_total")
+    generated_before = engine_metric(triton, "ernie:generation_tokens_total")
     body = json.dumps({"model": "ernie-tiny", "messages": CHAT, "stream": True, "max_tokens": 1500,
                        "temperature": 0, "ignore_eos": True}).encode()
     port = int(shim.rsplit(":", 1)[1])
@@ -448,9 +418,9 @@ def test_client_disconnect_mid_stream_frees_its_kv_blocks(shim, triton):
         got = b""
         while got.count(b"data:") < 5:
             got += s.recv(4096)
-        assert _engine_metric(triton, "ernie:kv_cache_usage_perc") > 0
-    _wait(lambda: _idle(triton), 20, "the abandoned request's KV blocks to be freed")
-    assert _engine_metric(triton, "ernie:generation_tokens_total") - generated_before < 1500
+        assert engine_metric(triton, "ernie:kv_cache_usage_perc") > 0
+    _wait(lambda: engines_idle(triton), 20, "the abandoned request's KV blocks to be freed")
+    assert engine_metric(triton, "ernie:generation_tokens_total") - generated_before < 1500
 
 
 def test_tokenize_counts_the_prompt_tokens_the_server_counts(other_shim, tiny_model_dir):

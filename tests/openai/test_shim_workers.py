@@ -6,44 +6,26 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
+from fake_grpc_triton import FakeTritonServer, FakeTritonServicer, stream_response
 from openai_shim_helpers import listening_socket
 
 STARTUP_SECONDS = 90  # two interpreters importing the app on a loaded 2-core host
 
 
-class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+class _Servicer(FakeTritonServicer):
     """A model that streams `words=N pace=S` words (default 3 at once)."""
-
-    async def ServerReady(self, request, context):
-        return service_pb2.ServerReadyResponse(ready=True)
-
-    async def ModelReady(self, request, context):
-        return service_pb2.ModelReadyResponse(ready=True)
-
-    async def ModelConfig(self, request, context):
-        cfg = model_config_pb2.ModelConfig(name="ernie", max_batch_size=0)
-        for name, dtype in (("text_input", model_config_pb2.TYPE_STRING), ("max_tokens", model_config_pb2.TYPE_INT32),
-                            ("stream", model_config_pb2.TYPE_BOOL)):
-            cfg.input.add(name=name, data_type=dtype, dims=[1])
-        for name in ("text_output", "finish_reason"):
-            cfg.output.add(name=name, data_type=model_config_pb2.TYPE_STRING, dims=[1])
-        return service_pb2.ModelConfigResponse(config=cfg)
 
     async def ModelStreamInfer(self, request_iterator, context):
         request = await request_iterator.__anext__()
@@ -53,43 +35,16 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         pace = float(m.group(1)) if (m := re.search(r"pace=([\d.]+)", prompt)) else 0.0
         for i in range(words):
             await asyncio.sleep(pace)
-            await context.write(_response(f" w{i}", "length" if i == words - 1 else ""))
+            await context.write(stream_response(f" w{i}", "length" if i == words - 1 else ""))
         async for _ in request_iterator:  # like Triton, end the stream once the client half-closes
             pass
 
 
-def _response(text: str, finish_reason: str) -> service_pb2.ModelStreamInferResponse:
-    r = service_pb2.ModelStreamInferResponse()
-    for name, value in (("text_output", text), ("finish_reason", finish_reason)):
-        out = r.infer_response.outputs.add(name=name, datatype="BYTES", shape=[1])
-        raw = value.encode()
-        r.infer_response.raw_output_contents.append(len(raw).to_bytes(4, "little") + raw)
-    return r
-
-
 @pytest.fixture(scope="module")
 def triton_url():
-    """The fake on a grpc.aio server (its own loop, in a thread) on a port the server itself bound."""
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    state: dict = {}
-
-    async def serve():
-        server = grpc.aio.server()
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(_Servicer(), server)
-        state["port"] = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        state["stop"] = asyncio.Event()
-        started.set()
-        await state["stop"].wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert started.wait(20), "the gRPC server did not start"
-    yield f"127.0.0.1:{state['port']}"
-    loop.call_soon_threadsafe(state["stop"].set)
-    thread.join(10)
+    """The word-streaming model on a fake Triton over gRPC; yields its url."""
+    with FakeTritonServer(_Servicer()) as server:
+        yield server.url
 
 
 class Shim:

@@ -9,27 +9,22 @@ the engine: an abort-id of a stream it knows ends that stream with a final respo
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import json
-import random
-import socket
-import threading
 import time
 
-import grpc
-import httpx
 import pytest
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2
 
 from ernie_client.openai import ServerConfig, create_app
 from ernie_client.openai import triton as triton_mod
 from ernie_client.openai.triton import LocalEngines, TritonBackend, _is_local_host, local_engines
 from ernie_serve.serving import control
+from fake_grpc_triton import (FakeTritonServer, FakeTritonServicer, assert_disconnects_counted, drop_http_streams,
+                              drop_many_mid_read, drop_mid_read, stream_response, wait_until)
 
 STREAMS = 300
 
 
-class _EngineServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+class _EngineServicer(FakeTritonServicer):
     """An ensemble that streams a word every few ms until its engine aborts the request (by the id the client set),
     then sends the final response and ends the stream once the client half-closes. `known_after`: how long a request
     takes to reach the engine (an abort-id before that reaches nothing, as in ernie_moe)."""
@@ -52,21 +47,6 @@ class _EngineServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.aborted_ids.append(request_id)
             event.set()
 
-    async def ServerReady(self, request, context):
-        return service_pb2.ServerReadyResponse(ready=True)
-
-    async def ModelReady(self, request, context):
-        return service_pb2.ModelReadyResponse(ready=True)
-
-    async def ModelConfig(self, request, context):
-        cfg = model_config_pb2.ModelConfig(name="ernie", max_batch_size=0, platform=self.platform)
-        for name, dtype in (("text_input", model_config_pb2.TYPE_STRING), ("max_tokens", model_config_pb2.TYPE_INT32),
-                            ("stream", model_config_pb2.TYPE_BOOL)):
-            cfg.input.add(name=name, data_type=dtype, dims=[1])
-        for name in ("text_output", "finish_reason"):
-            cfg.output.add(name=name, data_type=model_config_pb2.TYPE_STRING, dims=[1])
-        return service_pb2.ModelConfigResponse(config=cfg)
-
     async def ModelStreamInfer(self, request_iterator, context):
         self.active += 1
         ended = False
@@ -82,7 +62,7 @@ class _EngineServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if aborted.is_set():
                     break
                 await asyncio.sleep(0.002)
-                await context.write(_response(f" w{i}", ""))
+                await context.write(stream_response(f" w{i}", ""))
             await context.write(_error("CANCELLED: request cancelled"))  # ernie_moe's abort, in band, as the ensemble
             async for _ in request_iterator:  # like Triton, end the stream once the client half-closes
                 pass
@@ -95,89 +75,32 @@ class _EngineServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 self.cancelled += 1
 
 
-def _response(text: str, finish_reason: str) -> service_pb2.ModelStreamInferResponse:
-    r = service_pb2.ModelStreamInferResponse()
-    for name, value in (("text_output", text), ("finish_reason", finish_reason)):
-        out = r.infer_response.outputs.add(name=name, datatype="BYTES", shape=[1])
-        raw = value.encode()
-        r.infer_response.raw_output_contents.append(len(raw).to_bytes(4, "little") + raw)
-    return r
-
-
 def _error(message: str) -> service_pb2.ModelStreamInferResponse:
     return service_pb2.ModelStreamInferResponse(error_message=message)
 
 
 @pytest.fixture
 def make_triton():
-    """Starts a servicer on a grpc.aio server with its own loop in a thread, and its engine's control listener;
-    returns (url, servicer, listener address)."""
-    stops = []
+    """Starts a servicer on a fake Triton over gRPC, and its engine's control listener; returns (url, servicer,
+    listener address)."""
+    started: list[tuple[control.ControlListener, FakeTritonServer]] = []
 
     def start(**kw):
         servicer = _EngineServicer(**kw)
-        loop = asyncio.new_event_loop()
-        servicer.loop = loop
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        started = threading.Event()
-        stop: list[asyncio.Event] = []
-
-        async def serve():
-            server = grpc.aio.server()
-            service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-            server.add_insecure_port(f"127.0.0.1:{port}")
-            await server.start()
-            stop.append(asyncio.Event())
-            started.set()
-            await stop[0].wait()
-            await server.stop(0)
-
-        thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-        thread.start()
-        assert started.wait(20), "the gRPC server did not start"
+        server = FakeTritonServer(servicer)
+        servicer.loop = server.loop
         listener = control.ControlListener(lambda key: None, tag="test-shim-engine", on_abort_id=servicer.abort_id)
-
-        def finish():
-            listener.close()
-            loop.call_soon_threadsafe(stop[0].set)
-            thread.join(10)
-        stops.append(finish)
-        return f"127.0.0.1:{port}", servicer, listener.public_address
+        started.append((listener, server))
+        return server.url, servicer, listener.public_address
 
     yield start
-    for finish in stops:
-        finish()
+    for listener, server in started:
+        listener.close()
+        server.stop()
 
 
 def _engines(address: str) -> LocalEngines:
     return LocalEngines(lambda: [address], control.send_abort_id)
-
-
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return cond()
-
-
-async def _drop_mid_read(backend: TritonBackend, request_id: str, k: int) -> None:
-    """A consumer that reads k responses, then is cancelled while its next read is pending (the HTTP client left)."""
-    got = asyncio.Event()
-
-    async def consume():
-        n = 0
-        async for _ in backend.generate({"text_input": "go", "max_tokens": 100}, request_id):
-            n += 1
-            if n == k:
-                got.set()
-    task = asyncio.ensure_future(consume())
-    await asyncio.wait_for(got.wait(), 10)
-    await asyncio.sleep(0)
-    task.cancel()
-    await asyncio.wait((task,), timeout=5)
-    assert task.cancelled(), "an abandoned stream's consumer did not end"
 
 
 async def _settle(backend: TritonBackend, timeout: float = 10) -> None:
@@ -187,24 +110,30 @@ async def _settle(backend: TritonBackend, timeout: float = 10) -> None:
     assert not backend._readers and not backend._closing, "abandoned streams never ended"
 
 
+def _drop_one(url: str, engines: LocalEngines, request_id: str) -> TritonBackend:
+    """One stream dropped after its first response, left to end; returns its backend, closed."""
+    async def run() -> TritonBackend:
+        backend = TritonBackend(url, "ernie", engines=engines)
+        await drop_mid_read(backend, request_id, 1)
+        await _settle(backend, 5)
+        await backend.close()
+        return backend
+
+    return asyncio.run(run())
+
+
 def test_abandoned_streams_end_in_the_engine_without_a_grpc_cancellation(make_triton):
     url, servicer, address = make_triton()
 
     async def run() -> TritonBackend:
         backend = TritonBackend(url, "ernie", engines=_engines(address))
-        rng = random.Random(0)
-        sem = asyncio.Semaphore(16)
-
-        async def bounded(n: int):
-            async with sem:
-                await _drop_mid_read(backend, f"chatcmpl-{n}-0", rng.randint(1, 3))
-        await asyncio.wait_for(asyncio.gather(*(bounded(n) for n in range(STREAMS))), 60)
+        await drop_many_mid_read(backend, [f"chatcmpl-{n}-0" for n in range(STREAMS)])
         await _settle(backend)
         await backend.close()
         return backend
 
     backend = asyncio.run(run())
-    assert _wait(lambda: servicer.active == 0, 5), f"{servicer.active} server streams still open"
+    assert wait_until(lambda: servicer.active == 0, 5), f"{servicer.active} server streams still open"
     assert servicer.cancelled == 0 and servicer.finished == STREAMS
     assert sorted(servicer.aborted_ids) == sorted(f"chatcmpl-{n}-0" for n in range(STREAMS))
     assert backend.abandoned == {"aborted": STREAMS, "cancelled": 0, "cancelled_after_abort": 0}
@@ -218,7 +147,7 @@ def test_the_abort_is_sent_again_until_the_request_reaches_the_engine(make_trito
     async def run() -> tuple[TritonBackend, float]:
         backend = TritonBackend(url, "ernie", engines=_engines(address))
         t0 = time.monotonic()
-        await _drop_mid_read(backend, "early", 1)
+        await drop_mid_read(backend, "early", 1)
         await _settle(backend)
         took = time.monotonic() - t0
         await backend.close()
@@ -234,15 +163,8 @@ def test_a_stream_the_abort_does_not_end_is_cancelled_after_the_timeout(make_tri
     servicer.ignore_aborts = True
     monkeypatch.setattr(triton_mod, "ABANDON_TIMEOUT", 0.5)
 
-    async def run() -> TritonBackend:
-        backend = TritonBackend(url, "ernie", engines=_engines(address))
-        await _drop_mid_read(backend, "stuck", 1)
-        await _settle(backend, 5)
-        await backend.close()
-        return backend
-
-    backend = asyncio.run(run())
-    assert _wait(lambda: servicer.active == 0, 5)
+    backend = _drop_one(url, _engines(address), "stuck")
+    assert wait_until(lambda: servicer.active == 0, 5)
     assert servicer.cancelled == 1
     assert backend.abandoned == {"aborted": 1, "cancelled": 0, "cancelled_after_abort": 1}
 
@@ -255,15 +177,8 @@ def test_no_engine_listening_cancels_over_grpc_at_once(make_triton):
         found.append(1)
         return ["@test-shim-engine-nobody-listens"]
 
-    async def run() -> TritonBackend:
-        backend = TritonBackend(url, "ernie", engines=LocalEngines(find, control.send_abort_id))
-        await _drop_mid_read(backend, "r", 1)
-        await _settle(backend, 5)
-        await backend.close()
-        return backend
-
-    backend = asyncio.run(run())
-    assert _wait(lambda: servicer.cancelled == 1, 5) and servicer.finished == 0
+    backend = _drop_one(url, LocalEngines(find, control.send_abort_id), "r")
+    assert wait_until(lambda: servicer.cancelled == 1, 5) and servicer.finished == 0
     assert backend.abandoned == {"aborted": 0, "cancelled": 1, "cancelled_after_abort": 0}
     assert len(found) == 1  # found once: a second look only when the cached addresses are older than 0.2 s
 
@@ -271,15 +186,8 @@ def test_no_engine_listening_cancels_over_grpc_at_once(make_triton):
 def test_a_model_that_is_not_an_ensemble_is_cancelled_over_grpc(make_triton):
     url, servicer, address = make_triton(platform="")
 
-    async def run() -> TritonBackend:
-        backend = TritonBackend(url, "ernie", engines=_engines(address))
-        await _drop_mid_read(backend, "r", 1)
-        await _settle(backend, 5)
-        await backend.close()
-        return backend
-
-    backend = asyncio.run(run())
-    assert _wait(lambda: servicer.cancelled == 1, 5) and not servicer.aborted_ids
+    backend = _drop_one(url, _engines(address), "r")
+    assert wait_until(lambda: servicer.cancelled == 1, 5) and not servicer.aborted_ids
     assert backend.abandoned["cancelled"] == 1
 
 
@@ -290,25 +198,10 @@ def test_http_disconnects_end_in_the_engine_and_still_count(make_triton, start_s
     config = ServerConfig(triton_url=url, model_name="ernie")
     backend = TritonBackend(config.triton_url, config.model_name, engines=_engines(address))
     running = start_shim(create_app(config, backend))
-    body = json.dumps({"model": "ernie", "prompt": "go", "max_tokens": 100, "stream": True}).encode()
-
-    def drop() -> None:
-        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            got = b""
-            while b"data:" not in got:
-                chunk = s.recv(200)
-                assert chunk, "the shim closed the stream"
-                got += chunk
-
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda _: drop(), range(STREAMS)))
-    assert _wait(lambda: servicer.active == 0, 15), f"{servicer.active} server streams still open"
+    drop_http_streams(running.port, STREAMS)
+    assert wait_until(lambda: servicer.active == 0, 15), f"{servicer.active} server streams still open"
     assert servicer.cancelled == 0 and servicer.finished == STREAMS
-    metrics = httpx.get(running.url + "/metrics", timeout=10).text
-    assert "ernie_openai:requests_in_flight 0.0" in metrics
-    assert f"ernie_openai:client_disconnects_total {STREAMS}.0" in metrics
+    assert_disconnects_counted(running.url, STREAMS)
     assert backend.abandoned == {"aborted": STREAMS, "cancelled": 0, "cancelled_after_abort": 0}
 
 

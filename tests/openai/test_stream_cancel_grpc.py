@@ -7,44 +7,23 @@ bargain: the read it leaves running always ends, through call.cancel()."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import json
-import random
-import socket
-import threading
 import time
 
-import grpc
-import httpx
 import pytest
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from ernie_client.openai import ServerConfig, create_app
 from ernie_client.openai.triton import TritonBackend
+from fake_grpc_triton import (FakeTritonServer, FakeTritonServicer, assert_disconnects_counted, drop_http_streams,
+                              drop_many_mid_read, stream_response, wait_until)
 
 STREAMS = 300
 
 
-class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+class _Servicer(FakeTritonServicer):
     """A model that streams a word every few milliseconds, forever unless the prompt says `finish`."""
 
     def __init__(self):
         self.active = self.cancelled = self.finished = 0
-
-    async def ServerReady(self, request, context):
-        return service_pb2.ServerReadyResponse(ready=True)
-
-    async def ModelReady(self, request, context):
-        return service_pb2.ModelReadyResponse(ready=True)
-
-    async def ModelConfig(self, request, context):
-        cfg = model_config_pb2.ModelConfig(name="ernie", max_batch_size=0)
-        for name, dtype in (("text_input", model_config_pb2.TYPE_STRING), ("max_tokens", model_config_pb2.TYPE_INT32),
-                            ("stream", model_config_pb2.TYPE_BOOL)):
-            cfg.input.add(name=name, data_type=dtype, dims=[1])
-        for name in ("text_output", "finish_reason"):
-            cfg.output.add(name=name, data_type=model_config_pb2.TYPE_STRING, dims=[1])
-        return service_pb2.ModelConfigResponse(config=cfg)
 
     async def ModelStreamInfer(self, request_iterator, context):
         self.active += 1
@@ -54,7 +33,7 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             finish = b"finish" in request.raw_input_contents[0]
             for i in range(3 if finish else 1_000_000):
                 await asyncio.sleep(0.002)
-                await context.write(_response(f" w{i}", "length" if finish and i == 2 else ""))
+                await context.write(stream_response(f" w{i}", "length" if finish and i == 2 else ""))
             async for _ in request_iterator:  # like Triton, end the stream once the client half-closes
                 pass
             ended = True
@@ -65,49 +44,12 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 self.cancelled += 1
 
 
-def _response(text: str, finish_reason: str) -> service_pb2.ModelStreamInferResponse:
-    r = service_pb2.ModelStreamInferResponse()
-    for name, value in (("text_output", text), ("finish_reason", finish_reason)):
-        out = r.infer_response.outputs.add(name=name, datatype="BYTES", shape=[1])
-        raw = value.encode()
-        r.infer_response.raw_output_contents.append(len(raw).to_bytes(4, "little") + raw)
-    return r
-
-
 @pytest.fixture
 def triton():
-    """The servicer on a grpc.aio server with its own loop in a thread; yields (url, servicer)."""
+    """The servicer on a fake Triton over gRPC; yields (url, servicer)."""
     servicer = _Servicer()
-    loop = asyncio.new_event_loop()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    started = threading.Event()
-    stop: list[asyncio.Event] = []
-
-    async def serve():
-        server = grpc.aio.server()
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        stop.append(asyncio.Event())
-        started.set()
-        await stop[0].wait()
-        await server.stop(0)
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert started.wait(20), "the gRPC server did not start"
-    yield f"127.0.0.1:{port}", servicer
-    loop.call_soon_threadsafe(stop[0].set)
-    thread.join(10)
-
-
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return cond()
+    with FakeTritonServer(servicer) as server:
+        yield server.url, servicer
 
 
 def test_cancelled_reads_end_in_the_server_and_leave_nothing_pending(triton):
@@ -117,35 +59,7 @@ def test_cancelled_reads_end_in_the_server_and_leave_nothing_pending(triton):
 
     async def run() -> tuple[TritonBackend, float]:
         backend = TritonBackend(url, "ernie")
-        rng = random.Random(0)
-        slowest = 0.0
-
-        async def one():
-            nonlocal slowest
-            k = rng.randint(1, 3)
-            got = asyncio.Event()
-
-            async def consume():
-                n = 0
-                async for _ in backend.generate({"text_input": "go", "max_tokens": 100}, "r"):
-                    n += 1
-                    if n == k:
-                        got.set()
-            task = asyncio.ensure_future(consume())
-            await asyncio.wait_for(got.wait(), 10)
-            await asyncio.sleep(0)  # the next read is pending
-            task.cancel()
-            t0 = time.monotonic()
-            await asyncio.wait((task,), timeout=5)
-            assert task.cancelled(), "a cancelled stream did not end"
-            slowest = max(slowest, time.monotonic() - t0)
-
-        sem = asyncio.Semaphore(16)
-
-        async def bounded():
-            async with sem:
-                await one()
-        await asyncio.wait_for(asyncio.gather(*(bounded() for _ in range(STREAMS))), 60)
+        slowest = await drop_many_mid_read(backend, ["r"] * STREAMS)
         deadline = time.monotonic() + 5
         while backend._readers and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -155,7 +69,7 @@ def test_cancelled_reads_end_in_the_server_and_leave_nothing_pending(triton):
 
     _, slowest = asyncio.run(run())
     assert slowest < 1.0
-    assert _wait(lambda: servicer.active == 0, 5), f"{servicer.active} server streams still open"
+    assert wait_until(lambda: servicer.active == 0, 5), f"{servicer.active} server streams still open"
     assert servicer.cancelled == STREAMS and servicer.finished == 0
 
 
@@ -173,7 +87,7 @@ def test_a_finished_stream_is_closed_not_cancelled(triton):
 
     steps = asyncio.run(run())
     assert [s.text for s in steps] == [" w0", " w1", " w2"] and steps[-1].finish_reason == "length"
-    assert _wait(lambda: servicer.finished == 1, 5)
+    assert wait_until(lambda: servicer.finished == 1, 5)
     assert servicer.cancelled == 0 and servicer.active == 0
 
 
@@ -182,25 +96,10 @@ def test_http_disconnects_mid_stream_cancel_in_the_server(triton, start_shim):
     url, servicer = triton
     config = ServerConfig(triton_url=url, model_name="ernie")
     running = start_shim(create_app(config, TritonBackend(config.triton_url, config.model_name)))
-    body = json.dumps({"model": "ernie", "prompt": "go", "max_tokens": 100, "stream": True}).encode()
-
-    def drop() -> None:
-        with socket.create_connection(("127.0.0.1", running.port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            got = b""
-            while b"data:" not in got:
-                chunk = s.recv(200)
-                assert chunk, "the shim closed the stream"
-                got += chunk
-
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda _: drop(), range(STREAMS)))
-    assert _wait(lambda: servicer.active == 0, 10), f"{servicer.active} server streams still open"
+    drop_http_streams(running.port, STREAMS)
+    assert wait_until(lambda: servicer.active == 0, 10), f"{servicer.active} server streams still open"
     assert servicer.cancelled == STREAMS
-    metrics = httpx.get(running.url + "/metrics", timeout=10).text
-    assert "ernie_openai:requests_in_flight 0.0" in metrics
-    assert f"ernie_openai:client_disconnects_total {STREAMS}.0" in metrics
+    assert_disconnects_counted(running.url, STREAMS)
 
 
 class _PendingCall:
