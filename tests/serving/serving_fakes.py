@@ -9,6 +9,7 @@ import zlib
 import numpy as np
 
 from ernie_serve.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from ernie_serve.serving.engine_model import EngineModel
 from ernie_serve.serving.engine_response import EngineResponse, Failure, RequestMeta
 
 
@@ -118,3 +119,28 @@ def engine_inputs(stream=True, stop=("<END>",), meta=None):
     sampling = {"max_tokens": 4, "stop": list(stop)}
     return {"input_ids": np.array([[1, 2, 3]], np.int32),
             "request_json": s(json.dumps({"sampling": sampling, "stream": stream, "meta": meta or {}}))}
+
+
+def fake_engine_model() -> EngineModel:
+    """ernie_moe's EngineModel on a FakeEngine, which the test steps through `model.fake`; shut it down after."""
+    engine = FakeEngine()
+    model = EngineModel(None, engine=engine)
+    model.fake = engine
+    return model
+
+
+def submit_stream(model: EngineModel, inputs: dict, request_id: str) -> tuple[str, Sink]:
+    """Submits `inputs` to a fake_engine_model under `request_id`; returns the engine's key for it and its sink."""
+    sink = Sink()
+    before = set(model.fake.callbacks)
+    model.submit(inputs, sink, request_id)
+    (key,) = set(model.fake.callbacks) - before
+    return key, sink
+
+
+def wait_until(cond, seconds: float = 5.0) -> bool:
+    """Whether cond() holds within `seconds` (what the model's threads, or a listener's, do meanwhile)."""
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return bool(cond())

@@ -23,33 +23,20 @@ from ernie_serve.serving.errors import InBandError
 from ernie_serve.serving.postprocess import Postprocessor
 from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.request import parse_request
-from serving_fakes import FakeEngine, Sink, engine_inputs, s
+from serving_fakes import FakeEngine, Sink, engine_inputs, fake_engine_model, s, submit_stream, wait_until
 
 CANCELLED = ("CANCELLED", "request cancelled")
 
 
-def _wait(cond, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return cond()
-
-
 @pytest.fixture
 def model():
-    engine = FakeEngine()
-    m = EngineModel(None, engine=engine)
-    m.fake = engine
+    m = fake_engine_model()
     yield m
     m.shutdown()
 
 
 def _submit(model, request_id: str, **kw) -> tuple[str, Sink]:
-    sink = Sink()
-    before = set(model.fake.callbacks)
-    model.submit(engine_inputs(**kw), sink, request_id)
-    (key,) = set(model.fake.callbacks) - before
-    return key, sink
+    return submit_stream(model, engine_inputs(**kw), request_id)
 
 
 def test_the_listener_hands_the_id_over_verbatim():
@@ -58,7 +45,7 @@ def test_the_listener_hands_the_id_over_verbatim():
     try:
         for rid in ("plain", "with spaces\tand tab", " leading and trailing ", "ünïcode-id"):
             assert send_abort_id(listener.public_address, rid)
-        assert _wait(lambda: len(got) == 4)
+        assert wait_until(lambda: len(got) == 4)
         assert got == ["plain", "with spaces\tand tab", " leading and trailing ", "ünïcode-id"]
     finally:
         listener.close()
@@ -93,12 +80,12 @@ def test_abort_id_aborts_every_live_stream_with_exactly_that_id(model):
     for key, sink in both:
         assert sink.done.wait(2) and sink.errors == [CANCELLED]
     assert sorted(aborted) == sorted(key for key, _ in both)  # the engine freed exactly those
-    assert _wait(lambda: model.stats()["num_live_requests"] == len(others))
+    assert wait_until(lambda: model.stats()["num_live_requests"] == len(others))
     for rid, (key, sink) in others.items():
         assert not sink.done.is_set(), rid
         model.fake.emit(key, "z", finished=True, reason="length")
         assert sink.done.wait(2) and not sink.errors
-    assert _wait(lambda: model.stats()["num_live_requests"] == 0)
+    assert wait_until(lambda: model.stats()["num_live_requests"] == 0)
     assert model._by_request_id == {} and model._request_id == {}
 
 
@@ -129,7 +116,7 @@ def test_a_finished_stream_forgets_its_id(model):
     key, sink = _submit(model, "done-id")
     model.fake.emit(key, "z", finished=True, reason="length")
     assert sink.done.wait(2)
-    assert _wait(lambda: model._by_request_id == {})
+    assert wait_until(lambda: model._by_request_id == {})
     assert model.abort_request_id("done-id") == 0
 
 
@@ -190,4 +177,4 @@ def test_engine_addresses_finds_the_instances_of_the_server_on_a_port():
         finally:
             child.kill()
             child.wait(5)
-        assert _wait(lambda: engine_addresses(tag=tag) == [])
+        assert wait_until(lambda: engine_addresses(tag=tag) == [])

@@ -21,7 +21,8 @@ from ernie_serve.serving.errors import InBandError
 from ernie_serve.serving.postprocess import Postprocessor
 from ernie_serve.serving.preprocess import Preprocessor
 from ernie_serve.serving.request import parse_request
-from serving_fakes import FakeEngine, Sink, engine_inputs, moe_response, s, sent_responses
+from serving_fakes import (FakeEngine, Sink, engine_inputs, fake_engine_model, moe_response, s, sent_responses,
+                           submit_stream, wait_until)
 
 PACED = {"progress_reports": True}
 
@@ -35,28 +36,15 @@ def _max_hold(model, seconds: float) -> None:
     model.responses.policy = replace(model.responses.policy, max_hold_seconds=seconds)
 
 
-def _wait(cond, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert cond()
-
-
 @pytest.fixture
 def model():
-    engine = FakeEngine()
-    m = EngineModel(None, engine=engine)
-    m.fake = engine
+    m = fake_engine_model()
     yield m
     m.shutdown()
 
 
 def _submit(model, meta=PACED) -> tuple[str, Sink]:
-    sink = Sink()
-    before = set(model.fake.callbacks)
-    model.submit(engine_inputs(True, meta=meta), sink, "paced")
-    (key,) = set(model.fake.callbacks) - before
-    return key, sink
+    return submit_stream(model, engine_inputs(True, meta=meta), "paced")
 
 
 def test_a_stream_the_detokenizer_has_not_caught_up_with_is_held_then_sent_as_one_response(model, monkeypatch):
@@ -225,7 +213,7 @@ def test_progress_reports_are_batched_split_into_datagrams_and_the_latest_count_
             reporter.note(listener.public_address, f"k=with=equals-{n}", 1)
         reporter.note(listener.public_address, "k=with=equals-299", 7)
         reporter.note("@ernie-test-nobody-listens", "lost", 1)  # a gone engine: dropped, nothing raised
-        _wait(lambda: len(dict(got)) == 300 and dict(got)["k=with=equals-299"] == 7)
+        assert wait_until(lambda: len(dict(got)) == 300 and dict(got)["k=with=equals-299"] == 7)
         assert dict(got)["k=with=equals-0"] == 1
     finally:
         listener.close()
@@ -240,7 +228,7 @@ def test_the_postprocessor_reports_each_processed_response_of_a_stream_that_asks
         post.process(moe_response("k", 0, "a", meta=meta))
         post.process(moe_response("k", 1, "b"))
         post.process(moe_response("plain", 0, "a", meta={"abort_address": listener.public_address}))
-        _wait(lambda: ("k", 2) in got)
+        assert wait_until(lambda: ("k", 2) in got)
         time.sleep(0.05)
         assert all(key == "k" for key, _ in got)
     finally:
