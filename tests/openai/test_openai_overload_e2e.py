@@ -10,6 +10,7 @@ import urllib.request
 
 import httpx
 import pytest
+from openai_shim_helpers import tritonserver
 
 
 pytestmark = pytest.mark.e2e
@@ -35,12 +36,10 @@ def _gauge(server, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def small_queue():
-    from ernie_serve.serving.launcher import TritonServer
-
-    server = TritonServer({"max_num_seqs": "1", "max_waiting_requests": "1", "max_model_len": "8192"},
-                          http_port=0, grpc_port=0, metrics_port=0, openai_port=0)  # 0: ports of its own
-    try:
-        server.start(timeout=300)
+    """One running sequence and a waiting queue of one; the module's end checks that the refused and the cancelled
+    requests both ended (tritonserver did not wait out its exit timeout, openai_shim_helpers.tritonserver)."""
+    with tritonserver({"max_num_seqs": "1", "max_waiting_requests": "1", "max_model_len": "8192"},
+                      openai_port=0) as server:
         url = f"http://{server.host}:{server.openai_port}"
 
         def healthy():
@@ -50,19 +49,7 @@ def small_queue():
                 return False
 
         _wait(healthy, 60, "ernie-openai /health")
-    except Exception:
-        server.stop()
-        server.cleanup()
-        raise
-    yield server, url
-    t0 = time.monotonic()
-    server.stop()
-    seconds = time.monotonic() - t0
-    full_log = server.log_tail(400)
-    server.cleanup()
-    # the refused and the cancelled request both ended: nothing may hold the server for its exit timeout
-    assert "Exit timeout expired" not in full_log and seconds < server.exit_timeout, \
-        f"tritonserver waited out its exit timeout ({seconds:.1f}s): a request stayed in flight"
+        yield server, url
 
 
 def test_a_full_engine_queue_is_429_with_retry_after_and_clears(small_queue):

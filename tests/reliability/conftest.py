@@ -5,6 +5,7 @@ import time
 import urllib.request
 
 import pytest
+from server_stop import stop_checked
 
 # Small enough to start quickly on 2 cores; the tiny demo model.
 SERVER_SETTINGS = {"max_model_len": "512", "max_num_seqs": "8", "block_size": "16", "num_gpu_blocks_override": "256"}
@@ -44,13 +45,7 @@ def served():
         server.cleanup()
         raise
     yield server
-    t0 = time.monotonic()
-    server.stop()
-    seconds = time.monotonic() - t0
-    full_log = server.log_tail(400)
-    server.cleanup()
-    assert "Exit timeout expired" not in full_log and seconds < server.exit_timeout, \
-        f"tritonserver waited out its exit timeout ({seconds:.1f}s): a request stayed in flight"
+    stop_checked(server)
 
 
 @pytest.fixture(scope="module")
