@@ -284,7 +284,8 @@ def _output(plan: dict[str, int], eos_rate: float) -> ModelRunnerOutput:
 def _check_settled(sched: Scheduler, requests: list[Request]) -> None:
     """After a step's update nothing of expect() is left on a request the loop no longer has in flight."""
     for r in requests:
-        assert PLACEHOLDER not in r.all_token_ids or r.ahead_placeholder, r.request_id
+        assert PLACEHOLDER not in r.all_token_ids[:-1], r.request_id
+        assert r.all_token_ids[-1] != PLACEHOLDER or r.ahead_computed is not None, r.request_id
         if r.is_finished:
             assert r.block_ids == [] and r not in sched.running and r not in sched.waiting
     pool = sched.kv.pool
@@ -380,7 +381,7 @@ def test_a_request_preempted_by_the_step_ahead_keeps_the_token_it_sampled():
     sched.update_from_output(running, ModelRunnerOutput(sampled={"a": [11], "b": [11]},
                                                         logprobs={"a": [None], "b": [None]}))
     assert b.status is RequestStatus.PREEMPTED and b.output_token_ids == [9, 11] and b.num_computed_tokens == 0
-    assert b.all_token_ids == [6] * 7 + [9, 11] and not b.ahead_placeholder and b.ahead_computed is None
+    assert b.all_token_ids == [6] * 7 + [9, 11] and PLACEHOLDER not in b.all_token_ids and b.ahead_computed is None
     assert a.all_token_ids[-1] == 11 and a.num_computed_tokens == 8
 
 

@@ -89,10 +89,9 @@ class Request:
     # min_tokens, grammar, reasoning budget). Decided once; forks and drafts are checked per step.
     schedules_ahead: bool = field(init=False, repr=False)
     # While a step runs with this request in it and the next one is scheduled ahead (Scheduler.expect): the
-    # num_computed_tokens before the step, whether a placeholder for its token ends all_token_ids, and whether
-    # that token is its last for sure (the length limit), so the step ahead leaves it out. None / False otherwise.
+    # num_computed_tokens before the step, and whether the token it samples there (a PLACEHOLDER at the end of
+    # all_token_ids) is its last for sure (the length limit), so the step ahead leaves it out. None / False otherwise.
     ahead_computed: int | None = field(init=False, repr=False, default=None)
-    ahead_placeholder: bool = field(init=False, repr=False, default=False)
     ends_ahead: bool = field(init=False, repr=False, default=False)
     # The token-level stop rules as the scheduler checks each appended token: the ids that end the request (eos
     # unless ignore_eos, and stop_token_ids) and the sequence length it ends at (max_tokens, max_model_len).

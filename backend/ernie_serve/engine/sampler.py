@@ -79,13 +79,17 @@ def samples_without_history(p: SamplingParams, has_bad_words: bool, guided: bool
     """Whether a request's next token is drawn from its logits alone, whatever its output so far: what lets the
     engine schedule a step before the previous step's token is known (its row's input is filled in when it
     runs). Penalties, bad words, min_tokens and grammars read the output; logprobs, seeds and a logit bias do not."""
-    return (not has_bad_words and not guided and p.min_tokens == 0 and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)
+    return not has_bad_words and not guided and p.min_tokens == 0 and not _penalized(p)
+
+
+def _penalized(p: SamplingParams) -> bool:
+    """A repetition / frequency / presence penalty: an edit of the logits that reads the output so far."""
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _biased_or_penalized(p: SamplingParams) -> bool:
-    """A logit bias or a repetition / frequency / presence penalty: edits logit_edits makes whatever the output."""
-    return bool(p.logit_bias) or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    """A logit bias or a penalty: edits logit_edits makes whatever the output."""
+    return bool(p.logit_bias) or _penalized(p)
 
 
 @dataclass

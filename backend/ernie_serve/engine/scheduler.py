@@ -178,7 +178,6 @@ class Scheduler:
             req.ahead_computed = req.num_computed_tokens
             if samples:
                 req.all_token_ids.append(PLACEHOLDER)
-                req.ahead_placeholder = True
                 req.num_computed_tokens = len(req.all_token_ids) - 1
                 req.ends_ahead = len(req.all_token_ids) >= min(req.length_limit, end)
             else:
@@ -187,9 +186,8 @@ class Scheduler:
     @staticmethod
     def _settle(req: Request) -> None:
         """Undo expect() on a request (see there): its step's real tokens are about to be applied."""
-        if req.ahead_placeholder:
+        if req.all_token_ids[-1] == PLACEHOLDER:  # a real token is never negative
             req.all_token_ids.pop()
-            req.ahead_placeholder = False
         if req.status is RequestStatus.RUNNING:  # a request preempted meanwhile keeps num_computed_tokens = 0
             req.num_computed_tokens = req.ahead_computed
         req.ahead_computed = None
