@@ -43,6 +43,8 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+from .health import process_state
+
 log = logging.getLogger(__name__)
 _MAX_DATAGRAM = 4096
 PROGRESS_PERIOD = 0.002  # seconds a progress report waits to gather more streams' progress
@@ -212,14 +214,18 @@ class ProgressReporter:
                 return
 
 
-def listener_addresses(pid: int, tag: str = TAG) -> list[str]:
-    """The control addresses bound by process `pid` (from /proc/net/unix; '@' marks abstract names)."""
-    prefix = f"@{tag}-{pid}-"
+def _bound_names(prefix: str) -> set[str]:
+    """The unix socket names on this host that start with `prefix` (from /proc/net/unix; '@' marks abstract names)."""
     try:
         lines = Path("/proc/net/unix").read_text().splitlines()[1:]
     except OSError:
-        return []
-    return sorted({line.split()[-1] for line in lines if line.split()[-1].startswith(prefix)})
+        return set()
+    return {name for name in (line.split()[-1] for line in lines) if name.startswith(prefix)}
+
+
+def listener_addresses(pid: int, tag: str = TAG) -> list[str]:
+    """The control addresses bound by process `pid`."""
+    return sorted(_bound_names(f"@{tag}-{pid}-"))
 
 
 def engine_addresses(server_port: int | None = None, tag: str = TAG) -> list[str]:
@@ -229,17 +235,11 @@ def engine_addresses(server_port: int | None = None, tag: str = TAG) -> list[str
     from ..ports import listeners_owned_by
 
     prefix = f"@{tag}-"
-    try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    except OSError:
-        return []
     by_pid: dict[int, list[str]] = {}
-    for line in lines:
-        name = line.split()[-1]
-        if name.startswith(prefix):
-            pid = name[len(prefix):].split("-", 1)[0]
-            if pid.isdigit():
-                by_pid.setdefault(int(pid), []).append(name)
+    for name in _bound_names(prefix):
+        pid = name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit():
+            by_pid.setdefault(int(pid), []).append(name)
     found: list[str] = []
     owns_port: dict[int, bool] = {}
     for pid, names in by_pid.items():
@@ -260,7 +260,7 @@ def _own_parent(pid: int) -> int | None:
     try:
         if os.stat(f"/proc/{pid}").st_uid != os.getuid():
             return None
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rpartition(")")[2].split()[1])  # after "pid (comm)": state, ppid
+    stat = process_state(pid)
+    return None if stat is None else stat[1]

@@ -26,6 +26,15 @@ class Stub:
     pid: int
 
 
+def process_state(pid: int | str) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc/<pid>/stat, None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
 def python_stubs(server_pid: int) -> list[Stub]:
     """The live (non-zombie) python stubs that tritonserver `server_pid` started.
 
@@ -37,10 +46,12 @@ def python_stubs(server_pid: int) -> list[Stub]:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        state, ppid = stat[0], int(stat[1])
+        stat = process_state(entry.name)
+        if stat is None:
+            continue
+        state, ppid = stat
         if ppid != server_pid or state == "Z" or not argv[0].endswith(STUB_BINARY.encode()) or len(argv) < 9:
             continue
         model_py = Path(argv[1].decode(errors="replace"))
@@ -57,11 +68,11 @@ def engine_cores(stubs: list[Stub]) -> dict[str, int]:
             continue
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
-        if ppid in by_pid and b"ernie_serve.engine.core_process" in argv:
-            cores[by_pid[ppid]] = int(entry.name)
+        stat = process_state(entry.name)
+        if stat is not None and stat[1] in by_pid and b"ernie_serve.engine.core_process" in argv:
+            cores[by_pid[stat[1]]] = int(entry.name)
     return cores
 
 
@@ -88,11 +99,8 @@ def requests_in_engines(samples: list[tuple[str, str, float]]) -> int:
 
 
 def process_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    stat = process_state(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def _died(stubs: list[Stub]) -> str:
