@@ -76,13 +76,14 @@ def request(sampling: dict, ids=(40, 41, 42)) -> dict:
                                      dtype=np.object_)}
 
 
-LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+# Longer than the 0.3 s drain grace even on a fast CPU (400 tokens once finished inside it, ending without the error)
+LONG = {"temperature": 0, "max_tokens": 4000, "ignore_eos": True}
 SHORT = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
 
 
 @pytest.fixture
 def served(tiny_model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=512, block_size=16,
+    engine = AsyncEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=4096, block_size=16,
                                       disable_progress_bar=True))
     gauge = HealthGauge()
     model = EngineModel(engine.config, gauge, engine=engine)
