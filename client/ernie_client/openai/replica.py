@@ -150,7 +150,7 @@ class ReplicaState:
             "context_length": self.config.max_model_len,
             "version": _version(),
             "engine_instances": engine.get("instances"),
-            "max_concurrency": self.slots.limit if self.config.workers == 1 else self.config.max_concurrency,
+            "max_concurrency": self.config.max_concurrency,  # the whole shim's (a worker admits its share)
             "api_server_workers": self.config.workers if self.config.workers > 1 else None,
         }
         return {k: v for k, v in info.items() if v is not None}

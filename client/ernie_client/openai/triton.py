@@ -439,14 +439,15 @@ class TritonBackend:
                     break
         finally:
             done.set()  # ends the request side, so a finished stream closes by itself
+            # an ensemble passes the request id on to ernie_moe, which then takes `abort-id` for it
+            aborts_locally = self.engines is not None and self._spec is not None and self._spec.ensemble
             if finished or _holds_final(responses):
                 # Not cancelled: in tritonserver 2.51 a cancel that reaches a finished request leaves the
                 # ensemble referenced ("1 live model") and holds shutdown for the whole exit timeout.
                 task = asyncio.ensure_future(_close_when_done(call, reader=reader))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            elif self.engines is not None and self._spec is not None and self._spec.ensemble \
-                    and self.engines.abort(request_id):
+            elif aborts_locally and self.engines.abort(request_id):
                 # The engine aborts the request (its KV blocks are freed) and ends it with its final response; the
                 # stream then closes as a finished one does. No gRPC cancellation (the module docstring says why).
                 self.abandoned["aborted"] += 1
@@ -459,7 +460,7 @@ class TritonBackend:
                 # The gRPC cancel reaches Triton, which cancels the request in the engine (its KV blocks
                 # are freed), and ends the reader's pending read.
                 self.abandoned["cancelled"] += 1
-                if self.engines is not None and self._spec is not None and self._spec.ensemble:
+                if aborts_locally:
                     log.warning("no local engine took the abort of an abandoned stream; cancelled over gRPC")
                 call.cancel()
 
@@ -514,16 +515,14 @@ async def _close_when_done(call, timeout: float = 10.0, reader: asyncio.Future |
     if reader is None:
         reader = asyncio.ensure_future(_read_into(call, asyncio.Queue()))
     deadline = time.monotonic() + timeout
+    # without a nudge, one wait for the whole timeout; with one, waits growing from ABORT_RESEND_FIRST, a nudge after each
+    pause = timeout if nudge is None else ABORT_RESEND_FIRST
     try:
-        if nudge is None:
-            await asyncio.wait((reader,), timeout=timeout)
-        else:
-            pause = ABORT_RESEND_FIRST
-            while not reader.done() and time.monotonic() < deadline:
-                await asyncio.wait((reader,), timeout=min(pause, max(deadline - time.monotonic(), 0)))
-                if not reader.done() and time.monotonic() < deadline:
-                    nudge()
-                pause = min(pause * 2, ABORT_RESEND_MAX)
+        while not reader.done() and time.monotonic() < deadline:
+            await asyncio.wait((reader,), timeout=min(pause, max(deadline - time.monotonic(), 0)))
+            if nudge is not None and not reader.done() and time.monotonic() < deadline:
+                nudge()
+            pause = min(pause * 2, ABORT_RESEND_MAX)
     finally:
         if not reader.done() or reader.cancelled() or not reader.result():
             timed_out = not reader.done() and time.monotonic() >= deadline
